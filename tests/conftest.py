@@ -1,0 +1,23 @@
+"""Test-session setup shared by every test.
+
+Without CUDA the Triton kernels run in Triton's CPU interpreter; TRITON_INTERPRET must be set
+before any kernel module is imported (``triton.jit`` reads it at decoration time).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m gpu` on a GPU machine)")
+    skip_slow = pytest.mark.skip(reason="slow check: set HF_HYBRID_SLOW=1 to run")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and os.environ.get("HF_HYBRID_SLOW") != "1":
+            item.add_marker(skip_slow)
