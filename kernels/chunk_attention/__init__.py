@@ -1,0 +1,95 @@
+"""Attention over block/chunk ends plus the token's own key (RAT inter-chunk attention, RAT+ dilation)."""
+from __future__ import annotations
+
+import torch
+
+from .._backend import resolve_backend
+from .reference import (
+    block_end_attention_reference,
+    block_end_mask,
+    chunk_end_attention_reference,
+    chunk_end_mask,
+    chunk_ends,
+    query_chunk_index,
+)
+
+__all__ = [
+    "block_end_attention",
+    "block_end_attention_reference",
+    "block_end_mask",
+    "chunk_end_attention",
+    "chunk_end_attention_reference",
+    "chunk_end_mask",
+    "chunk_ends",
+    "query_chunk_index",
+]
+
+
+def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"{op}: q, k, v must all be [batch, seq, heads, head_dim] with equal shapes; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
+        )
+
+
+def chunk_end_attention(
+    q: torch.Tensor,
+    k_own: torch.Tensor,
+    v_own: torch.Tensor,
+    k_ends: torch.Tensor,
+    v_ends: torch.Tensor,
+    chunk_size: int | None = None,
+    start_position: int = 0,
+    scale: float | None = None,
+    backend: str = "auto",
+    query_chunk: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RAT inter-chunk attention in its compact form (T x C scores): see reference.py for the math.
+
+    q/k_own/v_own [batch, seq, heads, head_dim]; k_ends/v_ends [batch, chunks, heads, head_dim]
+    hold the end of chunk i at index i (from the cache, the current segment, or both). Give the
+    queries' chunks either as ``query_chunk`` [batch, seq] (per row: left padding, caches) or as
+    ``chunk_size`` + ``start_position`` (all rows at positions start_position + t).
+    """
+    _check_qkv("chunk_end_attention", q, k_own, v_own)
+    if k_ends.shape != v_ends.shape or k_ends.shape[::2] != q.shape[::2] or k_ends.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"chunk_end_attention: k_ends/v_ends must be [batch, chunks, heads, head_dim] matching q "
+            f"{tuple(q.shape)}; got {tuple(k_ends.shape)}, {tuple(v_ends.shape)}."
+        )
+    if query_chunk is None:
+        if chunk_size is None or chunk_size < 1:
+            raise ValueError(f"chunk_end_attention: pass query_chunk, or chunk_size >= 1 (got {chunk_size}).")
+        query_chunk = query_chunk_index(q.shape[0], q.shape[1], chunk_size, start_position, q.device)
+    elif query_chunk.shape != q.shape[:2]:
+        raise ValueError(f"chunk_end_attention: query_chunk must be [batch, seq] = {tuple(q.shape[:2])}, got {tuple(query_chunk.shape)}.")
+    resolve_backend("reference" if backend == "auto" else backend, q.device, "chunk_end_attention")
+    return chunk_end_attention_reference(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
+
+
+def block_end_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    local_window: int = 0,
+    num_sink_tokens: int = 0,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal attention where query i sees key j iff (j+1) % block_size == 0, i - j <= local_window,
+    or j < num_sink_tokens (see :func:`block_end_mask`). q, k, v [batch, seq, heads, head_dim]."""
+    _check_qkv("block_end_attention", q, k, v)
+    if block_size < 1:
+        raise ValueError(f"block_end_attention: block_size (dilation) must be >= 1, got {block_size}.")
+    if local_window < 0 or num_sink_tokens < 0:
+        raise ValueError(
+            f"block_end_attention: local_window ({local_window}) and num_sink_tokens ({num_sink_tokens}) must be >= 0."
+        )
+    impl = resolve_backend(backend, q.device, "block_end_attention")
+    if impl == "triton":
+        from .triton import block_end_attention_triton
+
+        return block_end_attention_triton(q, k, v, block_size, local_window, num_sink_tokens, scale)
+    return block_end_attention_reference(q, k, v, block_size, local_window, num_sink_tokens, scale)
