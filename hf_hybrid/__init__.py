@@ -1,2 +1,13 @@
-"""hf-hybrid: efficient-attention architectures as first-class Hugging Face Transformers models."""
+"""hf-hybrid: efficient-attention architectures as first-class Hugging Face Transformers models.
+
+``import hf_hybrid`` registers every architecture with AutoConfig / AutoModel / AutoModelForCausalLM.
+"""
+from .models import register_all as _register_all
+
 __version__ = "0.1.0"
+
+_register_all()
+
+from .models.rat import RatCache, RatConfig, RatForCausalLM, RatModel  # noqa: E402
+
+__all__ = ["RatCache", "RatConfig", "RatForCausalLM", "RatModel", "__version__"]

@@ -1,0 +1,27 @@
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation over the last dimension.
+
+    ``shape`` is the weight's shape: ``hidden_size`` for the usual pre-norm, or ``(heads, head_dim)``
+    for per-head norms applied to ``[..., heads, head_dim]`` tensors (normalised over head_dim).
+    """
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(torch.float32) * x).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

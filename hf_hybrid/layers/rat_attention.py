@@ -1,0 +1,120 @@
+"""RAT token mixer (RAT paper Sec. 2.3, Eq. 3; Appendix A Listings 1-2).
+
+For input x (after the block's pre-norm):
+
+    q, k    = W_q x, W_k x                      one q/k per group of heads (num_qk_groups; head h
+                                                uses group h % num_qk_groups), then broadcast to heads
+    v       = W_v x                             per head
+    g       = sigmoid(W_g x + gate_bias)        forget gate, per dimension, float32
+    z       = sigmoid(W_z x)                    output gate, per dimension
+    k~, v~  = gated recurrence of k, v with g   h_t = g_t h_{t-1} + (1 - g_t) x_t, restarting at
+                                                every chunk of L = chunk_size positions
+    q, k~   rotated by their chunk index        inter-chunk RoPE (position // L), unless NoPE
+    y_t     = softmax over {k~ at the end of every earlier chunk} + {own k~_t}, applied to v~
+    out     = W_o (z * y)
+
+L = 1 gives attention-like behaviour (every token is its own chunk), L >= T a gated RNN.
+Facts from the official code (notes/official_code_facts.md): q/k sharing in 2 groups by default,
+gate_bias = log(u), u ~ U(1, L - 1) (zero for L <= 2), softmax scale head_dim^-0.5.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.chunk_attention import chunk_end_attention, chunk_ends
+from ..kernels.gated_recurrence import gated_recurrence
+from .context import SequenceContext
+from .rotary import apply_rotary, build_rotary
+
+
+def scatter_chunk_ends(x: torch.Tensor, chunk_index: torch.Tensor, closes_chunk: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Slot-indexed chunk ends: out[b, c] = x[b, t] for the token t that closes chunk c in row b.
+
+    x [batch, seq, heads, head_dim]; chunk_index / closes_chunk [batch, seq]. Slots of chunks that
+    no token in this segment closes stay zero (they are never visible, see chunk_end_attention).
+    """
+    out = x.new_zeros(x.shape[0], num_chunks, *x.shape[2:])
+    rows, cols = closes_chunk.nonzero(as_tuple=True)
+    out[rows, chunk_index[rows, cols]] = x[rows, cols]
+    return out
+
+
+class RatAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        chunk_size: int,
+        num_qk_groups: int = 2,
+        rope_theta: float | None = 10000.0,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if num_heads % num_qk_groups:
+            raise ValueError(f"num_qk_groups ({num_qk_groups}) must divide num_attention_heads ({num_heads}).")
+        self.num_heads, self.head_dim, self.chunk_size = num_heads, head_dim, chunk_size
+        self.num_qk_groups, self.backend = num_qk_groups, backend
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, num_qk_groups * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_qk_groups * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.g_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.z_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.gate_bias = nn.Parameter(torch.zeros(inner))
+        self.rotary = build_rotary(head_dim, rope_theta)
+
+    @torch.no_grad()
+    def reset_extra_parameters(self) -> None:
+        """gate_bias = log(u), u ~ U(1, L - 1): forget gates start with a spread of time scales up to L."""
+        if self.chunk_size > 2:
+            self.gate_bias.uniform_(1.0, float(self.chunk_size - 1)).log_()
+        else:
+            self.gate_bias.zero_()
+
+    def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
+        batch, seq, _ = hidden_states.shape
+        heads, dim, L = self.num_heads, self.head_dim, self.chunk_size
+        head_group = torch.arange(heads, device=hidden_states.device) % self.num_qk_groups
+        q = self.q_proj(hidden_states).view(batch, seq, self.num_qk_groups, dim)[:, :, head_group]
+        k = self.k_proj(hidden_states).view(batch, seq, self.num_qk_groups, dim)[:, :, head_group]
+        v = self.v_proj(hidden_states).view(batch, seq, heads, dim)
+        gate = torch.sigmoid(self.g_proj(hidden_states).float() + self.gate_bias.float()).view(batch, seq, heads, dim)
+        out_gate = torch.sigmoid(self.z_proj(hidden_states))
+
+        positions = context.positions
+        state_k, state_v = cache_layer.recurrent_state() if cache_layer is not None else (None, None)
+        start = context.uniform_start
+        if start is not None:
+            k_tilde = gated_recurrence(k, gate, L, start, state_k, backend=self.backend)
+            v_tilde = gated_recurrence(v, gate, L, start, state_v, backend=self.backend)
+        else:
+            # Rows start at different positions (left padding): restart each row where its own
+            # position opens a chunk. A restart means h_t = (1 - g_t) x_t, which the plain recurrence
+            # computes when the gate there is 0 and the input is (1 - g_t) x_t.
+            restart = (positions % L == 0)[:, :, None, None]
+            gate_rows = gate.masked_fill(restart, 0.0)
+            k_in, v_in = torch.where(restart, (1 - gate) * k, k), torch.where(restart, (1 - gate) * v, v)
+            k_tilde = gated_recurrence(k_in, gate_rows, 0, 0, state_k, backend=self.backend).to(k.dtype)
+            v_tilde = gated_recurrence(v_in, gate_rows, 0, 0, state_v, backend=self.backend).to(v.dtype)
+
+        chunk_index = torch.div(positions, L, rounding_mode="floor")
+        cos_sin = self.rotary(chunk_index) if self.rotary is not None else None
+        q, k_rot = apply_rotary(q, cos_sin), apply_rotary(k_tilde, cos_sin)
+
+        closes_chunk = (positions + 1) % L == 0
+        if context.query_valid is not None:
+            closes_chunk = closes_chunk & context.query_valid
+        if cache_layer is not None:
+            k_ends, v_ends = cache_layer.update(k_rot, v_tilde, chunk_index, closes_chunk, k_tilde[:, -1], v_tilde[:, -1])
+        elif start == 0:
+            k_ends, v_ends = chunk_ends(k_rot, L), chunk_ends(v_tilde, L)
+        else:
+            num_chunks = int((positions[:, -1].max() + 1) // L)
+            k_ends = scatter_chunk_ends(k_rot, chunk_index, closes_chunk, num_chunks)
+            v_ends = scatter_chunk_ends(v_tilde, chunk_index, closes_chunk, num_chunks)
+
+        y = chunk_end_attention(q, k_rot, v_tilde, k_ends, v_ends, query_chunk=chunk_index, backend=self.backend)
+        return self.o_proj(out_gate * y.reshape(batch, seq, heads * dim))

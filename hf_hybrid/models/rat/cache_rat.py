@@ -1,0 +1,144 @@
+"""RatCache: what RAT needs to decode, per layer (RAT paper Listing 2).
+
+* ``rat`` layers (:class:`RatLayerCache`): the running recurrent state k~, v~ of the open chunk
+  (un-rotated, [batch, heads, head_dim]) and one key/value per *completed* chunk (the chunk-end
+  k~ rotated by its chunk index, and v~), i.e. T / L entries instead of T.
+* ``sliding_attention`` layers: transformers' DynamicSlidingWindowLayer (the last window of K/V).
+* ``full_attention`` layers: transformers' DynamicLayer (all K/V).
+
+Chunk ends are stored by slot = chunk index, per row: with left padding, rows close chunks at
+different steps, and a query of chunk c only ever reads slots < c, which are all complete.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+
+class RatLayerCache(CacheLayerMixin):
+    """Cache of one RAT layer. ``keys`` / ``values`` hold the chunk ends, [batch, chunks, heads, head_dim]."""
+
+    _layer_type = "rat"  # lets DynamicCache(config=...) build it from config.layer_types
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
+        super().__init__()
+        self.cumulative_length = 0
+        self.state_key: torch.Tensor | None = None
+        self.state_value: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, _, heads, dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(batch, 0, heads, dim)
+        self.values = value_states.new_zeros(batch, 0, heads, dim)
+        self.is_initialized = True
+
+    def recurrent_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """k~, v~ after the last cached token (None before the first update)."""
+        return self.state_key, self.state_value
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        chunk_index: torch.Tensor,
+        closes_chunk: torch.Tensor,
+        state_key: torch.Tensor,
+        state_value: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the chunk ends of a new segment and the recurrent state after it.
+
+        key_states / value_states [batch, seq, heads, head_dim]: rotated k~ and v~ of the segment;
+        chunk_index / closes_chunk [batch, seq]: each token's chunk and whether it ends it;
+        state_key / state_value [batch, heads, head_dim]: un-rotated k~, v~ of the segment's last token.
+        Returns all chunk ends held, for the segment's attention.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[1]
+        self.state_key, self.state_value = state_key, state_value
+        rows, cols = closes_chunk.nonzero(as_tuple=True)
+        if rows.numel():
+            slots = chunk_index[rows, cols]
+            needed = int(slots.max()) + 1
+            if needed > self.keys.shape[1]:
+                grow = needed - self.keys.shape[1]
+                self.keys = torch.cat([self.keys, self.keys.new_zeros(self.keys.shape[0], grow, *self.keys.shape[2:])], 1)
+                self.values = torch.cat([self.values, self.values.new_zeros(self.values.shape[0], grow, *self.values.shape[2:])], 1)
+            self.keys[rows, slots] = key_states[rows, cols].to(self.keys.dtype)
+            self.values[rows, slots] = value_states[rows, cols].to(self.values.dtype)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def num_entries(self) -> int:
+        """Key/value entries held per row and head: one per completed chunk."""
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    def nbytes(self) -> int:
+        tensors = (self.keys, self.values, self.state_key, self.state_value)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def _map_tensors(self, fn) -> None:
+        for name in ("keys", "values", "state_key", "state_value"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, fn(tensor))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_tensors(lambda t: t[indices, ...])
+
+    def reset(self) -> None:
+        self.keys = self.values = self.state_key = self.state_value = None
+        self.is_initialized = False
+        self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "RatLayerCache cannot be cropped: the recurrent state cannot be rolled back. Assisted decoding and "
+            "other strategies that crop the cache are not supported for RAT layers."
+        )
+
+
+def rat_cache_layer(config, layer_type: str) -> CacheLayerMixin:
+    if layer_type == "rat":
+        return RatLayerCache()
+    if layer_type == "sliding_attention":
+        return DynamicSlidingWindowLayer(sliding_window=config.sliding_window)
+    return DynamicLayer()
+
+
+class RatCache(Cache):
+    """Per-layer caches for a RAT / RAT-SWA / attention stack, built from ``config.layer_types``."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(layers=[rat_cache_layer(config, t) for t in config.layer_types])
+
+    def nbytes_per_layer(self) -> list[int]:
+        """Bytes each layer's cache holds now (keys, values, recurrent states)."""
+        sizes = []
+        for layer in self.layers:
+            if isinstance(layer, RatLayerCache):
+                sizes.append(layer.nbytes())
+            elif layer.is_initialized and layer.keys is not None:
+                sizes.append(layer.keys.numel() * layer.keys.element_size() * 2)
+            else:
+                sizes.append(0)
+        return sizes
