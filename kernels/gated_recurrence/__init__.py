@@ -22,7 +22,7 @@ def gated_recurrence(
     chunk_size > 0 restarts the state at every multiple of chunk_size (RAT); 0 runs over the
     whole sequence (RAT+). start_position is the absolute position of x[:, 0] and initial_state
     [batch, ...] the state carried from earlier tokens (both for cached continuation).
-    backend "scan" is the log-depth pure-PyTorch scan; "reference" the sequential loop.
+    backend "scan" is the log-depth pure-PyTorch scan ("auto" off CUDA); "reference" the loop.
     """
     if x.shape != g.shape:
         raise ValueError(f"gated_recurrence: x {tuple(x.shape)} and g {tuple(g.shape)} must have the same shape.")
@@ -33,6 +33,8 @@ def gated_recurrence(
             f"gated_recurrence: initial_state must have shape {tuple(x[:, 0].shape)}, got {tuple(initial_state.shape)}."
         )
     impl = resolve_backend(backend, x.device, "gated_recurrence", extra=("scan",))
+    if backend == "auto" and impl == "reference":
+        impl = "scan"  # same function, vectorised: the loop is only the oracle
     if impl == "triton":
         from .triton import gated_recurrence_triton
 
