@@ -1,0 +1,29 @@
+"""The `hf-hybrid` console script: `hf-hybrid <command> [options]`."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, function taking argv, one-line help)
+COMMANDS = {
+    "demo": ("hf_hybrid.demo", "main", "train, save, reload and compare tiny models on generated recall data"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: hf-hybrid <command> [options]\n\ncommands:")
+        for name, (_, _, help_text) in COMMANDS.items():
+            print(f"  {name:<10} {help_text}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    module, function, _ = COMMANDS[argv[0]]
+    getattr(importlib.import_module(module), function)(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
