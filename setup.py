@@ -1,6 +1,7 @@
 """Package discovery for the mapped folders (metadata lives in pyproject.toml).
 
-`kernels/` and `conversion/` are installed as `hf_hybrid.kernels` and `hf_hybrid.conversion`
+`kernels/`, `conversion/` and `model_cards/` are installed as `hf_hybrid.kernels`,
+`hf_hybrid.conversion` and `hf_hybrid.model_cards`
 (see `[tool.setuptools] package-dir` in pyproject.toml); their subpackages are listed here
 because setuptools' automatic discovery does not follow a package-dir mapping.
 """
@@ -14,5 +15,6 @@ def mapped(folder: str, prefix: str) -> list[str]:
 setup(
     packages=find_packages(include=["hf_hybrid", "hf_hybrid.*"])
     + mapped("kernels", "hf_hybrid.kernels")
-    + mapped("conversion", "hf_hybrid.conversion"),
+    + mapped("conversion", "hf_hybrid.conversion")
+    + ["hf_hybrid.model_cards"],
 )

@@ -24,6 +24,21 @@ class HybridPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
 
+    def save_pretrained(self, save_directory, *args, card_repo_id=None, card_training_data=None, **kwargs):
+        """transformers' save_pretrained, plus self-contained remote code and a filled model card (hub.py)."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            from ..hub import save_sharing_files
+
+            save_sharing_files(self, save_directory, card_repo_id, card_training_data)
+        return result
+
+    def push_to_hub(self, repo_id: str, *, training_data: str | None = None, **kwargs):
+        """Upload weights, config, remote code and the filled model card (not transformers' generic card)."""
+        from ..hub import push_model_to_hub
+
+        return push_model_to_hub(self, repo_id, training_data=training_data, **kwargs)
+
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         # Mixers with parameters beyond Linear/Embedding/RMSNorm (gate biases, ...) re-draw them here,

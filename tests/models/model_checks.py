@@ -62,30 +62,68 @@ _RELOAD_SCRIPT = textwrap.dedent(
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
     ids = torch.load(sys.argv[2])
     with torch.no_grad():
-        torch.save({"logits": model(ids).logits, "class": type(model).__name__}, sys.argv[3])
+        torch.save({"logits": model(ids).logits, "class": type(model).__name__, "module": type(model).__module__}, sys.argv[3])
+    """
+)
+
+# The same, in a process where `import hf_hybrid` fails: only the code saved with the checkpoint runs.
+_REMOTE_CODE_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+
+    class BlockHfHybrid:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "hf_hybrid":
+                raise ModuleNotFoundError(f"No module named {name!r}")
+
+    sys.meta_path.insert(0, BlockHfHybrid())
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    ids = torch.load(sys.argv[2])
+    with torch.no_grad():
+        logits = model(ids).logits
+        generated = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert not any(name.split(".")[0] == "hf_hybrid" for name in sys.modules)
+    torch.save({"logits": logits, "generated": generated, "module": type(model).__module__}, sys.argv[3])
     """
 )
 
 
+def _run_script(script: str, tmp_path: Path, input_ids: torch.Tensor, output: str) -> dict:
+    torch.save(input_ids, tmp_path / "ids.pt")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "ids.pt"), str(tmp_path / output)],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(tmp_path / output)
+
+
 def assert_save_load_roundtrip(model, tmp_path: Path, input_ids: torch.Tensor, expected_class: str):
-    """save_pretrained, then AutoModelForCausalLM.from_pretrained in a *fresh process*: identical logits."""
+    """save_pretrained, then in *fresh processes*: AutoModelForCausalLM.from_pretrained with hf-hybrid
+    installed (its own classes, no trust_remote_code) and with hf-hybrid blocked (trust_remote_code=True,
+    the code saved with the checkpoint). Both give bit-identical logits; the folder holds a filled card."""
     model = model.eval()
     model.save_pretrained(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "model.safetensors").exists(), "weights must be saved as safetensors"
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["model_type"] == model.config.model_type
-    torch.save(input_ids, tmp_path / "ids.pt")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, "-c", _RELOAD_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    reloaded = torch.load(tmp_path / "out.pt")
-    assert reloaded["class"] == expected_class
+    assert "AutoModelForCausalLM" in config["auto_map"]
+    card = (tmp_path / "ckpt" / "README.md").read_text()
+    assert card.startswith("---\n") and "library_name: transformers" in card and "$" not in card
     with torch.no_grad():
         original = model(input_ids).logits
-    assert torch.equal(original, reloaded["logits"]), "reloaded model's logits are not bit-identical"
+        original_generated = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+
+    local = _run_script(_RELOAD_SCRIPT, tmp_path, input_ids, "local.pt")
+    assert local["class"] == expected_class and local["module"].startswith("hf_hybrid.")
+    assert torch.equal(original, local["logits"]), "reloaded model's logits are not bit-identical"
+
+    remote = _run_script(_REMOTE_CODE_SCRIPT, tmp_path, input_ids, "remote.pt")
+    assert remote["module"].startswith("transformers_modules.")
+    assert torch.equal(original, remote["logits"]), "remote-code model's logits are not bit-identical"
+    assert torch.equal(original_generated, remote["generated"])
 
 
 def assert_left_padding_matches(model, prompts: list[list[int]], pad_token_id: int, max_new_tokens: int = 6, **generate_kwargs):

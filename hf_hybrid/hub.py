@@ -1,0 +1,84 @@
+"""Sharing checkpoints: filled model cards, self-contained remote code, push_to_hub.
+
+``save_pretrained`` of every hf-hybrid model writes, next to the weights, the flattened model code
+(see remote_code.py; loadable with trust_remote_code=True where hf-hybrid is not installed) and a
+README.md model card from ``model_cards/<model_type>.md`` unless the folder already has one.
+``push_to_hub`` uploads exactly that folder, so the Hub shows our card instead of a generic one.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import string
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import HfApi
+
+from .remote_code import write_remote_code
+
+
+def card_template(model_type: str) -> str:
+    """model_cards/<model_type>.md, or model_cards/default.md for an architecture without its own."""
+    templates = importlib.resources.files("hf_hybrid.model_cards")
+    resource = templates / f"{model_type}.md"
+    return (resource if resource.is_file() else templates / "default.md").read_text(encoding="utf-8")
+
+
+def _layer_summary(config) -> str:
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return f"{config.num_hidden_layers} identical layers"
+    runs, previous = [], None
+    for kind in layer_types:
+        if runs and kind == previous:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
+        previous = kind
+    return ", ".join(f"{count} x {kind}" if count > 1 else kind for kind, count in runs)
+
+
+def render_model_card(model, repo_id: str | None = None, training_data: str | None = None) -> str:
+    """The card for ``model``: its template with config fields and facts filled in ($name placeholders)."""
+    config = model.config
+    values = {key: value for key, value in config.to_dict().items() if isinstance(value, (int, float, str, bool))}
+    name = repo_id or getattr(config, "name_or_path", "") or f"{config.model_type} model"
+    values.update(
+        model_name=name.rstrip("/").split("/")[-1] or name,
+        repo_id=repo_id or "path/to/checkpoint",
+        parameters=f"{sum(p.numel() for p in model.parameters()):,}",
+        layer_summary=_layer_summary(config),
+        training_data=training_data or "Not documented by the uploader.",
+    )
+    return string.Template(card_template(config.model_type)).safe_substitute(values)
+
+
+def save_sharing_files(model, directory: str | Path, repo_id: str | None = None, training_data: str | None = None) -> None:
+    """Remote code + auto_map, and README.md (kept if the folder already has one)."""
+    directory = Path(directory)
+    write_remote_code(model, directory)
+    card = directory / "README.md"
+    if not card.exists():
+        card.write_text(render_model_card(model, repo_id, training_data), encoding="utf-8")
+
+
+def push_model_to_hub(
+    model,
+    repo_id: str,
+    *,
+    commit_message: str = "Upload model",
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    training_data: str | None = None,
+    max_shard_size: str | int = "5GB",
+):
+    """Create the repo, save weights + config + remote code + filled card, upload the folder."""
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder, max_shard_size=max_shard_size, card_repo_id=repo_id, card_training_data=training_data)
+        return api.upload_folder(
+            repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision, create_pr=create_pr
+        )
