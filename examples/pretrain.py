@@ -67,11 +67,14 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     model.eval()
+    # Under DDP/FSDP the unwrapped module's parameters are sharded: evaluate single-process runs only.
+    single_process = trainer.args.world_size == 1
     summary = {
         "model_type": config.model_type,
+        "world_size": trainer.args.world_size,
         "first_loss": losses[0],
         "last_loss": losses[-1],
-        "recall_accuracy": recall_accuracy(model, eval_set["input_ids"], eval_set["labels"]),
+        "recall_accuracy": recall_accuracy(model, eval_set["input_ids"], eval_set["labels"]) if single_process else None,
     }
     if trainer.is_world_process_zero():
         trainer.save_model(args.output_dir)
