@@ -8,6 +8,17 @@ __version__ = "0.1.0"
 
 _register_all()
 
+from .models.fox import FoxCache, FoxConfig, FoxForCausalLM, FoxModel  # noqa: E402
 from .models.rat import RatCache, RatConfig, RatForCausalLM, RatModel  # noqa: E402
 
-__all__ = ["RatCache", "RatConfig", "RatForCausalLM", "RatModel", "__version__"]
+__all__ = [
+    "FoxCache",
+    "FoxConfig",
+    "FoxForCausalLM",
+    "FoxModel",
+    "RatCache",
+    "RatConfig",
+    "RatForCausalLM",
+    "RatModel",
+    "__version__",
+]

@@ -5,6 +5,7 @@ import importlib
 
 ARCHITECTURES = [
     "rat",
+    "fox",
 ]
 
 

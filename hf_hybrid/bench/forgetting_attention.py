@@ -1,0 +1,164 @@
+"""Forgetting Attention op benchmark: our Triton kernel against SDPA (flash, causal) and FLA.
+
+    python -m hf_hybrid.bench.forgetting_attention                 # T = 4K, 16K, 32K, 64K
+    python -m hf_hybrid.bench.forgetting_attention --seq 4096 --json out.json
+
+Shapes follow the FoX issue: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
+tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_attention``
+restricted to the flash backend with ``is_causal=True`` (plain softmax attention, the speed
+floor), flash-linear-attention's ``parallel_forgetting_attn`` when ``fla`` imports, and ours.
+Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
+the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), median of
+``--repeat`` calls; inputs are random (never zeros); log f = logsigmoid(N(4, 1)) per head.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from hf_hybrid.bench.timing import time_fn
+from hf_hybrid.kernels.forgetting_attention import forgetting_attention
+
+
+def _inputs(batch, seq, heads, head_dim, dtype, device):
+    g = torch.Generator(device=device).manual_seed(seq)
+    shape = (batch, seq, heads, head_dim)
+    q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
+    log_f = F.logsigmoid(torch.randn((batch, seq, heads), device=device, generator=g) + 4.0)
+    return q, k, v, log_f, do
+
+
+def _ops():
+    """name -> fn(q, k, v, log_f) with [B, T, H, D] tensors; SDPA ignores log f."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(q, k, v, log_f):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return o.transpose(1, 2)
+
+    ops = {"sdpa_flash": sdpa}
+    try:
+        from fla.ops.forgetting_attn import parallel_forgetting_attn
+
+        ops["fla"] = lambda q, k, v, log_f: parallel_forgetting_attn(q, k, v, log_f)
+    except Exception as exc:  # not installed, or no GPU build
+        print(f"[bench] FLA not available ({type(exc).__name__}: {exc}); comparing to SDPA only", file=sys.stderr)
+    ops["ours"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="triton")
+    return ops
+
+
+def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
+    device = torch.device("cuda")
+    rows = []
+    for seq in seqs:
+        batch = max(tokens // seq, 1)
+        q, k, v, log_f, do = _inputs(batch, seq, heads, head_dim, dtype, device)
+        flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2  # causal: half the score matrix
+        row = {"seq": seq, "batch": batch}
+        for name, op in _ops().items():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v, log_f)]
+            wrt = leaves if name != "sdpa_flash" else leaves[:3]
+
+            def fwd():
+                with torch.no_grad():
+                    op(*leaves)
+
+            def fwd_bwd():
+                torch.autograd.grad(op(*leaves), wrt, do)
+
+            t_f = time_fn(fwd, device, warmup=3, repeat=repeat)
+            t_fb = time_fn(fwd_bwd, device, warmup=3, repeat=repeat)
+            row[name] = {
+                "fwd_ms": t_f.median_ms,
+                "fwd_bwd_ms": t_fb.median_ms,
+                "fwd_tflops": flops_fwd / t_f.median_ms / 1e9,
+                "fwd_bwd_tflops": 3.5 * flops_fwd / t_fb.median_ms / 1e9,
+                "peak_gb": t_fb.peak_mem_gb,
+            }
+            del leaves
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(_line(row), flush=True)
+    return rows
+
+
+def _line(row):
+    base = row["sdpa_flash"]
+    parts = [f"T={row['seq']:>6} B={row['batch']:>3}"]
+    for name in ("sdpa_flash", "fla", "ours"):
+        if name in row:
+            r = row[name]
+            parts.append(
+                f"{name}: fwd {r['fwd_ms']:.2f} ms ({r['fwd_ms'] / base['fwd_ms']:.2f}x) "
+                f"fwd+bwd {r['fwd_bwd_ms']:.2f} ms ({r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x)"
+            )
+    return " | ".join(parts)
+
+
+def markdown(rows):
+    """The table for docs/benchmarks: times in ms, ratios to SDPA flash."""
+    has_fla = any("fla" in r for r in rows)
+    head = "| T | batch | SDPA fwd | ours fwd (x SDPA) |" + (" FLA fwd (x SDPA) |" if has_fla else "")
+    head += " SDPA fwd+bwd | ours fwd+bwd (x SDPA) |" + (" FLA fwd+bwd (x SDPA) |" if has_fla else "")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        s, o = r["sdpa_flash"], r["ours"]
+        cells = [f"{r['seq']}", f"{r['batch']}", f"{s['fwd_ms']:.2f}", f"{o['fwd_ms']:.2f} ({o['fwd_ms'] / s['fwd_ms']:.2f}x)"]
+        if has_fla:
+            f = r.get("fla")
+            cells.append(f"{f['fwd_ms']:.2f} ({f['fwd_ms'] / s['fwd_ms']:.2f}x)" if f else "-")
+        cells += [f"{s['fwd_bwd_ms']:.2f}", f"{o['fwd_bwd_ms']:.2f} ({o['fwd_bwd_ms'] / s['fwd_bwd_ms']:.2f}x)"]
+        if has_fla:
+            f = r.get("fla")
+            cells.append(f"{f['fwd_bwd_ms']:.2f} ({f['fwd_bwd_ms'] / s['fwd_bwd_ms']:.2f}x)" if f else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _tuned_configs():
+    """The block sizes the autotuner picked, per kernel and tuning key."""
+    from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
+
+    return {
+        name: {str(key): str(cfg) for key, cfg in getattr(fa_triton, name).cache.items()}
+        for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens per batch (batch = tokens // T)")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", type=str, default=None, help="write the raw numbers here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("forgetting_attention bench needs a CUDA device", file=sys.stderr)
+        return 1
+    rows = run(args.seq, args.tokens, args.heads, args.head_dim, args.repeat)
+    table = markdown(rows)
+    print(json.dumps(_tuned_configs(), indent=1))
+    print(table)
+    if args.json:
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "args": vars(args),
+            "tuned_configs": _tuned_configs(),
+        }
+        with open(args.json, "w") as fh:
+            json.dump({"meta": meta, "rows": rows, "table": table}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

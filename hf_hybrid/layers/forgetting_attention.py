@@ -1,0 +1,173 @@
+"""FoX token mixer: Forgetting Attention (FoX paper Sec. 3, Appendix A, Appendix D).
+
+For input x (after the block's pre-norm), per query head h:
+
+    q, k~, v~ = W_q x, W_k x, W_v x                       GQA: k, v have num_kv_heads heads
+    log f_t   = logsigmoid(w_f^h . x_t + b_f^h)            forget gate, float32, bias init 0
+    o_i       = sum_j softmax_j(q_i.k_j / sqrt(d) + c_i - c_j) v_j,   c = cumsum(log f)
+    out       = W_o o                                      ("llama" block)
+
+The "pro" block (Appendix A, Eq. 15-23) adds, each part switchable for ablations:
+    QK-norm      q = RMSNorm_h(q), k = RMSNorm_h(k)                        (per-head weights)
+    KV-shift     k_t = RMSNorm_h(a_t k~_{t-1} + (1 - a_t) k~_t), a_t = sigmoid(w_k^h . x_t)
+                 v_t = b_t v~_{t-1} + (1 - b_t) v~_t,               b_t = sigmoid(w_v^h . x_t)
+                 (one scalar per key/value head; k~_{-1} = 0, also at a row's first real token)
+    output       out = W_o (RMSNorm_h(o) * sigmoid(W_g x))
+
+Forget-gate variants (Sec. 4.5, Appendix D): "data_dependent" (default), "data_independent"
+f^h = sigmoid(b^h) learnable, "fixed" (the same, frozen: ALiBi), and "none" (f = 1, plain
+softmax attention: the Transformer baselines). The two data-independent kinds initialise b^h so
+that T(b) = -1 / log sigmoid(b) runs geometrically from T_min (head 1) to T_max (head H).
+No RoPE by default (``rope_theta=None``); optional RoPE rotates q and k after the norms.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..kernels.forgetting_attention import forgetting_attention, forgetting_attention_with_cache
+from .context import SequenceContext
+from .norm import RMSNorm
+from .rotary import apply_rotary, build_rotary
+
+FORGET_GATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
+
+
+def forget_bias_init(num_heads: int, t_min: float, t_max: float) -> torch.Tensor:
+    """Appendix D: b^h with T(b^h) = exp(log T_min + (log T_max - log T_min) (h - 1) / (H - 1)),
+    where T(b) = 1 / (-log sigmoid(b)) is the number of steps to decay by 1/e."""
+    if num_heads == 1:
+        timescales = torch.tensor([float(t_min)], dtype=torch.float64)
+    else:
+        frac = torch.arange(num_heads, dtype=torch.float64) / (num_heads - 1)
+        timescales = torch.exp(math.log(t_min) + (math.log(t_max) - math.log(t_min)) * frac)
+    # sigmoid(b) = exp(-1/T)  =>  b = log(p / (1 - p)) with p = exp(-1/T)
+    return (-1.0 / timescales - torch.log(-torch.expm1(-1.0 / timescales))).float()
+
+
+class ShiftLinear(nn.Module):
+    """KV-shift (Eq. 14): x_t -> a_t x~_{t-1} + (1 - a_t) x~_t with a_t = sigmoid(w^h . input_t)
+    per head. ``previous`` [batch, heads, head_dim] is x~ of the token before the segment (zeros
+    when none)."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, x: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        if previous is None:
+            previous = x.new_zeros(x.shape[0], *x.shape[2:])
+        shifted = torch.cat([previous[:, None].to(x.dtype), x[:, :-1]], dim=1)
+        alpha = torch.sigmoid(self.proj(hidden_states))[..., None].to(x.dtype)
+        return alpha * shifted + (1 - alpha) * x
+
+
+class ForgettingAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qk_norm: bool = False,
+        kv_shift: bool = False,
+        output_gate: bool = False,
+        output_norm: bool = False,
+        forget_gate: str = "data_dependent",
+        forget_gate_t_min: float = 2.0,
+        forget_gate_t_max: float = 256.0,
+        rope_theta: float | None = None,
+        rms_norm_eps: float = 1e-6,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if forget_gate not in FORGET_GATE_TYPES:
+            raise ValueError(f"forget_gate must be one of {FORGET_GATE_TYPES}, got {forget_gate!r}.")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads}).")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.forget_gate, self.t_min, self.t_max = forget_gate, forget_gate_t_min, forget_gate_t_max
+        self.backend = backend
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        # The only linear layer with a bias (Appendix B.1); bias initialised to 0 (Appendix D).
+        self.f_proj = nn.Linear(hidden_size, num_heads, bias=True) if forget_gate == "data_dependent" else None
+        if forget_gate in ("data_independent", "fixed"):
+            self.forget_bias = nn.Parameter(
+                forget_bias_init(num_heads, forget_gate_t_min, forget_gate_t_max),
+                requires_grad=forget_gate == "data_independent",
+            )
+        self.q_norm = RMSNorm((num_heads, head_dim), eps=rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm((num_kv_heads, head_dim), eps=rms_norm_eps) if qk_norm else None
+        self.k_shift = ShiftLinear(hidden_size, num_kv_heads) if kv_shift else None
+        self.v_shift = ShiftLinear(hidden_size, num_kv_heads) if kv_shift else None
+        self.g_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False) if output_gate else None
+        self.o_norm = RMSNorm((num_heads, head_dim), eps=rms_norm_eps) if output_norm else None
+        self.rotary = build_rotary(head_dim, rope_theta)
+
+    @torch.no_grad()
+    def reset_extra_parameters(self) -> None:
+        """Forget-gate bias 0 for the data-dependent gate, the T_min/T_max schedule otherwise."""
+        if self.f_proj is not None:
+            self.f_proj.bias.zero_()
+        if hasattr(self, "forget_bias"):
+            self.forget_bias.copy_(forget_bias_init(self.num_heads, self.t_min, self.t_max))
+
+    def log_forget(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """log f [batch, seq, heads] in float32."""
+        batch, seq, _ = hidden_states.shape
+        if self.f_proj is not None:
+            return F.logsigmoid(self.f_proj(hidden_states).float())
+        if self.forget_gate == "none":
+            return hidden_states.new_zeros(batch, seq, self.num_heads, dtype=torch.float32)
+        return F.logsigmoid(self.forget_bias.float()).expand(batch, seq, self.num_heads)
+
+    def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
+        batch, seq, _ = hidden_states.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(hidden_states).view(batch, seq, heads, dim)
+        k = self.k_proj(hidden_states).view(batch, seq, kv_heads, dim)
+        v = self.v_proj(hidden_states).view(batch, seq, kv_heads, dim)
+        log_f = self.log_forget(hidden_states)
+        query_valid = context.query_valid
+        if query_valid is not None:
+            # Padding contributes nothing: no shift input for the first real token, no decay.
+            pad = ~query_valid[:, :, None]
+            k, v = k.masked_fill(pad[..., None], 0.0), v.masked_fill(pad[..., None], 0.0)
+            log_f = log_f.masked_fill(pad, 0.0)
+
+        raw_k, raw_v = k, v
+        if self.k_shift is not None:
+            prev_k, prev_v = cache_layer.shift_state() if cache_layer is not None else (None, None)
+            k = self.k_shift(hidden_states, k, prev_k)
+            v = self.v_shift(hidden_states, v, prev_v)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            cos_sin = self.rotary(context.positions)
+            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+
+        if cache_layer is not None:
+            keys, values, c_keys = cache_layer.update(k, v, log_f, raw_k[:, -1], raw_v[:, -1])
+        if context.past_length == 0 and context.key_valid is None:
+            # Whole sequences from the start: the FlashAttention-style kernel (training, prefill).
+            o = forgetting_attention(q, k, v, log_f, backend=self.backend)
+        else:
+            # Queries at the end of cached keys, or padded rows.
+            o = forgetting_attention_with_cache(
+                q, keys, values, c_keys[:, -seq:], c_keys, context.key_valid, backend=self.backend
+            )
+
+        if self.o_norm is not None:
+            o = self.o_norm(o)
+        o = o.reshape(batch, seq, heads * dim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(o)

@@ -1,0 +1,157 @@
+"""Forgetting Attention (FoX): softmax attention with a scalar forget gate per head.
+
+    o_i = sum_j softmax_j(scale q_i . k_j + c_i - c_j) v_j,   c = cumsum(log f) per head,
+
+over causal keys (optionally a sliding window, optionally packed sequences). See reference.py
+for the full statement, triton.py for the FlashAttention-style kernels and decode.py for new
+queries against a cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._backend import resolve_backend
+from .decode import (
+    forgetting_attention_with_cache_reference,
+    forgetting_attention_with_cache_sdpa,
+)
+from .reference import cumulative_log_forget, forgetting_attention_reference, visibility_mask
+
+__all__ = [
+    "cumulative_log_forget",
+    "forgetting_attention",
+    "forgetting_attention_reference",
+    "forgetting_attention_with_cache",
+    "forgetting_attention_with_cache_reference",
+    "visibility_mask",
+]
+
+_OP = "forgetting_attention"
+_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"{op}: q, k, v must be [batch, seq, heads, head_dim]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v must have equal shapes; got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"{op}: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and head_dim."
+        )
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"{op}: the number of query heads ({q.shape[2]}) must be a multiple of the number of "
+            f"key/value heads ({k.shape[2]}) for grouped-query attention."
+        )
+
+
+def _check_window(op: str, window_size) -> None:
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
+        raise ValueError(f"{op}: window_size must be None or an int >= 1 (tokens, self included); got {window_size!r}.")
+
+
+def forgetting_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal Forgetting Attention; differentiable in q, k, v and log_f.
+
+    q [B,T,HQ,D]; k, v [B,T,HKV,D] with HQ % HKV == 0 (GQA); log_f [B,T,HQ] the log forget gate
+    (<= 0, any float dtype, summed in float32). scale defaults to D ** -0.5. window_size W: key j
+    is visible to query i iff 0 <= i - j < W. cu_seqlens: int [N+1] sequence boundaries of packed
+    inputs (B must be 1); nothing crosses a boundary. Returns o [B,T,HQ,D] in q's dtype.
+    backend: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton".
+    """
+    _check_heads(_OP, q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"{_OP}: q and k must have the same sequence length (got {q.shape[1]} and {k.shape[1]}); "
+            "for queries at the end of a longer cache use forgetting_attention_with_cache."
+        )
+    if log_f.shape != q.shape[:3]:
+        raise ValueError(f"{_OP}: log_f must be [batch, seq, q_heads] = {tuple(q.shape[:3])}; got {tuple(log_f.shape)}.")
+    if not log_f.is_floating_point():
+        raise ValueError(f"{_OP}: log_f must be a float tensor (log of the forget gate); got {log_f.dtype}.")
+    _check_window(_OP, window_size)
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"{_OP}: cu_seqlens needs packed inputs with batch 1; got batch {q.shape[0]}.")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"{_OP}: cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[1] or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError(
+                f"{_OP}: cu_seqlens must start at 0, never decrease and end at the sequence length {q.shape[1]}; "
+                f"got {cu_seqlens.tolist()}."
+            )
+    impl = resolve_backend(backend, q.device, _OP)
+    triton_ok = q.shape[3] in _TRITON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if backend == "auto" and not triton_ok:
+        impl = "reference"  # "auto" picks what can run; an explicit "triton" explains below
+    if impl == "triton":
+        if q.shape[3] not in _TRITON_HEAD_DIMS:
+            raise ValueError(
+                f"{_OP}: the Triton kernel supports head_dim in {_TRITON_HEAD_DIMS}; got {q.shape[3]}. "
+                "Pass backend='reference' or use a supported head_dim."
+            )
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"{_OP}: q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}.")
+        if q.shape[1] == 0:
+            return torch.empty_like(q)
+        from .triton import forgetting_attention_triton
+
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        c = cumulative_log_forget(log_f, cu_seqlens)
+        return forgetting_attention_triton(q, k, v, c, scale, window_size, cu_seqlens)
+    return forgetting_attention_reference(q, k, v, log_f, scale, window_size, cu_seqlens)
+
+
+def forgetting_attention_with_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c_q: torch.Tensor,
+    c_k: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    window_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Forgetting Attention of Tq new queries that are the last Tq of Tk cached keys.
+
+    q [B,Tq,HQ,D]; k, v [B,Tk,HKV,D] (Tk >= Tq, cache plus the new tokens); c_q [B,Tq,HQ] and
+    c_k [B,Tk,HQ] the cumulative log forget of the queries and of every key (one running sum, so
+    c_q equals the last Tq entries of c_k); key_mask [B,Tk] bool, False for padding. Query t sits
+    at key position Tk - Tq + t. Exact (float32 softmax), not differentiated by a kernel.
+    backend: "auto" (SDPA on CUDA, reference elsewhere), "reference", "sdpa", or "triton" (= the
+    GPU path, SDPA with a float32 bias).
+    """
+    op = "forgetting_attention_with_cache"
+    _check_heads(op, q, k, v)
+    b, tq, hq = q.shape[:3]
+    tk = k.shape[1]
+    if tk < tq:
+        raise ValueError(f"{op}: the cache must hold the new tokens too: k has {tk} positions, q has {tq}.")
+    if c_q.shape != (b, tq, hq):
+        raise ValueError(f"{op}: c_q must be [batch, q_len, q_heads] = {(b, tq, hq)}; got {tuple(c_q.shape)}.")
+    if c_k.shape != (b, tk, hq):
+        raise ValueError(f"{op}: c_k must be [batch, k_len, q_heads] = {(b, tk, hq)}; got {tuple(c_k.shape)}.")
+    if key_mask is not None and tuple(key_mask.shape) != (b, tk):
+        raise ValueError(f"{op}: key_mask must be [batch, k_len] = {(b, tk)}; got {tuple(key_mask.shape)}.")
+    _check_window(op, window_size)
+    impl = resolve_backend(backend, q.device, op, extra=("sdpa",))
+    if impl == "triton" or (backend == "auto" and q.device.type == "cuda"):
+        impl = "sdpa"
+    fn = forgetting_attention_with_cache_sdpa if impl == "sdpa" else forgetting_attention_with_cache_reference
+    return fn(q, k, v, c_q, c_k, key_mask, scale, window_size)

@@ -1,0 +1,55 @@
+"""Forgetting Attention of new queries against a cached key sequence (decode, chunked prefill).
+
+The Tq queries are the last Tq positions of the Tk keys: query t sits at key position
+p_t = Tk - Tq + t and sees key j iff j <= p_t, key_mask[b, j] (False marks left padding) and,
+with window_size = W, p_t - j < W. The caller keeps the cumulative log forget c of every cached
+token (c_q for the new queries, c_k for all keys, one running sum per query head), so
+
+    o_t = sum_j softmax_j(scale q_t . k_j + c_q[t] - c_k[j]) v_j
+
+which equals the full-sequence forward at those positions. Rows that see no key (a padded query
+whose every visible key is padding) return 0.
+
+Backends: "reference" (explicit einsum, any device) and "sdpa" (PyTorch's fused attention with
+the float32 bias c_q - c_k as attn_mask, upcast to float32 so the bias keeps full precision).
+"auto" and "triton" pick "sdpa" on CUDA; "auto" picks the reference elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .reference import _expand_kv, masked_softmax_attention, visibility_mask
+
+
+def cache_visibility(
+    batch: int, num_queries: int, num_keys: int, key_mask: torch.Tensor | None, window_size: int | None, device
+) -> torch.Tensor:
+    """[batch or 1, 1, Tq, Tk] bool visibility of the cached keys for the new queries."""
+    visible = visibility_mask(num_queries, num_keys, num_keys - num_queries, window_size, None, device)[None, None]
+    if key_mask is not None:
+        visible = visible & key_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+    return visible
+
+
+def forgetting_attention_with_cache_reference(q, k, v, c_q, c_k, key_mask=None, scale=None, window_size=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    bias = c_q.float().permute(0, 2, 1)[..., :, None] - c_k.float().permute(0, 2, 1)[..., None, :]
+    visible = cache_visibility(q.shape[0], q.shape[1], k.shape[1], key_mask, window_size, q.device)
+    bias = bias.masked_fill(~visible, 0.0)
+    return masked_softmax_attention(q, k, v, bias, visible, scale)
+
+
+def forgetting_attention_with_cache_sdpa(q, k, v, c_q, c_k, key_mask=None, scale=None, window_size=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    visible = cache_visibility(q.shape[0], q.shape[1], k.shape[1], key_mask, window_size, q.device)
+    bias = c_q.float().permute(0, 2, 1)[..., :, None] - c_k.float().permute(0, 2, 1)[..., None, :]
+    bias = bias.masked_fill(~visible, float("-inf"))
+    any_visible = visible.any(dim=-1, keepdim=True)  # [B|1, 1, Tq, 1]
+    bias = bias.masked_fill(~any_visible, 0.0)  # keep fully masked rows finite; zeroed below
+    qf = q.float().transpose(1, 2)
+    kf = _expand_kv(k, q.shape[2]).float().transpose(1, 2)
+    vf = _expand_kv(v, q.shape[2]).float().transpose(1, 2)
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=bias, scale=scale)
+    out = out * any_visible
+    return out.transpose(1, 2).to(q.dtype)

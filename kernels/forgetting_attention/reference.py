@@ -1,0 +1,112 @@
+"""Reference Forgetting Attention (FoX, Lin et al. 2025, Eq. 11-13), the oracle for the kernels.
+
+Math, per batch row and per query head h (log f <= 0 is the log forget gate of that head):
+
+    c_t      = sum_{l <= t} log f_l                     (cumulative log forget, float32)
+    s_ij     = scale * q_i . k_j + c_i - c_j            (= q_i . k_j + sum_{l=j+1..i} log f_l)
+    o_i      = sum_j softmax_j(s_ij) v_j                over the visible keys j of query i
+
+Key j is visible to query i iff j <= i, and with ``window_size = W`` also i - j < W (the window
+counts the token itself, like transformers' ``sliding_window``). With ``cu_seqlens`` (packed
+sequences, batch 1) keys of another sequence are invisible and c restarts at every sequence
+start, so neither attention nor the forget gate crosses a boundary. GQA: query head h reads
+key/value head h // (HQ // HKV); log f and c are per *query* head.
+
+Gradients (Appendix E): with dS = P o (dP - rowsum(dO o O)) the gradient of the logits,
+dc_i = sum_j dS_ij - sum_j dS_ji and d log f = reverse cumsum of dc. The reference gets them
+from autograd through the explicit T x T bias, which is the definition.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] int64: index of the packed sequence every token belongs to."""
+    positions = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(torch.int64), positions, right=True)
+
+
+def cumulative_log_forget(log_f: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """c = cumsum(log_f) over the sequence axis in float32, restarting at every packed sequence.
+
+    log_f [batch, seq, heads] (any float dtype). With cu_seqlens the sum runs in float64 and the
+    running total at each sequence start is subtracted, so a late sequence keeps full precision.
+    Differentiable (autograd turns d c into the reverse cumsum per sequence).
+    """
+    if cu_seqlens is None:
+        return torch.cumsum(log_f.float(), dim=1)
+    total = torch.cumsum(log_f.double(), dim=1)
+    seg = segment_ids(cu_seqlens, log_f.shape[1])
+    starts = cu_seqlens[:-1].to(torch.int64)
+    before = torch.cat([torch.zeros_like(total[:, :1]), total], dim=1)[:, starts]  # sum before each start
+    return (total - before[:, seg]).float()
+
+
+def visibility_mask(
+    num_queries: int,
+    num_keys: int,
+    query_offset: int = 0,
+    window_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    device=None,
+) -> torch.Tensor:
+    """[num_queries, num_keys] bool: query t (at key position query_offset + t) may see key j."""
+    i = torch.arange(query_offset, query_offset + num_queries, device=device)[:, None]
+    j = torch.arange(num_keys, device=device)[None, :]
+    mask = j <= i
+    if window_size is not None:
+        mask = mask & (i - j < window_size)
+    if cu_seqlens is not None:
+        seg = segment_ids(cu_seqlens.to(device), num_keys)
+        mask = mask & (seg[query_offset:query_offset + num_queries, None] == seg[None, :])
+    return mask
+
+
+def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """[B, T, HKV, D] -> [B, T, HQ, D]: query head h reads kv head h // group."""
+    group = num_q_heads // x.shape[2]
+    return x if group == 1 else x.repeat_interleave(group, dim=2)
+
+
+def masked_softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """softmax(scale q.k + bias, masked) v in float32; q [B,Tq,HQ,D], k/v [B,Tk,HKV,D],
+    bias [B,HQ,Tq,Tk] float32, visible broadcastable to it. Rows that see no key return 0."""
+    kf = _expand_kv(k, q.shape[2]).float()
+    vf = _expand_kv(v, q.shape[2]).float()
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), kf) * scale + bias
+    scores = scores.masked_fill(~visible, float("-inf"))
+    any_visible = visible.any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~any_visible, 0.0), dim=-1) * any_visible
+    return torch.einsum("bhts,bshd->bthd", probs, vf).to(q.dtype)
+
+
+def forgetting_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    scale: float | None = None,
+    window_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B,T,HQ,D], k/v [B,T,HKV,D], log_f [B,T,HQ] -> o [B,T,HQ,D] (q's dtype).
+
+    Builds the explicit T x T bias D_ij = c_i - c_j and a masked softmax: for tests and short
+    sequences only.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    c = cumulative_log_forget(log_f, cu_seqlens).permute(0, 2, 1)  # [B, HQ, T]
+    bias = c[..., :, None] - c[..., None, :]
+    visible = visibility_mask(q.shape[1], k.shape[1], 0, window_size, cu_seqlens, q.device)
+    # Invisible entries can hold +inf - (+inf) style garbage only if c were infinite; mask them
+    # before the softmax so their gradient is exactly zero.
+    bias = bias.masked_fill(~visible, 0.0)
+    return masked_softmax_attention(q, k, v, bias, visible, scale)

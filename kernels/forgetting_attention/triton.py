@@ -1,0 +1,499 @@
+"""Triton Forgetting Attention: FlashAttention-2 style forward and backward (FoX Appendix E).
+
+Same function as ``reference.forgetting_attention_reference`` on the cumulative log forget c
+(float32). Design notes (why the code looks the way it does):
+
+* Everything works on the packed token axis: a dense batch [B, T] is B sequences of length T
+  with cu_seqlens = [0, T, 2T, ...], so dense and varlen inputs share one code path.
+* Scores live in log2 units (exp2 is the fast path): t_ij = log2(e) (scale q.k + c_i - c_j).
+  c is large in magnitude deep into a sequence (it only decreases), so inside a tile we never add
+  raw c values to q.k. The forward subtracts a per-block reference c_ref from the keys' c and
+  folds the query part (c_i - c_ref) into the row's log-sum-exp, which keeps every float32 sum
+  near the size of the score itself; the backward does the same around each key block.
+* The stored log-sum-exp is that of the true logits t_ij, which are small for nearby keys.
+* Gradient of c: dc_i = sum_j dS_ij (as a query, dQ kernel) - sum_j dS_ji (as a key, dK/dV
+  kernel), no atomics. The row sums vanish in exact arithmetic (sum_j P_ij = 1 and
+  sum_j P_ij dP_ij = rowsum(dO o O)), but they are kept: rowsum(dO o O) is computed from the
+  rounded bf16 output, and the row sums cancel that rounding in d log f = reverse cumsum(dc)
+  (dropping them left a 3e-2 relative error in bf16 against the float32 reference).
+* Backward = dK/dV/dc kernel (one key block, loops over query blocks and over the query heads of
+  its GQA group) + dQ kernel (one query block, loops over key blocks); no atomics, deterministic.
+* Key blocks are split into three phases per query block: window edge (masked), interior
+  (no mask), diagonal (masked), so the hot loop carries no mask arithmetic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpreting
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+# Triton's CPU interpreter (3.9) returns garbage for tl.dot on bfloat16 operands; there we feed
+# the (already rounded) operands to the dot in float32. Compiled kernels never take this branch.
+INTERPRET_UPCAST: tl.constexpr = tl.constexpr(triton_interpreting())
+
+
+@triton.jit
+def _mm(a, b, acc, DOT_PREC: tl.constexpr):
+    if INTERPRET_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+def _configs(kind: str):
+    if triton_interpreting():
+        # Tiny blocks so CPU tests cover several blocks, the diagonal and ragged ends at T <= 40.
+        small = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}[kind]
+        return [triton.Config({"BLOCK_M": small[0], "BLOCK_N": small[1]}, num_warps=4, num_stages=1)]
+    table = {
+        # (BLOCK_M, BLOCK_N, warps, stages); forward and dQ need BLOCK_M % BLOCK_N == 0,
+        # dK/dV needs BLOCK_N % BLOCK_M == 0 (diagonal blocks line up with the other side).
+        # Float32 accumulators of 128 x 128 tiles need 8 warps to stay in registers.
+        "fwd": [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+        "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
+        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+    }[kind]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table]
+
+
+def _prune(configs, named_args, **kwargs):
+    """float32 inputs (tests) and head_dim 256 get one small config that fits shared memory;
+    tuning them would only cost compile time."""
+    if triton_interpreting():
+        return configs
+    if named_args["Q"].dtype == torch.float32:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
+    if kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM")) == 256:
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
+    return configs
+
+
+_PRUNE = {"early_config_prune": _prune}
+_TUNE_KEY = ["HEAD_DIM", "GROUP", "HAS_WINDOW"]
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
+               lo, hi, seq_len, window, scale2,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        kn = start_n + offs_n
+        if MASK:
+            k_ok = kn < seq_len
+            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
+        else:
+            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :])
+            ck = tl.load(C_ptr + kn) * LOG2E
+        qk = _mm(q, tl.trans(k), None, DOT_PREC)
+        # log2-unit score minus the row constant (c_i - c_ref), which the LSE adds back.
+        s = qk * scale2 - (ck - c_ref)[None, :]
+        if MASK:
+            visible = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seq_len)
+            if HAS_WINDOW:
+                visible = visible & (offs_m[:, None] - kn[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+        if MASK:
+            # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 meanwhile.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASK:
+            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+        else:
+            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :])
+        acc = _mm(p.to(v.dtype), v, acc, DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_configs("fwd"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def _fwd_kernel(Q, K, V, C, O, LSE, CU, scale2, window,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_ot, stride_oh, stride_ch,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Heaviest (last) query blocks first: better tail balance under the causal mask.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_start = tl.load(CU + seq)
+    seq_len = tl.load(CU + seq + 1) - seq_start
+    start_m = pid_m * BLOCK_M
+    if start_m >= seq_len:
+        return
+    kvh = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < seq_len
+    tok0 = seq_start.to(tl.int64)
+    q = tl.load(Q + (tok0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0)
+    C_ptr = C + h * stride_ch + tok0
+    cq = tl.load(C_ptr + offs_m, mask=m_ok, other=0.0) * LOG2E
+    c_ref = tl.load(C_ptr + start_m) * LOG2E
+    K_ptr = K + tok0 * stride_kt + kvh * stride_kh
+    V_ptr = V + tok0 * stride_vt + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    diag_hi = tl.minimum(start_m + BLOCK_M, seq_len)
+    lo = 0
+    inner_lo = 0
+    if HAS_WINDOW:
+        # Keys below start_m + BLOCK_M - window are invisible to some query in this block.
+        first = tl.maximum(start_m - window + 1, 0)
+        lo = (first // BLOCK_N) * BLOCK_N
+        edge = tl.maximum(start_m + BLOCK_M - window, 0)
+        inner_lo = tl.minimum(tl.maximum(((edge + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), start_m)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
+                                   lo, inner_lo, seq_len, window, scale2,
+                                   HEAD_DIM, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
+                               inner_lo, start_m, seq_len, window, scale2,
+                               HEAD_DIM, BLOCK_N, False, HAS_WINDOW, DOT_PREC)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
+                               start_m, diag_hi, seq_len, window, scale2,
+                               HEAD_DIM, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = m_i + tl.math.log2(l_safe) + (cq - c_ref)
+    tl.store(O + (tok0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=m_ok[:, None])
+    tl.store(LSE + h * stride_ch + tok0 + offs_m, lse, mask=m_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _delta_kernel(O, DO, DELTA, total, stride_ot, stride_oh, stride_dt, stride_dh, stride_ch,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """DELTA[h, t] = sum_d O[t, h, d] dO[t, h, d] (float32)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows < total
+    r64 = rows.to(tl.int64)
+    o = tl.load(O + r64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + r64[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(DELTA + h * stride_ch + r64, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_ptr, c_ref,
+                stride_qt, stride_dot, lo, hi, seq_len, window, scale2,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M):
+        qm = start_m + offs_m
+        if MASK:
+            q_ok = qm < seq_len
+            q = tl.load(Q_ptr + qm[:, None] * stride_qt + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            do = tl.load(DO_ptr + qm[:, None] * stride_dot + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            cq = tl.load(C_ptr + qm, mask=q_ok, other=0.0) * LOG2E
+            lse = tl.load(LSE_ptr + qm, mask=q_ok, other=float("inf"))  # P = 0 past the end
+            delta = tl.load(DELTA_ptr + qm, mask=q_ok, other=0.0)
+        else:
+            q = tl.load(Q_ptr + qm[:, None] * stride_qt + offs_d[None, :])
+            do = tl.load(DO_ptr + qm[:, None] * stride_dot + offs_d[None, :])
+            cq = tl.load(C_ptr + qm) * LOG2E
+            lse = tl.load(LSE_ptr + qm)
+            delta = tl.load(DELTA_ptr + qm)
+        row = cq - c_ref - lse
+        # Transposed tile [BLOCK_N keys, BLOCK_M queries].
+        qk_t = _mm(k, tl.trans(q), None, DOT_PREC)
+        p_t = tl.math.exp2(qk_t * scale2 - kb[:, None] + row[None, :])
+        if MASK:
+            visible = (qm[None, :] >= kn[:, None]) & (qm[None, :] < seq_len)
+            if HAS_WINDOW:
+                visible = visible & (qm[None, :] - kn[:, None] < window)
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = _mm(p_t.to(do.dtype), do, dv, DOT_PREC)
+        dp_t = _mm(v, tl.trans(do), None, DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = _mm(ds_t.to(q.dtype), q, dk, DOT_PREC)
+        dc += tl.sum(ds_t, 1)
+    return dk, dv, dc
+
+
+@triton.autotune(configs=_configs("dkdv"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def _dkdv_kernel(Q, K, V, C, LSE, DELTA, DO, DK, DV, DC, CU, scale, scale2, window,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_ch,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # BLOCK_N keys per program; the loop walks BLOCK_M queries at a time.
+    pid_n = tl.num_programs(0) - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_start = tl.load(CU + seq)
+    seq_len = tl.load(CU + seq + 1) - seq_start
+    start_n = pid_n * BLOCK_N
+    if start_n >= seq_len:
+        return
+    tok0 = seq_start.to(tl.int64)
+    kn = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_ok = kn < seq_len
+    k = tl.load(K + (tok0 + kn)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    v = tl.load(V + (tok0 + kn)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+
+    # Query ranges: diagonal [start_n, start_n + BLOCK_N) masked; interior unmasked; then the
+    # ragged end / window edge masked.
+    q_hi = seq_len
+    if HAS_WINDOW:
+        q_hi = tl.minimum(seq_len, start_n + BLOCK_N - 1 + window)
+    diag_hi = tl.minimum(start_n + BLOCK_N, q_hi)
+    inner_hi = (seq_len // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        last_full = tl.maximum(start_n + window - BLOCK_M, -BLOCK_M) + BLOCK_M
+        inner_hi = tl.minimum(inner_hi, (last_full // BLOCK_M) * BLOCK_M)
+    inner_hi = tl.maximum(inner_hi, start_n + BLOCK_N)
+
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        C_ptr = C + h * stride_ch + tok0
+        ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
+        c_ref = tl.load(C_ptr + start_n) * LOG2E
+        kb = ck - c_ref
+        dc = tl.zeros([BLOCK_N], tl.float32)
+        Q_ptr = Q + tok0 * stride_qt + h * stride_qh
+        DO_ptr = DO + tok0 * stride_dot + h * stride_doh
+        LSE_ptr = LSE + h * stride_ch + tok0
+        DELTA_ptr = DELTA + h * stride_ch + tok0
+        dk, dv, dc = _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_ptr, c_ref,
+                                 stride_qt, stride_dot, start_n, diag_hi, seq_len, window, scale2,
+                                 HEAD_DIM, BLOCK_M, True, HAS_WINDOW, DOT_PREC)
+        dk, dv, dc = _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_ptr, c_ref,
+                                 stride_qt, stride_dot, start_n + BLOCK_N, inner_hi, seq_len, window, scale2,
+                                 HEAD_DIM, BLOCK_M, False, HAS_WINDOW, DOT_PREC)
+        dk, dv, dc = _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_ptr, c_ref,
+                                 stride_qt, stride_dot, inner_hi, q_hi, seq_len, window, scale2,
+                                 HEAD_DIM, BLOCK_M, True, HAS_WINDOW, DOT_PREC)
+        tl.store(DC + h * stride_ch + tok0 + kn, -dc, mask=k_ok)
+    tl.store(DK + (tok0 + kn)[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
+    tl.store(DV + (tok0 + kn)[:, None] * stride_dvt + kvh * stride_dvh + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+@triton.jit
+def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
+              lo, hi, seq_len, window, scale2,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        kn = start_n + offs_n
+        if MASK:
+            k_ok = kn < seq_len
+            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
+        else:
+            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :])
+            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :])
+            ck = tl.load(C_ptr + kn) * LOG2E
+        qk = _mm(q, tl.trans(k), None, DOT_PREC)
+        p = tl.math.exp2(qk * scale2 + row[:, None] - (ck - c_ref)[None, :])
+        if MASK:
+            visible = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seq_len)
+            if HAS_WINDOW:
+                visible = visible & (offs_m[:, None] - kn[None, :] < window)
+            p = tl.where(visible, p, 0.0)
+        dp = _mm(do, tl.trans(v), None, DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = _mm(ds.to(k.dtype), k, dq, DOT_PREC)
+        dcq += tl.sum(ds, 1)
+    return dq, dcq
+
+
+@triton.autotune(configs=_configs("dq"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def _dq_kernel(Q, K, V, C, LSE, DELTA, DO, DQ, DCQ, CU, scale, scale2, window,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+               stride_dot, stride_doh, stride_dqt, stride_dqh, stride_ch,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_start = tl.load(CU + seq)
+    seq_len = tl.load(CU + seq + 1) - seq_start
+    start_m = pid_m * BLOCK_M
+    if start_m >= seq_len:
+        return
+    kvh = h // GROUP
+    tok0 = seq_start.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < seq_len
+    q = tl.load(Q + (tok0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    do = tl.load(DO + (tok0 + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    C_ptr = C + h * stride_ch + tok0
+    cq = tl.load(C_ptr + offs_m, mask=m_ok, other=0.0) * LOG2E
+    c_ref = tl.load(C_ptr + start_m) * LOG2E
+    lse = tl.load(LSE + h * stride_ch + tok0 + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(DELTA + h * stride_ch + tok0 + offs_m, mask=m_ok, other=0.0)
+    row = cq - c_ref - lse
+    K_ptr = K + tok0 * stride_kt + kvh * stride_kh
+    V_ptr = V + tok0 * stride_vt + kvh * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dcq = tl.zeros([BLOCK_M], tl.float32)
+
+    diag_hi = tl.minimum(start_m + BLOCK_M, seq_len)
+    inner_lo = 0
+    if HAS_WINDOW:
+        first = tl.maximum(start_m - window + 1, 0)
+        lo = (first // BLOCK_N) * BLOCK_N
+        edge = tl.maximum(start_m + BLOCK_M - window, 0)
+        inner_lo = tl.minimum(tl.maximum(((edge + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), start_m)
+        dq, dcq = _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
+                       lo, inner_lo, seq_len, window, scale2, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
+    dq, dcq = _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
+                   inner_lo, start_m, seq_len, window, scale2, HEAD_DIM, BLOCK_N, False, HAS_WINDOW, DOT_PREC)
+    dq, dcq = _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
+                   start_m, diag_hi, seq_len, window, scale2, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
+    tl.store(DCQ + h * stride_ch + tok0 + offs_m, dcq, mask=m_ok)
+    tl.store(DQ + (tok0 + offs_m)[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs get exact float32 products (tests); bf16/fp16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | None = None):
+    """q [N_tok, HQ, D], k/v [N_tok, HKV, D], c_t [HQ, N_tok] float32 -> (o, lse [HQ, N_tok]).
+    ``config`` bypasses the autotuner (tests of one specific variant)."""
+    total, hq, d = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty((hq, total), device=q.device, dtype=torch.float32)
+    nseq = cu.numel() - 1
+
+    def grid(meta):
+        return (triton.cdiv(max_len, meta["BLOCK_M"]), hq, nseq)
+
+    kernel, extra = _fwd_kernel, {}
+    if config is not None:
+        kernel = _fwd_kernel.fn
+        extra = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    kernel[grid](
+        q, k, v, c_t, o, lse, cu, scale * 1.4426950408889634, window or 0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), c_t.stride(0),
+        GROUP=hq // k.shape[1], HEAD_DIM=d, HAS_WINDOW=window is not None, DOT_PREC=_dot_precision(q.dtype),
+        **extra,
+    )
+    return o, lse
+
+
+def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
+    total, hq, d = q.shape
+    hkv = k.shape[1]
+    nseq = cu.numel() - 1
+    delta = torch.empty_like(lse)
+    block = 64 if not triton_interpreting() else 16
+    _delta_kernel[(triton.cdiv(total, block), hq)](
+        o, do, delta, total, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+        HEAD_DIM=d, BLOCK=block,
+    )
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dc = torch.empty_like(c_t)
+    dcq = torch.empty_like(c_t)
+    common = dict(GROUP=hq // hkv, HEAD_DIM=d, HAS_WINDOW=window is not None, DOT_PREC=_dot_precision(q.dtype))
+    scale2 = scale * 1.4426950408889634
+
+    def grid_kv(meta):
+        return (triton.cdiv(max_len, meta["BLOCK_N"]), hkv, nseq)
+
+    _dkdv_kernel[grid_kv](
+        q, k, v, c_t, lse, delta, do, dk, dv, dc, cu, scale, scale2, window or 0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), c_t.stride(0),
+        **common,
+    )
+
+    def grid_q(meta):
+        return (triton.cdiv(max_len, meta["BLOCK_M"]), hq, nseq)
+
+    _dq_kernel[grid_q](
+        q, k, v, c_t, lse, delta, do, dq, dcq, cu, scale, scale2, window or 0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), c_t.stride(0),
+        **common,
+    )
+    return dq, dk, dv, dc + dcq
+
+
+class _ForgettingAttention(torch.autograd.Function):
+    """Autograd over (q, k, v, c); c is the cumulative log forget [B, T, HQ] in float32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, c, scale, window, cu, max_len):
+        b, t, hq, d = q.shape
+        hkv = k.shape[2]
+        q2 = q.reshape(b * t, hq, d)
+        k2 = k.reshape(b * t, hkv, d)
+        v2 = v.reshape(b * t, hkv, d)
+        c_t = c.reshape(b * t, hq).t().contiguous()
+        o, lse = _forward(q2, k2, v2, c_t, cu, max_len, scale, window)
+        ctx.save_for_backward(q2, k2, v2, c_t, o, lse, cu)
+        ctx.meta = (b, t, scale, window, max_len)
+        return o.view(b, t, hq, d)
+
+    @staticmethod
+    def backward(ctx, do):
+        q2, k2, v2, c_t, o, lse, cu = ctx.saved_tensors
+        b, t, scale, window, max_len = ctx.meta
+        do2 = do.reshape(q2.shape).contiguous()
+        dq, dk, dv, dc = _backward(do2, q2, k2, v2, c_t, o, lse, cu, max_len, scale, window)
+        hq, hkv, d = q2.shape[1], k2.shape[1], q2.shape[2]
+        return (dq.view(b, t, hq, d), dk.view(b, t, hkv, d), dv.view(b, t, hkv, d),
+                dc.t().reshape(b, t, hq), None, None, None, None)
+
+
+def forgetting_attention_triton(q, k, v, c, scale, window_size=None, cu_seqlens=None):
+    """q [B,T,HQ,D], k/v [B,T,HKV,D] (contiguous), c [B,T,HQ] float32 cumulative log forget.
+
+    Dense batches become B packed sequences of length T; with cu_seqlens (B == 1) the given
+    boundaries are used. Differentiable in q, k, v and c.
+    """
+    b, t = q.shape[:2]
+    if cu_seqlens is None:
+        cu = torch.arange(0, (b + 1) * t, t, device=q.device, dtype=torch.int32)
+        max_len = t
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+    return _ForgettingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), c.contiguous(),
+                                      scale, window_size, cu, max_len)
