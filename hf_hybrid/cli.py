@@ -7,6 +7,7 @@ import sys
 # command -> (module, function taking argv, one-line help)
 COMMANDS = {
     "demo": ("hf_hybrid.demo", "main", "train, save, reload and compare tiny models on generated recall data"),
+    "bench": ("hf_hybrid.bench.__main__", "main", "op / layer / model benchmarks vs SDPA on the GPU (table, JSON, PNG)"),
 }
 
 

@@ -55,6 +55,8 @@ def render_model_card(model, repo_id: str | None = None, training_data: str | No
 
 def save_sharing_files(model, directory: str | Path, repo_id: str | None = None, training_data: str | None = None) -> None:
     """Remote code + auto_map, and README.md (kept if the folder already has one)."""
+    if not type(model).__module__.startswith("hf_hybrid."):
+        return  # running as remote code: transformers' custom_object_save already copied the code + auto_map
     directory = Path(directory)
     write_remote_code(model, directory)
     card = directory / "README.md"
@@ -77,6 +79,8 @@ def push_model_to_hub(
     """Create the repo, save weights + config + remote code + filled card, upload the folder."""
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision is not None and not revision.startswith("refs/pr"):
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder, max_shard_size=max_shard_size, card_repo_id=repo_id, card_training_data=training_data)
         return api.upload_folder(

@@ -25,6 +25,15 @@ __all__ = [
 ]
 
 
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton_fits(q: torch.Tensor) -> bool:
+    """Shapes the Triton kernels take: head_dim a power of two in [16, 256], a float dtype."""
+    head_dim = q.shape[-1]
+    return q.dtype in _TRITON_DTYPES and 16 <= head_dim <= 256 and not head_dim & (head_dim - 1)
+
+
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
@@ -51,6 +60,9 @@ def chunk_end_attention(
     hold the end of chunk i at index i (from the cache, the current segment, or both). Give the
     queries' chunks either as ``query_chunk`` [batch, seq] (per row: left padding, caches) or as
     ``chunk_size`` + ``start_position`` (all rows at positions start_position + t).
+
+    "auto" runs the Triton kernels on CUDA when head_dim is a power of two in [16, 256] (the
+    single-query streaming decode kernel when seq = 1 and no gradient is needed), else the reference.
     """
     _check_qkv("chunk_end_attention", q, k_own, v_own)
     if k_ends.shape != v_ends.shape or k_ends.shape[::2] != q.shape[::2] or k_ends.shape[3] != q.shape[3]:
@@ -64,7 +76,18 @@ def chunk_end_attention(
         query_chunk = query_chunk_index(q.shape[0], q.shape[1], chunk_size, start_position, q.device)
     elif query_chunk.shape != q.shape[:2]:
         raise ValueError(f"chunk_end_attention: query_chunk must be [batch, seq] = {tuple(q.shape[:2])}, got {tuple(query_chunk.shape)}.")
-    resolve_backend("reference" if backend == "auto" else backend, q.device, "chunk_end_attention")
+    impl = resolve_backend(backend, q.device, "chunk_end_attention")
+    if impl == "triton" and (backend == "triton" or _triton_fits(q)):
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k_own, v_own, k_ends, v_ends)
+        )
+        if q.shape[1] == 1 and not needs_grad:
+            from .decode import chunk_end_decode_triton
+
+            return chunk_end_decode_triton(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
+        from .triton import chunk_end_attention_triton
+
+        return chunk_end_attention_triton(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
     return chunk_end_attention_reference(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
 
 
@@ -88,7 +111,7 @@ def block_end_attention(
             f"block_end_attention: local_window ({local_window}) and num_sink_tokens ({num_sink_tokens}) must be >= 0."
         )
     impl = resolve_backend(backend, q.device, "block_end_attention")
-    if impl == "triton":
+    if impl == "triton" and (backend == "triton" or _triton_fits(q)):
         from .triton import block_end_attention_triton
 
         return block_end_attention_triton(q, k, v, block_size, local_window, num_sink_tokens, scale)

@@ -1,0 +1,92 @@
+"""Command line of the benchmark harness: ``hf-hybrid bench [options]`` or ``python -m hf_hybrid.bench``.
+
+Examples::
+
+    hf-hybrid bench                                   # every suite, paper shapes, needs a GPU
+    hf-hybrid bench --suites ops,layers --seqs 32768  # some suites, one sequence length
+    hf-hybrid bench --quick --device cpu              # tiny smoke run of the harness itself
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from .cases import BenchConfig
+from .report import fill_speedups, table, write_json, write_png
+from .runner import MODULES, Delegated, collect, run_case, run_delegated
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-hybrid bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suites", default="ops,layers,model,fox,rattention,se",
+                   help=f"comma-separated suites out of {', '.join(MODULES)} (or module paths)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the harness")
+    p.add_argument("--flex", action="store_true", help="also time flex_attention variants (compiles per shape)")
+    p.add_argument("--seqs", default=None, help="comma-separated sequence lengths overriding the suites' defaults")
+    p.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=10, help="timed calls per variant (at least 10)")
+    p.add_argument("--out", default="bench_results", help="folder for bench.json and bench.png")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("hf-hybrid bench: --device cuda but no CUDA device is visible; use --device cpu --quick for a smoke run.")
+        return 2
+    config = BenchConfig(
+        device=device, dtype=DTYPES[args.dtype], quick=args.quick, flex=args.flex, warmup=args.warmup,
+        repeat=args.repeat, seqs=tuple(int(s) for s in args.seqs.split(",")) if args.seqs else None,
+    )
+    results, skipped, delegated = [], [], []
+    for suite in [s.strip() for s in args.suites.split(",") if s.strip()]:
+        try:
+            cases, reason = collect(suite, config)
+        except Delegated as standalone:
+            delegated.append(standalone.module)
+            if args.list:
+                print(f"{suite} | standalone module {standalone.module.__name__} (runs its own main)")
+            continue
+        if reason:
+            skipped.append(f"{suite}: {reason}")
+            print(f"[bench] skipping suite {suite}: {reason}")
+        for case in cases:
+            if args.list:
+                print(f"{case.group} | {case.name} | {case.params} | {', '.join(case.variants)}")
+            elif args.only is None or args.only in case.name:
+                results.extend(run_case(case, config))
+    if args.list:
+        return 0
+    fill_speedups(results)
+    print()
+    print(table(results, markdown=args.markdown))
+    for module in delegated:
+        reason = run_delegated(module, config) if args.only is None else "--only given"
+        if reason:
+            skipped.append(f"{module.__name__}: {reason}")
+    for line in skipped:
+        print(f"skipped {line}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "hf-hybrid bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    write_json(results, out / "bench.json", command)
+    wrote_png = write_png(results, out / "bench.png")
+    why_no_png = " (no PNG: no timed results)" if not any(r.value is not None for r in results) else " (no PNG: matplotlib missing)"
+    print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if wrote_png else why_no_png))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

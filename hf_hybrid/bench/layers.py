@@ -1,0 +1,185 @@
+"""Layer benchmarks (projections included): RAT(L=16) and RAT+ token mixers vs an SDPA attention layer
+of the same width (hidden 2048, 16 heads x 128, bf16).
+
+* fwd+bwd: one training step of the mixer (input and every weight get gradients).
+* prefill: forward only, no cache (the papers' "prefilling" tables).
+* decode step: one new token per row at a fixed position over a filled cache. The SDPA layer keeps
+  a preallocated K/V cache (write one slot, attend over the filled prefix, no mask: the strongest
+  plain baseline); RAT uses the package's own RatLayerCache (chunk ends + recurrent state).
+
+The SDPA layer is written here (q/k/v/o projections, RoPE by position, causal SDPA) so that the
+baseline is the fastest plain attention layer and does not depend on any model code.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..layers.context import SequenceContext
+from ..layers.rotary import RotaryEmbedding, apply_rotary
+from .cases import BenchConfig, Case
+
+HIDDEN, HEADS, HEAD_DIM, CHUNK = 2048, 16, 128, 16
+TRAIN_TOKENS = 65536
+PREFILL_TOKENS = 131072
+
+
+class SdpaAttentionLayer(nn.Module):
+    """The baseline: q/k/v/o projections (no bias), RoPE by token position, SDPA (flash) attention."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, rope_theta: float = 10000.0):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.rotary = RotaryEmbedding(head_dim, rope_theta)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        shape = (batch, seq, self.heads, self.head_dim)
+        cos_sin = self.rotary(positions)
+        q = apply_rotary(self.q_proj(x).view(shape), cos_sin).transpose(1, 2)
+        k = apply_rotary(self.k_proj(x).view(shape), cos_sin).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        if kv_cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # decode: one query per row sees the whole filled prefix
+            k, v = kv_cache.write(k, v)
+            out = F.scaled_dot_product_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class StaticKV:
+    """Preallocated [batch, heads, length + 1, head_dim] K/V filled up to ``length``; every decode
+    call writes slot ``length`` and returns the filled prefix (the position stays fixed across calls)."""
+
+    def __init__(self, batch, heads, length, head_dim, device, dtype):
+        self.keys = torch.randn(batch, heads, length + 1, head_dim, device=device, dtype=dtype)
+        self.values = torch.randn_like(self.keys)
+        self.length = length
+
+    def write(self, k, v):
+        self.keys[:, :, self.length : self.length + 1] = k
+        self.values[:, :, self.length : self.length + 1] = v
+        return self.keys, self.values
+
+
+def _rat_layer(config: BenchConfig):
+    from ..layers.rat_attention import RatAttention
+
+    layer = RatAttention(HIDDEN, HEADS, HEAD_DIM, CHUNK, num_qk_groups=2, rope_theta=10000.0)
+    layer.reset_extra_parameters()
+    return layer.to(config.device, config.dtype)
+
+
+def _rat_plus_layer(config: BenchConfig):
+    from ..layers.rat_plus_attention import RatPlusAttention
+
+    return RatPlusAttention(HIDDEN, HEADS, HEADS, HEAD_DIM, layer_idx=0).to(config.device, config.dtype)
+
+
+def _context(batch: int, seq: int, past: int, device) -> SequenceContext:
+    return SequenceContext.build(batch, seq, past, None, None, device)
+
+
+def _step(layer: nn.Module, call, x: torch.Tensor, backward: bool):
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def run():
+        if backward:
+            out = call(x)
+            torch.autograd.grad(out, [x] + params, torch.ones_like(out))
+        else:
+            with torch.inference_mode():
+                call(x)
+    return run
+
+
+def sdpa_layer_builder(config: BenchConfig, batch: int, seq: int, backward: bool):
+    def build():
+        layer = SdpaAttentionLayer(HIDDEN, HEADS, HEAD_DIM).to(config.device, config.dtype)
+        x = torch.randn(batch, seq, HIDDEN, device=config.device, dtype=config.dtype, requires_grad=backward)
+        positions = torch.arange(seq, device=config.device).expand(batch, seq)
+        return _step(layer, lambda x: layer(x, positions), x, backward)
+    return build
+
+
+def rat_layer_builder(config: BenchConfig, batch: int, seq: int, backward: bool):
+    def build():
+        layer = _rat_layer(config)
+        x = torch.randn(batch, seq, HIDDEN, device=config.device, dtype=config.dtype, requires_grad=backward)
+        context = _context(batch, seq, 0, config.device)
+        return _step(layer, lambda x: layer(x, context), x, backward)
+    return build
+
+
+def rat_plus_layer_builder(config: BenchConfig, batch: int, seq: int, dilation: int):
+    def build():
+        from ..sparse import SparseInferenceConfig
+
+        layer = _rat_plus_layer(config)
+        sparse = SparseInferenceConfig(dilation=dilation, local_window=0, num_sink_tokens=0)
+        x = torch.randn(batch, seq, HIDDEN, device=config.device, dtype=config.dtype)
+        context = _context(batch, seq, 0, config.device)
+        return _step(layer, lambda x: layer(x, context, sparse_config=sparse), x, backward=False)
+    return build
+
+
+def sdpa_decode_builder(config: BenchConfig, batch: int, position: int):
+    def build():
+        layer = SdpaAttentionLayer(HIDDEN, HEADS, HEAD_DIM).to(config.device, config.dtype)
+        cache = StaticKV(batch, HEADS, position, HEAD_DIM, config.device, config.dtype)
+        x = torch.randn(batch, 1, HIDDEN, device=config.device, dtype=config.dtype)
+        positions = torch.full((batch, 1), position, device=config.device)
+        return _step(layer, lambda x: layer(x, positions, cache), x, backward=False)
+    return build
+
+
+def rat_decode_builder(config: BenchConfig, batch: int, position: int):
+    """RAT layer decode with its RatLayerCache holding position // L chunk ends and a recurrent state."""
+    def build():
+        from ..models.rat.cache_rat import RatLayerCache
+
+        layer = _rat_layer(config)
+        cache = RatLayerCache()
+        ends = torch.randn(batch, position // CHUNK, HEADS, HEAD_DIM, device=config.device, dtype=config.dtype)
+        cache.lazy_initialization(ends, ends)
+        cache.keys, cache.values = ends, torch.randn_like(ends)
+        state = torch.randn(batch, HEADS, HEAD_DIM, device=config.device, dtype=config.dtype)
+        cache.state_key, cache.state_value = state, torch.randn_like(state)
+        cache.cumulative_length = position
+        x = torch.randn(batch, 1, HIDDEN, device=config.device, dtype=config.dtype)
+        context = _context(batch, 1, position, config.device)
+        return _step(layer, lambda x: layer(x, context, cache), x, backward=False)
+    return build
+
+
+def cases(config: BenchConfig) -> list[Case]:
+    quick = config.quick
+    out: list[Case] = []
+    train_seqs = config.seqs or ((256,) if quick else (4096, 32768, 131072))
+    prefill_seqs = config.seqs or ((256,) if quick else (4096, 32768, 131072, 262144))
+    for seq in train_seqs:
+        batch = 1 if quick else max(1, TRAIN_TOKENS // seq)
+        out.append(Case("layer", "RAT(L=16) layer fwd+bwd", {"seq": seq, "batch": batch}, {
+            "sdpa_layer": sdpa_layer_builder(config, batch, seq, backward=True),
+            "rat_layer": rat_layer_builder(config, batch, seq, backward=True),
+        }))
+    for seq in prefill_seqs:
+        batch = 1 if quick else max(1, PREFILL_TOKENS // seq)
+        variants = {
+            "sdpa_layer": sdpa_layer_builder(config, batch, seq, backward=False),
+            "rat_layer": rat_layer_builder(config, batch, seq, backward=False),
+        }
+        if seq >= 32768 or quick:
+            variants["rat_plus_layer_D16"] = rat_plus_layer_builder(config, batch, seq, 16)
+        out.append(Case("layer", "layer prefill", {"seq": seq, "batch": batch}, variants))
+    position, batch = (512, 4) if quick else (4096, 512)
+    out.append(Case("layer", "RAT(L=16) layer decode step", {"position": position, "batch": batch}, {
+        "sdpa_layer": sdpa_decode_builder(config, batch, position),
+        "rat_layer": rat_decode_builder(config, batch, position),
+    }, x_key="position"))
+    return out

@@ -1,0 +1,62 @@
+"""Timing with CUDA events: warm-up calls first, then the median of >= 10 timed calls.
+
+Device work is asynchronous, so each call is bracketed by CUDA events and read after one final
+synchronize. Off CUDA (smoke runs) the host clock is used. Peak memory is reported per measure.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+MIN_REPEAT = 10
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    repeat: int
+    peak_mem_gb: float | None = None
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, repeat: int = MIN_REPEAT) -> Timing:
+    """Median wall time of ``fn()`` in milliseconds (repeat is raised to at least MIN_REPEAT)."""
+    repeat = max(repeat, MIN_REPEAT)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in events]
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        peak = None
+    return Timing(statistics.median(times), min(times), max(times), repeat, peak)
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop cached blocks between variants so each starts from an empty allocator."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

@@ -1,0 +1,82 @@
+"""Single-token decode over the compact chunk-end cache (RAT generation, RAT+ dilated decoding).
+
+One new query per row attends to the first n_b cached chunk ends of its row (n_b = query_chunk[b])
+plus its own gated key/value, exactly :func:`chunk_end_attention_reference` with seq = 1. A decode
+step is memory-bound (each cached end is read once), so the kernel is a plain streaming loop: one
+program per (row, head), scores as elementwise products (a 1-row matrix product would waste the
+tensor cores' tile), online softmax seeded with the own pair. Forward only: decoding needs no
+gradients; the autograd path is chunk_end_attention_triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KO, VO, KE, VE, QC, O,
+    sqb, sqh, skb, skh, svb, svh, seb, sec, seh, sfb, sfc, sfh, sob, soh, sqcb,
+    H, C, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * sqb + h * sqh + dims).to(tl.float32)
+    k_own = tl.load(KO + b * skb + h * skh + dims).to(tl.float32)
+    acc = tl.load(VO + b * svb + h * svh + dims).to(tl.float32)
+    m_i = tl.sum(q * k_own, 0) * qk_scale
+    l_i = m_i * 0.0 + 1.0
+    n = tl.minimum(tl.maximum(tl.load(QC + b * sqcb).to(tl.int32), 0), C)
+    KE += b * seb + h * seh
+    VE += b * sfb + h * sfh
+    for c0 in range(0, n, BLOCK_N):
+        offs = c0 + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        ke = tl.load(KE + offs[:, None] * sec + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        ve = tl.load(VE + offs[:, None] * sfc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.where(ok, tl.sum(ke * q[None, :], 1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * ve, 0)
+        m_i = m_new
+    tl.store(O + b * sob + h * soh + dims, (acc / l_i).to(O.dtype.element_ty))
+
+
+def chunk_end_decode_triton(
+    q: torch.Tensor,
+    k_own: torch.Tensor,
+    v_own: torch.Tensor,
+    k_ends: torch.Tensor,
+    v_ends: torch.Tensor,
+    query_chunk: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q, k_own, v_own [batch, 1, heads, head_dim]; k_ends, v_ends [batch, chunks, heads, head_dim] (any
+    strides with a contiguous last dim, e.g. a preallocated cache); query_chunk [batch, 1]: row b sees
+    ends 0 .. query_chunk[b] - 1. Returns [batch, 1, heads, head_dim] in q's dtype. Not differentiable."""
+    batch, seq, heads, head_dim = q.shape
+    if seq != 1:
+        raise ValueError(f"chunk_end_decode_triton: expects one query per row (seq 1), got seq {seq}.")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"chunk_end_decode_triton: head_dim must be a power of two >= 16, got {head_dim}.")
+    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_own, v_own, k_ends, v_ends)]
+    q, k_own, v_own, k_ends, v_ends = tensors
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _decode_kernel[(batch * heads,)](
+        q, k_own, v_own, k_ends, v_ends, query_chunk, out,
+        q.stride(0), q.stride(2), k_own.stride(0), k_own.stride(2), v_own.stride(0), v_own.stride(2),
+        k_ends.stride(0), k_ends.stride(1), k_ends.stride(2), v_ends.stride(0), v_ends.stride(1), v_ends.stride(2),
+        out.stride(0), out.stride(2), query_chunk.stride(0),
+        heads, k_ends.shape[1], scale * LOG2E,
+        BLOCK_N=64 if head_dim <= 128 else 32, HEAD_DIM=head_dim, num_warps=4,
+    )
+    return out

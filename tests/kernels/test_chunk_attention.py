@@ -1,0 +1,154 @@
+"""Triton block-end / chunk-end attention == the dense masked references, forward and all gradients.
+
+CPU cases run in Triton's interpreter with tiny shapes and 16 x 16 tiles (several tiles per
+sequence, so the unmasked, masked and ragged loops all run); `gpu` cases use real shapes and the
+H100 tile sizes.
+"""
+import pytest
+import torch
+
+from hf_hybrid.kernels.chunk_attention import (
+    block_end_attention,
+    block_end_attention_reference,
+    chunk_end_attention,
+    chunk_end_attention_reference,
+    chunk_ends,
+    query_chunk_index,
+)
+
+pytest.importorskip("hf_hybrid.kernels.chunk_attention.triton")
+from hf_hybrid.kernels.chunk_attention.decode import chunk_end_decode_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _grads(fn, inputs, weight):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    (out.float() * weight).sum().backward()
+    return [out] + [leaf.grad for leaf in leaves]
+
+
+def _assert_close(out, ref, names, atol, rtol):
+    for name, a, b in zip(names, out, ref):
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+BLOCK_CASES = [
+    # batch, seq, heads, head_dim, block_size (D), local_window (W), sinks (S)
+    (1, 37, 2, 16, 4, 0, 0),    # RAT(L=4): chunk ends + own, odd length
+    (2, 40, 1, 32, 5, 3, 2),    # RAT+ D=5 with a window and sinks
+    (1, 35, 2, 16, 3, 17, 4),   # window longer than a tile
+    (1, 33, 1, 16, 1, 0, 0),    # D = 1: dense causal attention
+    (1, 34, 1, 16, 2, 0, 0),    # many ends per tile: unmasked loops run
+    (1, 33, 1, 16, 8, 20, 17),  # sinks beyond the first block end
+    (1, 29, 1, 16, 40, 0, 0),   # D > T: own token only
+]
+
+
+@pytest.mark.parametrize("batch,seq,heads,head_dim,D,W,S", BLOCK_CASES)
+def test_block_end_fp32(batch, seq, heads, head_dim, D, W, S):
+    inputs = [_randn(batch, seq, heads, head_dim, seed=i) for i in range(3)]
+    weight = _randn(batch, seq, heads, head_dim, seed=9)
+    ref = _grads(lambda q, k, v: block_end_attention_reference(q.double(), k.double(), v.double(), D, W, S), inputs, weight)
+    out = _grads(lambda q, k, v: block_end_attention(q, k, v, D, W, S, backend="triton"), inputs, weight)
+    _assert_close(out, ref, ["out", "dq", "dk", "dv"], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("D,W,S", [(4, 0, 0), (3, 5, 4)])
+def test_block_end_bf16(D, W, S):
+    inputs = [_randn(2, 39, 2, 32, dtype=torch.bfloat16, seed=i) for i in range(3)]
+    weight = _randn(2, 39, 2, 32, seed=9)
+    ref = _grads(lambda q, k, v: block_end_attention_reference(q, k, v, D, W, S), inputs, weight)
+    out = _grads(lambda q, k, v: block_end_attention(q, k, v, D, W, S, backend="triton"), inputs, weight)
+    _assert_close(out, ref, ["out", "dq", "dk", "dv"], atol=4e-2, rtol=4e-2)
+
+
+@pytest.mark.parametrize("seq,L,start,chunks", [(37, 4, 0, 10), (21, 4, 13, 12), (18, 3, 0, 6)])
+def test_chunk_end_fp32(seq, L, start, chunks):
+    q, k, v = [_randn(2, seq, 2, 16, seed=i) for i in range(3)]
+    ke, ve = [_randn(2, chunks, 2, 16, seed=5 + i) for i in range(2)]
+    weight = _randn(2, seq, 2, 16, seed=9)
+    qc = query_chunk_index(2, seq, L, start, q.device)
+    ref = _grads(lambda *t: chunk_end_attention_reference(*(x.double() for x in t), qc), [q, k, v, ke, ve], weight)
+    out = _grads(lambda *t: chunk_end_attention(*t, query_chunk=qc, backend="triton"), [q, k, v, ke, ve], weight)
+    _assert_close(out, ref, ["out", "dq", "dk_own", "dv_own", "dk_ends", "dv_ends"], atol=2e-5, rtol=2e-5)
+
+
+def test_chunk_end_per_row_chunks():
+    """Rows at different positions (left padding): per-row query_chunk, including clipped values."""
+    q, k, v = [_randn(2, 19, 1, 16, seed=i) for i in range(3)]
+    ke, ve = [_randn(2, 7, 1, 16, seed=5 + i) for i in range(2)]
+    qc = torch.stack([torch.arange(19) // 3, (torch.arange(19) + 5) // 3]).clamp(max=7).to(DEVICE)
+    weight = _randn(2, 19, 1, 16, seed=9)
+    ref = _grads(lambda *t: chunk_end_attention_reference(*(x.double() for x in t), qc), [q, k, v, ke, ve], weight)
+    out = _grads(lambda *t: chunk_end_attention(*t, query_chunk=qc, backend="triton"), [q, k, v, ke, ve], weight)
+    _assert_close(out, ref, ["out", "dq", "dk_own", "dv_own", "dk_ends", "dv_ends"], atol=2e-5, rtol=2e-5)
+
+
+def test_rat_block_and_compact_agree():
+    """RAT in both layouts: block_end over k~ itself == chunk_end over its strided chunk ends."""
+    q, k, v = [_randn(1, 30, 2, 16, seed=i) for i in range(3)]
+    block = block_end_attention(q, k, v, 4, backend="triton")
+    compact = chunk_end_attention(q, k, v, chunk_ends(k, 4), chunk_ends(v, 4), chunk_size=4, backend="triton")
+    torch.testing.assert_close(block, compact, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_matches_reference():
+    q, k, v = [_randn(3, 1, 2, 32, seed=i) for i in range(3)]
+    cache_k, cache_v = [_randn(3, 80, 2, 32, seed=5 + i) for i in range(2)]  # preallocated, partly filled
+    qc = torch.tensor([[0], [17], [80]], device=DEVICE)
+    ref = chunk_end_attention_reference(q, k, v, cache_k, cache_v, qc)
+    torch.testing.assert_close(chunk_end_decode_triton(q, k, v, cache_k, cache_v, qc), ref, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the public op routes seq = 1 without gradients to the decode kernel
+        routed = chunk_end_attention(q, k, v, cache_k[:, :40], cache_v[:, :40], query_chunk=qc.clamp(max=40), backend="triton")
+    torch.testing.assert_close(routed, chunk_end_attention_reference(q, k, v, cache_k[:, :40], cache_v[:, :40], qc.clamp(max=40)))
+
+
+def test_errors_name_the_problem():
+    q = _randn(1, 8, 1, 12)
+    with pytest.raises(ValueError, match="head_dim"):
+        block_end_attention(q, q, q, 4, backend="triton")
+    with pytest.raises(ValueError, match="block_size"):
+        block_end_attention(q, q, q, 0, backend="triton")
+    assert block_end_attention(q, q, q, 4).shape == q.shape  # auto falls back to the reference off-fit
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,W,S", [(16, 0, 0), (64, 0, 0), (16, 256, 4), (8, 100, 4), (1, 0, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_block_end_real_shapes(D, W, S, dtype):
+    q, k, v = [_randn(1, 2051, 4, 128, dtype=dtype, seed=i) for i in range(3)]
+    weight = _randn(1, 2051, 4, 128, seed=9)
+    ref = _grads(lambda q, k, v: block_end_attention_reference(q.float(), k.float(), v.float(), D, W, S), [q, k, v], weight)
+    out = _grads(lambda q, k, v: block_end_attention(q, k, v, D, W, S, backend="triton"), [q, k, v], weight)
+    tol = 3e-3 if dtype == torch.float32 else 2e-2  # fp32 runs TF32 tensor-core products on GPU
+    for name, a, b in zip(["out", "dq", "dk", "dv"], out, ref):
+        assert _rel(a, b) < tol, f"{name}: relative error {_rel(a, b):.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_end_and_decode_real_shapes():
+    q, k, v = [_randn(2, 1500, 8, 128, dtype=torch.bfloat16, seed=i) for i in range(3)]
+    ke, ve = [_randn(2, 200, 8, 128, dtype=torch.bfloat16, seed=5 + i) for i in range(2)]
+    qc = query_chunk_index(2, 1500, 16, 1700, q.device)
+    weight = _randn(2, 1500, 8, 128, seed=9)
+    ref = _grads(lambda *t: chunk_end_attention_reference(*(x.float() for x in t), qc), [q, k, v, ke, ve], weight)
+    out = _grads(lambda *t: chunk_end_attention(*t, query_chunk=qc), [q, k, v, ke, ve], weight)
+    for name, a, b in zip(["out", "dq", "dk_own", "dv_own", "dk_ends", "dv_ends"], out, ref):
+        assert _rel(a, b) < 2e-2, f"{name}: relative error {_rel(a, b):.2e}"
+    qd, kd, vd = q[:, :1], k[:, :1], v[:, :1]
+    qcd = torch.randint(0, 201, (2, 1), device=q.device)
+    ref = chunk_end_attention_reference(qd.float(), kd.float(), vd.float(), ke.float(), ve.float(), qcd)
+    assert _rel(chunk_end_decode_triton(qd, kd, vd, ke, ve, qcd), ref) < 1e-2
