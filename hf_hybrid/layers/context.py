@@ -76,15 +76,19 @@ class SequenceContext:
 
     def attention_mask(self, num_keys: int, key_start: int, window: int | None = None) -> torch.Tensor | None:
         """Boolean [batch, 1, seq, num_keys] mask for softmax attention over keys with absolute indices
-        key_start .. key_start + num_keys - 1, or None when plain causal attention over the whole
-        sequence applies (no cache, no padding, no window).
+        key_start .. key_start + num_keys - 1, or None when nothing needs masking beyond plain causal
+        attention over the whole sequence (so SDPA can take its flash path).
 
         Key j is visible to query i iff j <= i, i - j < window (when given; transformers' convention,
         the token itself counts) and j is a real token. The diagonal stays visible so that rows of
         padding queries never become empty (their outputs are ignored).
         """
         seq_length = self.positions.shape[1]
-        if key_start == self.past_length == 0 and num_keys == seq_length and self.key_valid is None and window is None:
+        if self.key_valid is None and (
+            (key_start == self.past_length == 0 and num_keys == seq_length and window is None)
+            # One new token: every key a cache layer returns is visible (window caches keep only the window).
+            or (seq_length == 1 and (window is None or num_keys <= window))
+        ):
             return None
         device = self.positions.device
         query_index = torch.arange(self.past_length, self.past_length + seq_length, device=device)[:, None]

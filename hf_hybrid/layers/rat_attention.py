@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.chunk_attention import chunk_end_attention, chunk_ends
+from ..kernels.chunk_attention import block_end_attention, chunk_end_attention, chunk_ends
 from ..kernels.gated_recurrence import gated_recurrence
 from .context import SequenceContext
 from .rotary import apply_rotary, build_rotary
@@ -74,19 +74,24 @@ class RatAttention(nn.Module):
         else:
             self.gate_bias.zero_()
 
+    def _expand_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, groups, dim] -> [batch, seq, heads, dim]; head h reads group h % num_qk_groups."""
+        batch, seq, groups, dim = x.shape
+        return x.unsqueeze(2).expand(batch, seq, self.num_heads // groups, groups, dim).reshape(batch, seq, self.num_heads, dim)
+
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
-        heads, dim, L = self.num_heads, self.head_dim, self.chunk_size
-        head_group = torch.arange(heads, device=hidden_states.device) % self.num_qk_groups
-        q = self.q_proj(hidden_states).view(batch, seq, self.num_qk_groups, dim)[:, :, head_group]
-        k = self.k_proj(hidden_states).view(batch, seq, self.num_qk_groups, dim)[:, :, head_group]
+        heads, dim, L, groups = self.num_heads, self.head_dim, self.chunk_size, self.num_qk_groups
+        q = self.q_proj(hidden_states).view(batch, seq, groups, dim)
+        k = self._expand_groups(self.k_proj(hidden_states).view(batch, seq, groups, dim))
         v = self.v_proj(hidden_states).view(batch, seq, heads, dim)
         gate = torch.sigmoid(self.g_proj(hidden_states).float() + self.gate_bias.float()).view(batch, seq, heads, dim)
         out_gate = torch.sigmoid(self.z_proj(hidden_states))
 
-        positions = context.positions
         state_k, state_v = cache_layer.recurrent_state() if cache_layer is not None else (None, None)
         start = context.uniform_start
+        # Unpadded rows share their positions: compute per-position tables once, not per row.
+        positions = context.positions[:1] if start is not None else context.positions
         if start is not None:
             k_tilde = gated_recurrence(k, gate, L, start, state_k, backend=self.backend)
             v_tilde = gated_recurrence(v, gate, L, start, state_v, backend=self.backend)
@@ -102,13 +107,22 @@ class RatAttention(nn.Module):
 
         chunk_index = torch.div(positions, L, rounding_mode="floor")
         cos_sin = self.rotary(chunk_index) if self.rotary is not None else None
-        q, k_rot = apply_rotary(q, cos_sin), apply_rotary(k_tilde, cos_sin)
+        # q is shared by the heads of a group: rotate the groups, then expand.
+        q, k_rot = self._expand_groups(apply_rotary(q, cos_sin)), apply_rotary(k_tilde, cos_sin)
+
+        if cache_layer is None and start == 0 and hidden_states.is_cuda:
+            # Whole sequence from position 0: the fused kernel reads the chunk ends in place.
+            y = block_end_attention(q, k_rot, v_tilde, L, backend=self.backend)
+            return self.o_proj(out_gate * y.reshape(batch, seq, heads * dim))
 
         closes_chunk = (positions + 1) % L == 0
         if context.query_valid is not None:
             closes_chunk = closes_chunk & context.query_valid
         if cache_layer is not None:
-            k_ends, v_ends = cache_layer.update(k_rot, v_tilde, chunk_index, closes_chunk, k_tilde[:, -1], v_tilde[:, -1])
+            k_ends, v_ends = cache_layer.update(
+                k_rot, v_tilde, chunk_index.expand(batch, seq), closes_chunk.expand(batch, seq),
+                k_tilde[:, -1], v_tilde[:, -1], start_position=start, chunk_size=L,
+            )
         elif start == 0:
             k_ends, v_ends = chunk_ends(k_rot, L), chunk_ends(v_tilde, L)
         else:
@@ -116,5 +130,5 @@ class RatAttention(nn.Module):
             k_ends = scatter_chunk_ends(k_rot, chunk_index, closes_chunk, num_chunks)
             v_ends = scatter_chunk_ends(v_tilde, chunk_index, closes_chunk, num_chunks)
 
-        y = chunk_end_attention(q, k_rot, v_tilde, k_ends, v_ends, query_chunk=chunk_index, backend=self.backend)
+        y = chunk_end_attention(q, k_rot, v_tilde, k_ends, v_ends, query_chunk=chunk_index.expand(batch, seq), backend=self.backend)
         return self.o_proj(out_gate * y.reshape(batch, seq, heads * dim))

@@ -26,15 +26,33 @@ class RatLayerCache(CacheLayerMixin):
     def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
         super().__init__()
         self.cumulative_length = 0
+        self.num_slots = 0
         self.state_key: torch.Tensor | None = None
         self.state_value: torch.Tensor | None = None
+        # Chunk ends live in buffers that grow by doubling; keys / values are views of the used slots.
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, _, heads, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros(batch, 0, heads, dim)
-        self.values = value_states.new_zeros(batch, 0, heads, dim)
+        self._key_buffer = key_states.new_zeros(batch, 0, heads, dim)
+        self._value_buffer = value_states.new_zeros(batch, 0, heads, dim)
+        self._refresh_views()
         self.is_initialized = True
+
+    def _refresh_views(self) -> None:
+        self.keys = self._key_buffer[:, : self.num_slots]
+        self.values = self._value_buffer[:, : self.num_slots]
+
+    def _reserve(self, slots: int) -> None:
+        capacity = self._key_buffer.shape[1]
+        if slots > capacity:
+            grown = max(slots, 2 * capacity)
+            pad = lambda b: torch.cat([b, b.new_zeros(b.shape[0], grown - capacity, *b.shape[2:])], dim=1)
+            self._key_buffer, self._value_buffer = pad(self._key_buffer), pad(self._value_buffer)
+        self.num_slots = max(self.num_slots, slots)
+        self._refresh_views()
 
     def recurrent_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """k~, v~ after the last cached token (None before the first update)."""
@@ -48,28 +66,38 @@ class RatLayerCache(CacheLayerMixin):
         closes_chunk: torch.Tensor,
         state_key: torch.Tensor,
         state_value: torch.Tensor,
+        start_position: int | None = None,
+        chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the chunk ends of a new segment and the recurrent state after it.
 
         key_states / value_states [batch, seq, heads, head_dim]: rotated k~ and v~ of the segment;
         chunk_index / closes_chunk [batch, seq]: each token's chunk and whether it ends it;
         state_key / state_value [batch, heads, head_dim]: un-rotated k~, v~ of the segment's last token.
+        When every row shares its positions (``start_position`` and ``chunk_size`` given), the slots
+        are worked out on the host: no device-to-host sync per decoding step.
         Returns all chunk ends held, for the segment's attention.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[1]
+        seq = key_states.shape[1]
+        self.cumulative_length += seq
         self.state_key, self.state_value = state_key, state_value
+        if start_position is not None:
+            first = (chunk_size - 1 - start_position) % chunk_size  # offset of the first token closing a chunk
+            if first < seq:
+                first_slot = (start_position + first) // chunk_size
+                count = len(range(first, seq, chunk_size))
+                self._reserve(first_slot + count)
+                self._key_buffer[:, first_slot : first_slot + count] = key_states[:, first::chunk_size]
+                self._value_buffer[:, first_slot : first_slot + count] = value_states[:, first::chunk_size]
+            return self.keys, self.values
         rows, cols = closes_chunk.nonzero(as_tuple=True)
         if rows.numel():
             slots = chunk_index[rows, cols]
-            needed = int(slots.max()) + 1
-            if needed > self.keys.shape[1]:
-                grow = needed - self.keys.shape[1]
-                self.keys = torch.cat([self.keys, self.keys.new_zeros(self.keys.shape[0], grow, *self.keys.shape[2:])], 1)
-                self.values = torch.cat([self.values, self.values.new_zeros(self.values.shape[0], grow, *self.values.shape[2:])], 1)
-            self.keys[rows, slots] = key_states[rows, cols].to(self.keys.dtype)
-            self.values[rows, slots] = value_states[rows, cols].to(self.values.dtype)
+            self._reserve(int(slots.max()) + 1)
+            self._key_buffer[rows, slots] = key_states[rows, cols].to(self._key_buffer.dtype)
+            self._value_buffer[rows, slots] = value_states[rows, cols].to(self._value_buffer.dtype)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -84,17 +112,20 @@ class RatLayerCache(CacheLayerMixin):
     @property
     def num_entries(self) -> int:
         """Key/value entries held per row and head: one per completed chunk."""
-        return 0 if self.keys is None else self.keys.shape[1]
+        return self.num_slots
 
     def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.state_key, self.state_value)
+        """Bytes allocated: chunk-end buffers (capacity, not just used slots) and recurrent states."""
+        tensors = (self._key_buffer, self._value_buffer, self.state_key, self.state_value)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def _map_tensors(self, fn) -> None:
-        for name in ("keys", "values", "state_key", "state_value"):
+        for name in ("_key_buffer", "_value_buffer", "state_key", "state_value"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
+        if self._key_buffer is not None:
+            self._refresh_views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -105,10 +136,17 @@ class RatLayerCache(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_tensors(lambda t: t[indices, ...])
 
+    def offload(self):
+        self._map_tensors(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        self._map_tensors(lambda t: t.to(self.device, non_blocking=True))
+
     def reset(self) -> None:
         self.keys = self.values = self.state_key = self.state_value = None
+        self._key_buffer = self._value_buffer = None
         self.is_initialized = False
-        self.cumulative_length = 0
+        self.cumulative_length = self.num_slots = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
