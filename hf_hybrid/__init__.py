@@ -2,7 +2,11 @@
 
 ``import hf_hybrid`` registers every architecture with AutoConfig / AutoModel / AutoModelForCausalLM.
 """
-from .models import register_all as _register_all
+from ._checkout import map_checkout_folders as _map_checkout_folders
+
+_map_checkout_folders(__name__, __file__)
+
+from .models import register_all as _register_all  # noqa: E402
 
 __version__ = "0.1.0"
 
