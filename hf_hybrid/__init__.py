@@ -14,8 +14,16 @@ _register_all()
 
 from .models.fox import FoxCache, FoxConfig, FoxForCausalLM, FoxModel  # noqa: E402
 from .models.rat import RatCache, RatConfig, RatForCausalLM, RatModel  # noqa: E402
+from .models.rat_plus import RatPlusCache, RatPlusConfig, RatPlusForCausalLM, RatPlusModel  # noqa: E402
+from .sparse import AttentionPattern, SparseInferenceConfig  # noqa: E402
 
 __all__ = [
+    "AttentionPattern",
+    "SparseInferenceConfig",
+    "RatPlusCache",
+    "RatPlusConfig",
+    "RatPlusForCausalLM",
+    "RatPlusModel",
     "FoxCache",
     "FoxConfig",
     "FoxForCausalLM",

@@ -11,6 +11,7 @@ if __name__ != "kernels":
     from .chunk_attention import block_end_attention, chunk_end_attention
     from .forgetting_attention import forgetting_attention, forgetting_attention_with_cache
     from .gated_recurrence import gated_recurrence
+    from .topk_block_attention import topk_block_attention
 
 __all__ = [
     "block_end_attention",
@@ -18,4 +19,5 @@ __all__ = [
     "forgetting_attention",
     "forgetting_attention_with_cache",
     "gated_recurrence",
+    "topk_block_attention",
 ]

@@ -26,3 +26,14 @@ def test_pretrain_example_learns_and_saves(tmp_path, model_type, extra):
     assert summary["last_loss"] < summary["first_loss"] - 0.5, summary
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert reloaded.config.model_type == model_type
+
+
+def test_convert_and_adapt_example():
+    result = load_example("convert_and_adapt").main([])
+    assert result["max_logit_difference"] < 1e-4
+    assert result["loss_after"]["D=16"] < result["loss_before"]["D=16"] - 0.3
+
+
+def test_sparse_generation_example():
+    result = load_example("sparse_generation").main([])
+    assert result["entries"]["D=16"][0] < result["entries"]["dense"][0]

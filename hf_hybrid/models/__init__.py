@@ -5,6 +5,7 @@ import importlib
 
 ARCHITECTURES = [
     "rat",
+    "rat_plus",
     "fox",
 ]
 

@@ -1,0 +1,194 @@
+"""RAT+ token mixer (RAT+ paper Sec. 4, Appendix A.1; notes/official_code_facts.md "RAT+ layer").
+
+For input x (after the block's pre-norm), with H query heads and H_kv key/value heads (GQA):
+
+    q = W_q x   [H, d]        k = W_k x, v = W_v x   [H_kv, d]
+    g = sigmoid(W_g x (+ b_g))  [H_kv, d], float32   recurrence gate, per head and dimension
+    k~_t = g_t * k~_{t-1} + (1 - g_t) * k_t          full-sequence recurrence (no chunk restarts),
+    v~_t = g_t * v~_{t-1} + (1 - g_t) * v_t          accumulated in float32, then the model dtype
+    q, k~ rotated by token position (RoPE after the recurrence; NoPE when rope_theta is None)
+    y    = softmax attention of q over (k~, v~) under the call's sparse pattern, scale d^-0.5
+    out  = W_o (sigmoid(W_z x) * y)                   output gate
+
+Sparse pattern per head (``hf_hybrid.sparse``): dense causal (D = 1), dilated (key j visible to
+query i iff j <= i and ((j + 1) % D == 0 or i - j <= W or j < I)), or top-k blocks (|| dilation).
+Head groups with different patterns (layer/head hybrids) are computed separately.
+
+Differences from the official code, on purpose: the projections are separate Linear layers with
+Llama's names (q/k/v/o_proj) plus g_proj (recurrence gate) and z_proj (output gate), so dense
+Llama checkpoints convert one to one; k/v may have fewer heads than q (GQA), so the gate has the
+k/v width; ``recurrence_gate_bias`` adds a bias to g_proj (off by default, as in the official
+code; the dense-to-RAT+ conversion uses it to start with the gate closed). ``use_recurrence=False``
+drops g_proj and uses k~ = k, v~ = v: the paper's attention baseline with output gate (D-dagger).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..kernels._backend import resolve_backend
+from ..kernels.chunk_attention import block_end_attention
+from ..kernels.gated_recurrence import gated_recurrence
+from ..kernels.topk_block_attention import (
+    block_scores,
+    block_summaries,
+    dilated_mask,
+    masked_attention_reference,
+    select_blocks,
+    topk_block_mask,
+)
+from ..sparse import AttentionPattern, SparseInferenceConfig
+from .context import SequenceContext
+from .rotary import apply_rotary, build_rotary
+
+DENSE = SparseInferenceConfig(dilation=1, num_sink_tokens=0)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, reference: bool) -> torch.Tensor:
+    """Softmax attention, q/k/v [batch, seq, heads, head_dim] (equal heads), bool mask [batch, 1|heads, q, k].
+
+    mask None means plain causal attention with queries and keys aligned. ``reference`` computes in
+    float32 from the definition (``masked_attention_reference``), else SDPA. Queries that see no key
+    (padding only) get a finite output (zero in the reference, all keys with SDPA); it is ignored.
+    """
+    if reference:
+        if mask is None:
+            causal = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - q.shape[1])
+            mask = causal[None, None]
+        return masked_attention_reference(q, k, v, mask)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+    else:
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+class RatPlusAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        rope_theta: float | None = 10000.0,
+        use_recurrence: bool = True,
+        recurrence_gate_bias: bool = False,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads}).")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx, self.backend, self.use_recurrence = layer_idx, backend, use_recurrence
+        kv_dim = num_kv_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, kv_dim, bias=False)
+        if use_recurrence:
+            self.g_proj = nn.Linear(hidden_size, kv_dim, bias=recurrence_gate_bias)
+        self.z_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.rotary = build_rotary(head_dim, rope_theta)
+
+    # ------------------------------------------------------------------ recurrence
+    def recurrence(self, x, k, v, context: SequenceContext, cache_layer):
+        """float32 k~, v~ [batch, seq, kv_heads, head_dim] (see the module docstring)."""
+        if not self.use_recurrence:
+            return k.float(), v.float()
+        batch, seq = x.shape[:2]
+        gate = torch.sigmoid(self.g_proj(x).float()).view(batch, seq, self.num_kv_heads, self.head_dim)
+        if context.query_valid is not None:
+            # Padding must not touch the state: a gate of 1 keeps it and ignores the input.
+            gate = gate.masked_fill(~context.query_valid[:, :, None, None], 1.0)
+        state_k, state_v = cache_layer.recurrent_state() if cache_layer is not None else (None, None)
+        start = context.past_length
+        k_tilde = gated_recurrence(k.float(), gate, 0, start, state_k, backend=self.backend)
+        v_tilde = gated_recurrence(v.float(), gate, 0, start, state_v, backend=self.backend)
+        return k_tilde, v_tilde
+
+    # ------------------------------------------------------------------ attention per head group
+    def _expand(self, x: torch.Tensor, kv_heads: list[int], heads: tuple[int, ...]) -> torch.Tensor:
+        """[.., len(kv_heads), d] -> one slice per query head of the group (head h reads kv h // rep)."""
+        rep = self.num_heads // self.num_kv_heads
+        index = [kv_heads.index(h // rep) for h in heads]
+        if index == list(range(x.shape[2])):
+            return x
+        return x.index_select(2, torch.tensor(index, device=x.device))
+
+    def _group_attention(self, pattern: AttentionPattern, heads, kv_heads, q, keys, values, q_pos, k_pos, summary, fresh):
+        """Attention of one head group. ``fresh``: keys are exactly this call's tokens, unpadded, from position 0."""
+        reference = self.backend == "reference"
+        k, v = self._expand(keys, kv_heads, heads), self._expand(values, kv_heads, heads)
+        if pattern.kind == "dense":
+            mask = None if fresh else dilated_mask(q_pos, k_pos, 1)[:, None]
+            return attend(q, k, v, mask, reference)
+        if pattern.kind == "dilated":
+            if (
+                fresh
+                and self.backend in ("auto", "triton")
+                and resolve_backend(self.backend, q.device, "block_end_attention") == "triton"
+            ):
+                return block_end_attention(q, k, v, pattern.dilation, pattern.local_window, pattern.num_sink_tokens, backend=self.backend)
+            mask = dilated_mask(q_pos, k_pos, pattern.dilation, pattern.local_window, pattern.num_sink_tokens)
+            return attend(q, k, v, mask[:, None], reference)
+        size = pattern.block_size
+        if summary is None:
+            num_blocks = int(k_pos.max() + 1) // size
+            summary = block_summaries(keys, k_pos, size, pattern.block_scoring, num_blocks)
+        stats, complete = summary
+        scores = block_scores(q, self._expand(stats, kv_heads, heads), pattern.block_scoring)
+        selected = select_blocks(scores, q_pos, complete, size, pattern.top_k)
+        mask = topk_block_mask(
+            selected, q_pos, k_pos, size, pattern.dilation, pattern.local_window, pattern.num_sink_tokens
+        )
+        return attend(q, k, v, mask, reference)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: SequenceContext,
+        cache_layer=None,
+        sparse_config: SparseInferenceConfig | None = None,
+    ) -> torch.Tensor:
+        batch, seq, _ = hidden_states.shape
+        heads, kv, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        groups = (sparse_config or DENSE).layer_groups(self.layer_idx, heads)
+        rep = heads // kv
+        group_kv = [sorted({h // rep for h in group_heads}) for _, group_heads in groups]
+
+        q = self.q_proj(hidden_states).view(batch, seq, heads, dim)
+        k = self.k_proj(hidden_states).view(batch, seq, kv, dim)
+        v = self.v_proj(hidden_states).view(batch, seq, kv, dim)
+        k_tilde, v_tilde = self.recurrence(hidden_states, k, v, context, cache_layer)
+        cos_sin = self.rotary(context.positions) if self.rotary is not None else None
+        q = apply_rotary(q, cos_sin)
+        k_rot = apply_rotary(k_tilde.to(q.dtype), cos_sin)
+        v_tilde_model = v_tilde.to(q.dtype)
+
+        q_pos = context.positions
+        k_pos_new = q_pos if context.query_valid is None else q_pos.masked_fill(~context.query_valid, -1)
+        if cache_layer is not None:
+            per_group = cache_layer.update(
+                k_rot, v_tilde_model, k_pos_new, groups, group_kv, k_tilde[:, -1], v_tilde[:, -1]
+            )
+        else:
+            per_group = []
+            for kv_heads in group_kv:
+                index = torch.tensor(kv_heads, device=k_rot.device)
+                per_group.append((k_rot.index_select(2, index), v_tilde_model.index_select(2, index), k_pos_new, None))
+        fresh = cache_layer is None and context.key_valid is None and context.past_length == 0
+
+        y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
+        for (pattern, group_heads), kv_heads, (keys, values, k_pos, summary) in zip(groups, group_kv, per_group):
+            q_group = q if len(groups) == 1 else q[:, :, list(group_heads)]
+            out = self._group_attention(pattern, group_heads, kv_heads, q_group, keys, values, q_pos, k_pos, summary, fresh)
+            if y is None:
+                y = out
+            else:
+                y[:, :, list(group_heads)] = out
+        gate = torch.sigmoid(self.z_proj(hidden_states))
+        return self.o_proj(gate * y.reshape(batch, seq, heads * dim))

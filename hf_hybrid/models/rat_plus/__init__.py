@@ -1,0 +1,23 @@
+from .cache_rat_plus import DilatedStore, FullStore, RatPlusCache, RatPlusLayerCache
+from .configuration_rat_plus import RatPlusConfig
+from .modeling_rat_plus import RatPlusCausalLMOutput, RatPlusForCausalLM, RatPlusModel, RatPlusPreTrainedModel
+
+
+def register() -> None:
+    from ..registry import register_architecture
+
+    register_architecture(RatPlusConfig, RatPlusModel, RatPlusForCausalLM)
+
+
+__all__ = [
+    "DilatedStore",
+    "FullStore",
+    "RatPlusCache",
+    "RatPlusCausalLMOutput",
+    "RatPlusConfig",
+    "RatPlusForCausalLM",
+    "RatPlusLayerCache",
+    "RatPlusModel",
+    "RatPlusPreTrainedModel",
+    "register",
+]

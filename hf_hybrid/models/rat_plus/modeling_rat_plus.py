@@ -1,0 +1,140 @@
+"""RAT+ as a transformers model: train dense, infer sparse (RAT+ paper Sec. 4-5).
+
+Block (shared backbone, ``hf_hybrid.layers.backbone``): x + mixer(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)),
+with :class:`hf_hybrid.layers.rat_plus_attention.RatPlusAttention` as the mixer of every layer
+(full-sequence gated recurrence on k and v, RoPE after it, output gate, sparse pattern per call).
+
+Inference pattern per call: ``model(ids, sparse_config=SparseInferenceConfig(...))`` and
+``model.generate(ids, sparse_config=...)`` (generate hands unknown keywords to forward as
+model_kwargs, which is why ``sparse_config`` is an explicit forward parameter); without it, the
+config's stored default is used. Decoding uses :class:`RatPlusCache`, which keeps only what the
+pattern needs.
+
+Active recurrence learning (paper Sec. 4 "Active recurrence learning", Table 12; official code):
+the paper trains every batch in a dense case (D = 1) and a sparse case (D = L* = 64, no window,
+no sinks), so the recurrence must learn the length 64 that dilation needs, while the dense case
+keeps full attention capacity; the official code runs two forwards of the same batch, switching
+the whole model between the two masks. The paper does not write the combination rule; Table 12's
+ablation "0.5 L_D64 + 0.5 L_D1" is reported worse "because dense connectivity is not sufficiently
+learned", which reads as splitting each batch between the cases (a constant factor on the loss
+hardly changes Adam's steps). Our choice: every training pattern sees the whole batch and the
+loss is sum_i w_i L_i with w_i = 1 by default (``training_loss_weights`` changes it), costing one
+forward per pattern. The patterns come from ``config.training_dilations`` (default [1, 64]) or
+the forward keyword ``training_dilations=``; it applies in training mode when ``labels`` are
+given and no ``sparse_config`` is passed (an explicit ``sparse_config`` trains that one pattern,
+e.g. for single-pattern resolution adaptation), and in any mode when ``training_dilations`` is
+passed explicitly. The returned logits are those of the first pattern; ``pattern_losses`` holds
+each pattern's loss (detached) for logging.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ...layers.rat_plus_attention import RatPlusAttention
+from ...sparse import SparseInferenceConfig
+from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from .cache_rat_plus import RatPlusCache
+from .configuration_rat_plus import RatPlusConfig
+
+
+@dataclass
+class RatPlusCausalLMOutput(CausalLMOutputWithPast):
+    """CausalLMOutputWithPast plus ``pattern_losses`` [num_patterns] when the joint objective ran."""
+
+    pattern_losses: torch.FloatTensor | None = None
+
+
+class RatPlusPreTrainedModel(HybridPreTrainedModel):
+    config_class = RatPlusConfig
+    config: RatPlusConfig
+
+
+class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
+    cache_class = RatPlusCache
+    mixer_forward_kwargs = ("sparse_config",)
+
+    def build_mixer(self, config: RatPlusConfig, layer_idx: int) -> nn.Module:
+        return RatPlusAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            layer_idx,
+            rope_theta=config.rope_theta if config.use_rope else None,
+            use_recurrence=config.use_recurrence,
+            recurrence_gate_bias=config.recurrence_gate_bias,
+            backend=config.kernel_backend,
+        )
+
+    def _check_cache(self, cache: Cache) -> None:
+        if not isinstance(cache, RatPlusCache):
+            raise TypeError(
+                f"past_key_values must be a RatPlusCache (build it with RatPlusCache(model.config)); got {type(cache).__name__}."
+            )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        sparse_config: SparseInferenceConfig | dict | None = None,
+        **kwargs,
+    ):
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            sparse_config=self.config.resolve_sparse_config(sparse_config),
+            **kwargs,
+        )
+
+
+class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
+    base_model_class = RatPlusModel
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        sparse_config: SparseInferenceConfig | dict | None = None,
+        training_dilations: list | tuple | None = None,
+        **kwargs,
+    ) -> RatPlusCausalLMOutput:
+        common = dict(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep, **kwargs,
+        )
+        joint = labels is not None and sparse_config is None and (self.training or training_dilations is not None)
+        if not joint:
+            out = super().forward(past_key_values=past_key_values, use_cache=use_cache, sparse_config=sparse_config, **common)
+            return RatPlusCausalLMOutput(loss=out.loss, logits=out.logits, past_key_values=out.past_key_values)
+        if past_key_values is not None:
+            raise ValueError("The joint training objective runs full forwards; do not pass past_key_values with it.")
+        patterns, weights = self.config.training_patterns(training_dilations)
+        outputs = [super(RatPlusForCausalLM, self).forward(use_cache=False, sparse_config=p, **common) for p in patterns]
+        loss = sum(w * out.loss for w, out in zip(weights, outputs))
+        return RatPlusCausalLMOutput(
+            loss=loss,
+            logits=outputs[0].logits,
+            pattern_losses=torch.stack([out.loss.detach() for out in outputs]),
+        )
+
+
+__all__ = ["RatPlusCausalLMOutput", "RatPlusForCausalLM", "RatPlusModel", "RatPlusPreTrainedModel"]
