@@ -224,3 +224,43 @@ def test_bad_inputs_get_clear_errors():
         model(ids, past_key_values=DynamicCache(), use_cache=True)
     with pytest.raises(ValueError, match="input_ids or inputs_embeds"):
         model()
+
+
+# ---------------------------------------------------------------- GPU: Triton path inside the model
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
+def test_cuda_model_triton_path_matches_reference_and_decodes(dtype, tolerance):
+    model = tiny_model(
+        hidden_size=128, num_attention_heads=4, intermediate_size=256, num_hidden_layers=2,
+        layer_types=["rat", "sliding_attention"], chunk_size=16, sliding_window=40,
+    ).cuda().to(dtype)
+    rat_layers = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, RatAttention)]
+    ids = torch.randint(1, VOCAB, (2, 203), device="cuda")
+    labels = ids.clone()
+
+    def loss_and_grads():
+        model.zero_grad()
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    fast_logits, fast_grads = loss_and_grads()
+    for layer in rat_layers:
+        layer.backend = "reference"
+    ref_logits, ref_grads = loss_and_grads()
+    for layer in rat_layers:
+        layer.backend = "auto"
+    assert _relative_error(fast_logits, ref_logits) < tolerance
+    for name in ref_grads:
+        assert _relative_error(fast_grads[name], ref_grads[name]) < 5 * tolerance, name
+    model.eval()
+    full, cached = __import__("model_checks").full_vs_cached_logits(model, ids[:, :60], [1] * 23)
+    assert _relative_error(cached, full) < tolerance
+    generated = model.generate(ids[:, :50], max_new_tokens=20, do_sample=False)
+    assert generated.shape == (2, 70)
