@@ -15,9 +15,30 @@ _register_all()
 from .models.fox import FoxCache, FoxConfig, FoxForCausalLM, FoxModel  # noqa: E402
 from .models.rat import RatCache, RatConfig, RatForCausalLM, RatModel  # noqa: E402
 from .models.rat_plus import RatPlusCache, RatPlusConfig, RatPlusForCausalLM, RatPlusModel  # noqa: E402
+from .models.rattention import RattentionCache, RattentionConfig, RattentionForCausalLM, RattentionModel  # noqa: E402
+from .models.se_hybrid import SEHybridCache, SEHybridConfig, SEHybridForCausalLM, SEHybridModel  # noqa: E402
 from .sparse import AttentionPattern, SparseInferenceConfig  # noqa: E402
 
+
+def __getattr__(name: str):
+    # HyLoraConfig lives with peft; import it on first use so `import hf_hybrid` stays light.
+    if name == "HyLoraConfig":
+        from .peft import HyLoraConfig
+
+        return HyLoraConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "HyLoraConfig",
+    "RattentionCache",
+    "RattentionConfig",
+    "RattentionForCausalLM",
+    "RattentionModel",
+    "SEHybridCache",
+    "SEHybridConfig",
+    "SEHybridForCausalLM",
+    "SEHybridModel",
     "AttentionPattern",
     "SparseInferenceConfig",
     "RatPlusCache",

@@ -11,6 +11,8 @@ if __name__ != "kernels":
     from .chunk_attention import block_end_attention, chunk_end_attention
     from .forgetting_attention import forgetting_attention, forgetting_attention_with_cache
     from .gated_recurrence import gated_recurrence
+    from .residual_linear_attention import residual_linear_attention, residual_linear_attention_decode, sliding_window_attention
+    from .span_expanded_attention import span_expanded_attention
     from .topk_block_attention import topk_block_attention
 
 __all__ = [
@@ -19,5 +21,9 @@ __all__ = [
     "forgetting_attention",
     "forgetting_attention_with_cache",
     "gated_recurrence",
+    "residual_linear_attention",
+    "residual_linear_attention_decode",
+    "sliding_window_attention",
+    "span_expanded_attention",
     "topk_block_attention",
 ]

@@ -7,6 +7,8 @@ ARCHITECTURES = [
     "rat",
     "rat_plus",
     "fox",
+    "se_hybrid",
+    "rattention",
 ]
 
 

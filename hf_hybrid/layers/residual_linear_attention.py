@@ -1,0 +1,236 @@
+"""RATTENTION token mixers (RATTENTION paper Sec. 3; notes/rattention_official_facts.md).
+
+Local layer (:class:`RattentionLocalAttention`), for input x after the block's pre-norm:
+
+    q, k, v = W_q x, W_k x, W_v x                        raw projections, GQA (k, v: H_kv heads)
+    SWA:  q~, k~ = RoPE(QKNorm(q)), RoPE(QKNorm(k))       RoPE theta 5e5, QK-norm on this branch only
+          o_swa_i = softmax attention of q~_i over k~_j, v_j with 0 <= i - j <= w
+    RLA:  o_rla_i = phi(q_i)^T S_i,  S_i = sum_{j <= i - w - 1} phi(k_j) v_j^T     raw q, k (no RoPE, no norm)
+    out = W_o [ RMSNorm_h(o_swa) + RMSNorm_h(o_rla) ]     per-head norms, eps 1e-8, learned [H, D] scales
+
+w = -1 removes the SWA branch (pure linear attention: out = W_o RMSNorm_h(o_rla)); w = 0 keeps
+only the token itself in the window. ``use_rla=False`` gives the SWA-only local layer of the
+paper's baselines.
+
+Global layer (:class:`RattentionGlobalAttention`): causal softmax attention over all tokens, GQA,
+QK-norm, no RoPE.
+
+Padding: values of padding tokens are zeroed before anything reads them, so a padding token
+contributes nothing to the RLA state (now or when it later leaves a cached window); the SWA and
+global attention mask padding keys through the sequence context.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..kernels.residual_linear_attention import (
+    feature_dim,
+    residual_linear_attention,
+    residual_linear_attention_decode,
+    sliding_window_attention,
+)
+from .context import SequenceContext
+from .norm import RMSNorm
+from .rotary import apply_rotary, build_rotary
+
+BRANCH_NORM_EPS = 1e-8
+
+
+def _attend(q, k, v, mask, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """SDPA over [B, T, H, D] queries and [B, S, H_kv, D] keys with a [B, 1, T, S] bool mask (or
+    None = every key visible to every query). A single query per row with nothing masked folds
+    the query heads of a group into the query axis, so the fused kernels serve GQA decoding."""
+    batch, seq, _, dim = q.shape
+    group = num_heads // num_kv_heads
+    if mask is None and seq == 1 and group > 1:
+        qg = q.view(batch, num_kv_heads, group, dim)
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2))
+        return out.reshape(batch, 1, num_heads, dim)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        is_causal=mask is None and seq > 1, enable_gqa=group > 1,
+    )
+    return out.transpose(1, 2)
+
+
+def _zero_padding(x: torch.Tensor, context: SequenceContext) -> torch.Tensor:
+    valid = context.query_valid
+    return x if valid is None else x.masked_fill(~valid[:, :, None, None], 0.0)
+
+
+class _QKVProjections(nn.Module):
+    """Llama-named q/k/v/o projections and optional per-head QK-norm, shared by both layer kinds."""
+
+    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads}).")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm((num_heads, head_dim), eps=rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm((num_kv_heads, head_dim), eps=rms_norm_eps) if qk_norm else None
+
+    def project(self, hidden_states: torch.Tensor):
+        batch, seq, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor):
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
+
+
+class RattentionGlobalAttention(_QKVProjections):
+    """Full causal softmax attention with QK-norm and no positional embedding (the paper's global layers)."""
+
+    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, *, qk_norm=True, rms_norm_eps=1e-6):
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
+        batch, seq, _ = hidden_states.shape
+        q, k, v = self.project(hidden_states)
+        q, k = self.normed(q, k)
+        if cache_layer is not None:  # transformers' layout: [batch, heads, seq, head_dim]
+            keys, values = cache_layer.update(k.transpose(1, 2), v.transpose(1, 2))
+            k, v = keys.transpose(1, 2), values.transpose(1, 2)
+        key_start = context.past_length + seq - k.shape[1]
+        mask = context.attention_mask(k.shape[1], key_start)
+        if mask is not None and seq == 1 and context.key_valid is None:
+            mask = None  # one query at the end of an unpadded cache sees every key
+        out = _attend(q, k, v, mask, self.num_heads, self.num_kv_heads)
+        return self.o_proj(out.reshape(batch, seq, -1))
+
+
+class RattentionLocalAttention(_QKVProjections):
+    """Sliding-window attention + residual linear attention sharing the raw q/k/v projections."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        window_size: int,
+        *,
+        feature_map: str = "softmax",
+        use_rla: bool = True,
+        qk_norm: bool = True,
+        rope_theta: float | None = 500000.0,
+        rms_norm_eps: float = 1e-6,
+        branch_norm_eps: float = BRANCH_NORM_EPS,
+        backend: str = "auto",
+    ):
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps)
+        if not isinstance(window_size, int) or window_size < -1:
+            raise ValueError(f"window_size must be an int >= -1 (-1 = pure linear attention), got {window_size!r}.")
+        if window_size == -1 and not use_rla:
+            raise ValueError("window_size=-1 removes the sliding window; it needs use_rla=True.")
+        self.window_size, self.feature_map, self.use_rla, self.backend = window_size, feature_map, use_rla, backend
+        self.use_swa = window_size >= 0
+        self.swa_norm = RMSNorm((num_heads, head_dim), eps=branch_norm_eps) if self.use_swa else None
+        self.rla_norm = RMSNorm((num_heads, head_dim), eps=branch_norm_eps) if use_rla else None
+        self.rotary = build_rotary(head_dim, rope_theta) if self.use_swa else None
+
+    @property
+    def cache_capacity(self) -> int:
+        """Keys/values a cache keeps: the last w + 1 (the window of the next token minus itself,
+        plus the token that leaves the window at the next step and enters the RLA state)."""
+        return self.window_size + 1
+
+    def state_shape(self, batch: int) -> tuple[int, int, int, int]:
+        return batch, self.num_kv_heads, feature_dim(self.feature_map, self.head_dim), self.head_dim
+
+    def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
+        batch, seq, _ = hidden_states.shape
+        q, k, v = self.project(hidden_states)
+        v = _zero_padding(v, context)
+        q_swa = k_swa = None
+        if self.use_swa:
+            q_swa, k_swa = self.normed(q, k)
+            cos_sin = self.rotary(context.positions) if self.rotary is not None else None
+            q_swa, k_swa = apply_rotary(q_swa, cos_sin), apply_rotary(k_swa, cos_sin)
+
+        cached = cache_layer is not None and cache_layer.get_seq_length() > 0
+        if cached:
+            o_swa, o_rla = self._with_cache(q, k, v, q_swa, k_swa, context, cache_layer)
+        else:
+            o_swa, o_rla, state = self._whole_sequence(q, k, v, q_swa, k_swa, context)
+            if cache_layer is not None:
+                cache_layer.update(k_swa, v, k, state, capacity=self.cache_capacity)
+
+        out = 0
+        if self.use_swa:
+            out = self.swa_norm(o_swa)
+        if self.use_rla:
+            out = out + self.rla_norm(o_rla)
+        return self.o_proj(out.reshape(batch, seq, -1))
+
+    def _whole_sequence(self, q, k, v, q_swa, k_swa, context):
+        """Prefill / training from the first token: the fast ops over the whole sequence."""
+        o_swa = o_rla = state = None
+        if self.use_swa:
+            if context.key_valid is None:
+                o_swa = sliding_window_attention(q_swa, k_swa, v, self.window_size, backend=self._swa_backend())
+            else:
+                mask = context.attention_mask(k_swa.shape[1], 0, self.window_size + 1)
+                o_swa = _attend(q_swa, k_swa, v, mask, self.num_heads, self.num_kv_heads)
+        if self.use_rla:
+            o_rla, state = residual_linear_attention(q, k, v, self.window_size, self.feature_map, backend=self.backend)
+        return o_swa, o_rla, state
+
+    def _with_cache(self, q, k, v, q_swa, k_swa, context, cache_layer):
+        """New tokens after cached ones: the cached window (last w + 1 tokens) is prepended."""
+        seq = q.shape[1]
+        win_swa, win_v, win_raw, state = cache_layer.window()
+        ext_v = torch.cat([win_v, v], dim=1)
+        ext_raw = torch.cat([win_raw, k], dim=1) if self.use_rla else None
+        ext_swa = torch.cat([win_swa, k_swa], dim=1) if self.use_swa else None
+        held = win_v.shape[1]
+        o_swa = o_rla = None
+        if self.use_swa:
+            keys, values = ext_swa, ext_v
+            if seq == 1 and context.key_valid is None:
+                # Decode without padding: the last w + 1 keys (fewer while the window fills) are all visible.
+                visible = min(held + 1, self.window_size + 1)
+                keys, values, mask = keys[:, -visible:], values[:, -visible:], None
+            else:
+                mask = context.attention_mask(held + seq, context.past_length - held, self.window_size + 1)
+            o_swa = _attend(q_swa, keys, values, mask, self.num_heads, self.num_kv_heads)
+        if self.use_rla:
+            if seq == 1:
+                # Decode: the oldest of the w + 2 keys leaves the window (for w = -1, the token itself).
+                leaving = held + 1 > self.cache_capacity
+                k_out, v_out = (ext_raw[:, 0], ext_v[:, 0]) if leaving else (None, None)
+                # In place when no graph needs the old state (generation): saves a copy of S per step.
+                o, state = residual_linear_attention_decode(
+                    q[:, 0], state, k_out, v_out, feature_map=self.feature_map,
+                    inplace=not torch.is_grad_enabled(), backend=self._decode_backend(),
+                )
+                o_rla = o[:, None]
+            else:
+                # Several new tokens: run the op over [window ; new] from the cached state and keep
+                # the new tokens' outputs (the window's own queries are placeholders).
+                q_ext = torch.cat([q.new_zeros(q.shape[0], held, *q.shape[2:]), q], dim=1)
+                o, state = residual_linear_attention(
+                    q_ext, ext_raw, ext_v, self.window_size, self.feature_map, state, backend=self.backend
+                )
+                o_rla = o[:, held:]
+        cache_layer.update(ext_swa, ext_v, ext_raw, state, capacity=self.cache_capacity, new_tokens=seq)
+        return o_swa, o_rla
+
+    def _decode_backend(self) -> str:
+        """The decode step's backend: the fused Triton kernel unless a PyTorch path was chosen."""
+        return "reference" if self.backend in ("chunked", "reference") else self.backend
+
+    def _swa_backend(self) -> str:
+        """The SWA op's backend for the layer's kernel_backend ("triton": flex_attention, whose
+        kernels Triton generates; "chunked": the SDPA band mask; "auto" / "reference" as named)."""
+        return {"triton": "flex", "chunked": "sdpa"}.get(self.backend, self.backend)

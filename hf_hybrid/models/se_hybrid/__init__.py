@@ -1,0 +1,22 @@
+from .cache_se_hybrid import SEAttentionLayerCache, SEHybridCache, SEMambaLayerCache
+from .configuration_se_hybrid import SE_HYBRID_LAYER_TYPES, SEHybridConfig
+from .modeling_se_hybrid import SEHybridForCausalLM, SEHybridModel, SEHybridPreTrainedModel, SEMambaMixer
+
+
+def register() -> None:
+    from ..registry import register_architecture
+
+    register_architecture(SEHybridConfig, SEHybridModel, SEHybridForCausalLM, layer_types=SE_HYBRID_LAYER_TYPES)
+
+
+__all__ = [
+    "SEAttentionLayerCache",
+    "SEHybridCache",
+    "SEHybridConfig",
+    "SEHybridForCausalLM",
+    "SEHybridModel",
+    "SEHybridPreTrainedModel",
+    "SEMambaLayerCache",
+    "SEMambaMixer",
+    "register",
+]

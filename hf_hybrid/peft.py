@@ -1,0 +1,61 @@
+"""HyLoRA (Expansion Span, Sec. 3.4): LoRA+ for hybrid SSM models, as a PEFT ``LoraConfig``.
+
+HyLoRA = LoRA on the attention projections (q/k/v/o) + the LoRA+ recipe of LongLoRA (embeddings
+and every normalisation layer fully trainable) + the SSM layers' depthwise ``conv1d`` fully
+trainable. The paper's setting is r=32, alpha=64 (alpha/r = 2, Appendix B).
+
+How it maps onto peft (read from peft 0.21's ``LoraConfig`` / ``_set_trainable``):
+
+* ``target_modules`` = q_proj, k_proj, v_proj, o_proj - matched as the last name component, so
+  only attention projections get adapters (Mamba's in_proj/out_proj stay frozen, as in the paper).
+* ``modules_to_save`` = embed_tokens, norm, conv1d - peft wraps every module whose qualified name
+  *ends with* one of these strings in a ``ModulesToSaveWrapper``: a trainable copy that
+  ``save_pretrained`` stores with the adapter and ``merge_and_unload`` swaps in. "norm" therefore
+  catches input_layernorm, post_attention_layernorm, pre_ff_layernorm, final_layernorm, the
+  final ``norm``, QK-norms and the Mamba-2 mixer's gated norm - LongLoRA's "every parameter whose
+  name contains norm". Architectures without ``conv1d`` simply get LoRA+.
+* ``ensure_weight_tying=True``: when input and output embeddings are tied, the trained embedding
+  copy is shared with ``lm_head`` so logits, merging and reloading stay consistent. (peft warns
+  that nothing is tied on untied models; the warning is harmless.)
+
+The class only sets defaults of ``LoraConfig`` fields, so a saved adapter_config.json is an
+ordinary LoRA config and ``PeftModel.from_pretrained`` reloads it without hf_hybrid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from peft import LoraConfig
+
+HYLORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+HYLORA_MODULES_TO_SAVE = ("embed_tokens", "norm", "conv1d")
+
+
+@dataclass
+class HyLoraConfig(LoraConfig):
+    """``HyLoraConfig(r=32, lora_alpha=64, ...)``; any other ``LoraConfig`` argument may be passed.
+
+    Pass ``modules_to_save=[...]`` to change what is fully trained (e.g. drop "conv1d" for LoRA+),
+    or ``target_modules`` for models whose attention projections are named differently.
+    """
+
+    r: int = field(default=32, metadata={"help": "LoRA rank (paper: 32)."})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (paper: 64, alpha/r = 2)."})
+    target_modules: list[str] | str | None = field(
+        default_factory=lambda: list(HYLORA_TARGET_MODULES),
+        metadata={"help": "Attention projections that receive LoRA adapters."},
+    )
+    modules_to_save: list[str] | None = field(
+        default_factory=lambda: list(HYLORA_MODULES_TO_SAVE),
+        metadata={"help": "Name suffixes of modules trained in full: embeddings, norms, SSM conv1d."},
+    )
+    ensure_weight_tying: bool = field(default=True, metadata={"help": "Keep tied input/output embeddings tied."})
+    task_type: str | None = field(default="CAUSAL_LM", metadata={"help": "peft task type."})
+
+    def __post_init__(self):
+        if self.r < 1:
+            raise ValueError(f"HyLoraConfig: r must be >= 1, got {self.r}.")
+        super().__post_init__()
+
+
+__all__ = ["HYLORA_MODULES_TO_SAVE", "HYLORA_TARGET_MODULES", "HyLoraConfig"]

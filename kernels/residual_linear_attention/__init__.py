@@ -1,0 +1,214 @@
+"""RATTENTION's local-layer ops: residual linear attention (RLA) and sliding-window attention (SWA).
+
+    SWA:  query i sees keys j with 0 <= i - j <= w                      (softmax attention)
+    RLA:  o_i = phi(q_i)^T S_i,  S_i = S_0 + sum_{j <= i - w - 1} phi(k_j) v_j^T   (no normaliser)
+
+Together they cover the causal past exactly once. See reference.py for the full statement,
+triton.py for the chunked kernels and sliding_window.py for the SWA fast paths.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._backend import resolve_backend, triton_available
+from .reference import (
+    FEATURE_MAPS,
+    feature_dim,
+    feature_map_fn,
+    lagged_mask,
+    residual_linear_attention_chunked,
+    residual_linear_attention_decode_reference,
+    residual_linear_attention_reference,
+    sliding_window_attention_reference,
+)
+from .sliding_window import sliding_window_attention_flex, sliding_window_attention_sdpa
+
+__all__ = [
+    "FEATURE_MAPS",
+    "feature_dim",
+    "feature_map_fn",
+    "lagged_mask",
+    "residual_linear_attention",
+    "residual_linear_attention_chunked",
+    "residual_linear_attention_decode",
+    "residual_linear_attention_decode_reference",
+    "residual_linear_attention_reference",
+    "sliding_window_attention",
+    "sliding_window_attention_reference",
+]
+
+_OP = "residual_linear_attention"
+_TRITON_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"{op}: q, k, v must be [batch, seq, heads, head_dim]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v must have equal shapes; got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"{op}: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, sequence length and head_dim."
+        )
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"{op}: the number of query heads ({q.shape[2]}) must be a multiple of the number of key/value "
+            f"heads ({k.shape[2]}); repeat k and v to the query heads or use a divisor."
+        )
+    if not (q.is_floating_point() and k.dtype == q.dtype and v.dtype == q.dtype):
+        raise ValueError(f"{op}: q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
+
+
+def _check_window(op: str, window_size, minimum: int) -> None:
+    if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < minimum:
+        meaning = "-1 = pure linear attention, 0 = self-only window" if minimum < 0 else "0 = the token itself only"
+        raise ValueError(f"{op}: window_size must be an int >= {minimum} ({meaning}); got {window_size!r}.")
+
+
+def residual_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: int,
+    feature_map: str = "softmax",
+    initial_state: torch.Tensor | None = None,
+    backend: str = "auto",
+    **triton_options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual linear attention over the tokens that left a window of ``window_size`` (the paper's w).
+
+    q [B, T, H, D]; k, v [B, T, H_kv, D] raw projections (pre-RoPE, pre-QK-norm), H_kv dividing H
+    (pass them repeated to H heads, or not: the state has k's number of heads either way).
+    ``window_size`` w >= -1: -1 is pure causal linear attention, 0 leaves only the token itself
+    to the SWA. ``feature_map``: "softmax" (phi = [softmax(x), softmax(-x)], F = 2D), "relu"
+    ([relu(x), relu(-x)]), "identity" (F = D). ``initial_state`` [B, H_kv, F, D]: the state of
+    earlier tokens (zeros when None).
+
+    Returns (o [B, T, H, D] in q's dtype, final_state [B, H_kv, F, D] float32), the state after
+    folding every key j <= T - 1 - (w + 1): what a decode step for token T starts from.
+    backend: "auto" (Triton on CUDA, the chunked PyTorch form elsewhere), "triton", "chunked",
+    "reference" (explicit lagged mask, O(T^2)). ``triton_options`` (chunk_size, block_v,
+    state_every, num_warps, fuse_halves) tune the kernel without changing the result.
+    """
+    _check_qkv(_OP, q, k, v)
+    _check_window(_OP, window_size, -1)
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"{_OP}: feature_map must be one of {FEATURE_MAPS}; got {feature_map!r}.")
+    batch, _, _, dim = q.shape
+    state_shape = (batch, k.shape[2], feature_dim(feature_map, dim), dim)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(
+            f"{_OP}: initial_state must be [batch, kv_heads, features, head_dim] = {state_shape}; "
+            f"got {tuple(initial_state.shape)}."
+        )
+    impl = resolve_backend(backend, q.device, _OP, extra=("chunked",))
+    triton_ok = dim in _TRITON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if backend == "auto":
+        impl = "triton" if impl == "triton" and triton_ok else "chunked"
+    if triton_options and impl != "triton":
+        raise ValueError(f"{_OP}: {sorted(triton_options)} only apply to backend='triton' (running {impl!r}).")
+    if impl == "triton":
+        if dim not in _TRITON_HEAD_DIMS:
+            raise ValueError(
+                f"{_OP}: the Triton kernel supports head_dim in {_TRITON_HEAD_DIMS}; got {dim}. "
+                "Pass backend='chunked' or use a supported head_dim."
+            )
+        if q.shape[1] == 0:
+            return residual_linear_attention_chunked(q, k, v, window_size, feature_map, initial_state)
+        from .triton import residual_linear_attention_triton
+
+        return residual_linear_attention_triton(q, k, v, window_size, feature_map, initial_state, **triton_options)
+    if impl == "reference":
+        return residual_linear_attention_reference(q, k, v, window_size, feature_map, initial_state)
+    return residual_linear_attention_chunked(q, k, v, window_size, feature_map, initial_state)
+
+
+def residual_linear_attention_decode(
+    q: torch.Tensor,
+    state: torch.Tensor,
+    k_leaving: torch.Tensor | None = None,
+    v_leaving: torch.Tensor | None = None,
+    leaving_mask: torch.Tensor | None = None,
+    feature_map: str = "softmax",
+    *,
+    inplace: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step: fold the token leaving the window into S, then o = phi(q)^T S.
+
+    For token t the leaving token is t - w - 1 (for w = -1 it is token t itself); pass None
+    while the window is not yet full. q [B, H, D]; state [B, H_s, F, D] float32 with H % H_s == 0;
+    k_leaving / v_leaving [B, H_s, D]; leaving_mask [B] bool, False for rows whose leaving slot is
+    padding (or pass zero values there). Returns (o [B, H, D] in q's dtype, new state).
+    ``inplace=False`` leaves the state passed in untouched; ``inplace=True`` lets the step update
+    it (for a cache's own tensor: saves a copy of S per step). backend: "auto" (one fused Triton
+    kernel on CUDA: one read and one write of S; PyTorch elsewhere), "triton", "reference".
+    """
+    op = "residual_linear_attention_decode"
+    if q.dim() != 3 or state.dim() != 4 or state.shape[0] != q.shape[0] or state.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"{op}: q must be [batch, heads, head_dim] and state [batch, state_heads, features, head_dim] with the "
+            f"same batch and head_dim; got {tuple(q.shape)} and {tuple(state.shape)}."
+        )
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"{op}: feature_map must be one of {FEATURE_MAPS}; got {feature_map!r}.")
+    if state.shape[2] != feature_dim(feature_map, q.shape[-1]) or q.shape[1] % state.shape[1]:
+        raise ValueError(
+            f"{op}: state {tuple(state.shape)} does not fit q {tuple(q.shape)} with feature_map={feature_map!r} "
+            f"(features must be {feature_dim(feature_map, q.shape[-1])} and state heads must divide {q.shape[1]})."
+        )
+    if (k_leaving is None) != (v_leaving is None):
+        raise ValueError(f"{op}: pass both k_leaving and v_leaving, or neither.")
+    if k_leaving is not None and (k_leaving.shape != v_leaving.shape or k_leaving.shape != (q.shape[0], state.shape[1], q.shape[2])):
+        raise ValueError(
+            f"{op}: k_leaving and v_leaving must be [batch, state_heads, head_dim] = "
+            f"{(q.shape[0], state.shape[1], q.shape[2])}; got {tuple(k_leaving.shape)} and {tuple(v_leaving.shape)}."
+        )
+    if leaving_mask is not None and tuple(leaving_mask.shape) != (q.shape[0],):
+        raise ValueError(f"{op}: leaving_mask must be [batch] = ({q.shape[0]},); got {tuple(leaving_mask.shape)}.")
+    impl = resolve_backend(backend, q.device, op)
+    if backend == "auto" and q.shape[-1] not in _TRITON_HEAD_DIMS:
+        impl = "reference"
+    if impl == "triton":
+        if q.shape[-1] not in _TRITON_HEAD_DIMS:
+            raise ValueError(f"{op}: the Triton kernel supports head_dim in {_TRITON_HEAD_DIMS}; got {q.shape[-1]}.")
+        from .triton import residual_linear_attention_decode_triton
+
+        return residual_linear_attention_decode_triton(q, state, k_leaving, v_leaving, leaving_mask, feature_map, inplace)
+    o, new_state = residual_linear_attention_decode_reference(q, state, k_leaving, v_leaving, leaving_mask, feature_map)
+    if inplace and new_state is not state:
+        state.copy_(new_state)
+        new_state = state
+    return o, new_state
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: int,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal softmax attention over a window: query i sees keys j with 0 <= i - j <= window_size.
+
+    q [B, T, H, D]; k, v [B, T, H_kv, D] (GQA). Differentiable. backend: "auto" (flex_attention
+    with a block-sparse band mask on CUDA, "sdpa" elsewhere), "flex", "sdpa" (a dense band mask
+    through scaled_dot_product_attention), "reference" (explicit float32 softmax), or
+    "triton" (= "flex", whose kernels Triton generates). ``window_size >= T - 1`` runs SDPA's
+    causal kernel on every backend but "reference".
+    """
+    op = "sliding_window_attention"
+    _check_qkv(op, q, k, v)
+    _check_window(op, window_size, 0)
+    impl = resolve_backend(backend, q.device, op, extra=("flex", "sdpa"))
+    if backend == "auto":
+        impl = "flex" if q.device.type == "cuda" and triton_available() else "sdpa"
+    if impl == "reference":
+        return sliding_window_attention_reference(q, k, v, window_size, scale)
+    if impl == "sdpa" or window_size >= q.shape[1] - 1:
+        return sliding_window_attention_sdpa(q, k, v, window_size, scale)
+    return sliding_window_attention_flex(q, k, v, window_size, scale)

@@ -1,0 +1,62 @@
+"""Fast paths for the SWA branch: query i sees keys j with 0 <= i - j <= w (w = window_size).
+
+* flex_attention with a block mask: tiles entirely outside the band are skipped, so the cost is
+  ~ T (w + tile) instead of T^2 / 2. Compiled once per process on CUDA (eager elsewhere, which
+  materialises the scores: fine for tests only). Block masks are cached per (T, w, device).
+* SDPA with a dense boolean band mask: any device, O(T^2) work; and SDPA's causal kernel when
+  the window covers the whole sequence (w >= T - 1), where the band is just the causal mask.
+Both take [B, T, H, D] tensors (GQA through enable_gqa) and return [B, T, H, D].
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn import functional as F
+
+
+def band_mask(seq: int, window_size: int, device) -> torch.Tensor:
+    """[seq, seq] bool, True where 0 <= i - j <= window_size."""
+    i = torch.arange(seq, device=device)[:, None]
+    j = torch.arange(seq, device=device)[None, :]
+    return (j <= i) & (i - j <= window_size)
+
+
+def sliding_window_attention_sdpa(q, k, v, window_size: int, scale: float | None = None) -> torch.Tensor:
+    seq = q.shape[1]
+    gqa = q.shape[2] != k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if window_size >= seq - 1:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = band_mask(seq, window_size, q.device)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_mask(seq: int, window_size: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def in_band(batch, head, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= window_size)
+
+    return create_block_mask(in_band, None, None, seq, seq, device=device)
+
+
+@functools.lru_cache(maxsize=2)
+def _flex(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def sliding_window_attention_flex(q, k, v, window_size: int, scale: float | None = None) -> torch.Tensor:
+    seq = q.shape[1]
+    flex = _flex(q.device.type == "cuda")
+    block_mask = _block_mask(seq, window_size, str(q.device))
+    out = flex(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)

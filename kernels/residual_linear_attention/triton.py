@@ -1,0 +1,788 @@
+"""Triton residual linear attention: chunked forward and backward with the w + 1 lag (RATTENTION Sec. 3.2).
+
+Same function as ``reference.residual_linear_attention_reference``. Design notes:
+
+* The lag is a shift. With L = w + 1, RLA is causal linear attention over the key/value stream
+  delayed by L tokens: the key tile of chunk c is loaded from rows p - L (rows p < L are empty).
+  Inside a chunk the usual chunkwise form applies (paper Eq. 2-3):
+      o_c = phi(Q_c) S_c + (phi(Q_c) phi(K'_c)^T * causal) V'_c,   S_{c+1} = S_c + phi(K'_c)^T V'_c,
+  so chunk-level states carry the lag for free: S_c holds exactly the keys j <= cC - 1 - L.
+* The feature map is fused (paper Sec. 3.2): q and k tiles are loaded once, phi is computed in
+  float32 in registers, and only the rounded features enter the tensor-core products
+  (float32 accumulators; the state lives in float32).
+* Grid = (feature half x value block, batch x key/value head, segment). phi = [phi+(x), phi-(x)]
+  splits the F = 2D state rows into two halves that need no communication (each half only
+  needs the whole row of x, e.g. for its softmax); the value columns split into blocks of BV.
+  Outputs of the halves (and, for dq / dk, of the value blocks) are partial sums added on the
+  host in float32 (deterministic, no atomics). ``fuse_halves=True`` instead keeps both halves'
+  states in one program for the forward and dq kernels: the intra-chunk score matrix
+  sum_f phi_f(q) phi_f(k)^T is formed once and no output partials exist, at the price of two
+  [D, BV] float32 states in registers (it spills more on sm_90, so it is off by default).
+* Interleaved state saving (Sec. 3.2, Fig. 2): the sequence is cut into segments of m chunks.
+  A light state pass (phi(k) and one product per chunk) stores S only at segment starts; the
+  output / dq kernels then run one program per segment and recompute the states of the chunks
+  in between on chip. m = whole sequence stores nothing and runs one sequential program per
+  (half, block, kv head); smaller m buys parallelism with one extra pass over K, V. The backward
+  dk / dv pass runs in reverse with the adjoint state G = sum_{later i} phi(q_i)^T do_i, stored
+  at segment ends by a reverse state pass over Q, dO.
+* GQA: k, v have H_kv heads; query head h reads head h // (H / H_kv). phi(k) v^T does not depend
+  on the query head, so programs run per key/value head and loop over the query heads of the
+  group: the state is updated once per chunk, kept per key/value head ([B, H_kv, F, D]), and the
+  backward's adjoint state is the sum over the group (dk, dv need only that sum).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpreting
+
+FEATURE_IDS = {"softmax": 0, "relu": 1, "identity": 2}
+HEAD_DIMS = (16, 32, 64, 128)
+# Triton's CPU interpreter (3.9) mishandles tl.dot on bfloat16 operands; there the (already
+# rounded) operands are multiplied in float32. Compiled kernels never take this branch.
+INTERPRET_UPCAST: tl.constexpr = tl.constexpr(triton_interpreting())
+
+
+@triton.jit
+def _mm(a, b, acc, DOT_PREC: tl.constexpr):
+    if INTERPRET_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _phi(x, sign, FEATURE: tl.constexpr):
+    """One half of the feature map on float32 rows x [C, D]: softmax(sign x), relu(sign x) or x."""
+    if FEATURE == 0:
+        y = x * sign
+        y = y - tl.max(y, 1)[:, None]
+        e = tl.exp(y)
+        return e / tl.sum(e, 1)[:, None]
+    elif FEATURE == 1:
+        return tl.maximum(x * sign, 0.0)
+    else:
+        return x
+
+
+@triton.jit
+def _phi_bwd(x, f, df, sign, FEATURE: tl.constexpr):
+    """dL/dx from dL/dphi for one half: f = phi(x) of that half, all float32 [C, D]."""
+    if FEATURE == 0:
+        return sign * f * (df - tl.sum(df * f, 1)[:, None])
+    elif FEATURE == 1:
+        return tl.where(x * sign > 0, df * sign, 0.0)
+    else:
+        return df
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _state_pass_kernel(
+    K, V, S0, STATES, S_OUT,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, NH: tl.constexpr,
+    FEATURE: tl.constexpr, HAS_S0: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Per (half, value block, batch x kv head): S at every segment start, and the final S."""
+    NV: tl.constexpr = D // BV
+    F: tl.constexpr = NH * D
+    pid_fv = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    half = pid_fv // NV
+    vb = pid_fv % NV
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    sign = 1.0 - 2.0 * half.to(tl.float32)
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    state_base = pid_bk.to(tl.int64) * F * D
+    if HAS_S0:
+        S = tl.load(S0 + state_base + rows)
+    else:
+        S = tl.zeros([D, BV], dtype=tl.float32)
+    for seg in range(0, NSEG):
+        tl.store(STATES + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows, S)
+        c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
+        for c in range(seg * SEG_CHUNKS, c_stop):
+            p = c * C + offs_c
+            j = p - LAG
+            k_ok = (p < T) & (j >= 0)
+            kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
+            k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+            kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
+            S = _mm(tl.trans(kf), v, S, DOT_PREC)
+    tl.store(S_OUT + state_base + rows, S)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, S_IN, O, S_OUT,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, STORE_FINAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Outputs of one segment of chunks for (half, value block, batch x kv head), every query head
+    of the group in turn against the group's one state.
+
+    S_IN_MODE: 0 = start from zeros, 1 = from the initial state [B, HKV, F, D] (single segment),
+    2 = from the stored segment states [B, HKV, NSEG, F, D]. O: [NH, B, T, H, D] partial outputs
+    (one per feature half). STORE_FINAL (single segment): write the final state.
+    """
+    NV: tl.constexpr = D // BV
+    F: tl.constexpr = NH * D
+    GROUP: tl.constexpr = H // HKV
+    pid_fv = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    seg = tl.program_id(2)
+    half = pid_fv // NV
+    vb = pid_fv % NV
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    sign = 1.0 - 2.0 * half.to(tl.float32)
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    if S_IN_MODE == 1:
+        S = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows)
+    elif S_IN_MODE == 2:
+        S = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows)
+    else:
+        S = tl.zeros([D, BV], dtype=tl.float32)
+    causal = offs_c[:, None] >= offs_c[None, :]
+    c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
+    for c in range(seg * SEG_CHUNKS, c_stop):
+        p = c * C + offs_c
+        q_ok = p < T
+        j = p - LAG
+        k_ok = q_ok & (j >= 0)
+        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
+        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
+        s_op = S.to(v.dtype)
+        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
+            h = hk * GROUP + g
+            q_off = ((b * T + p).to(tl.int64) * H + h) * D
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            qf = _phi(q.to(tl.float32), sign, FEATURE).to(v.dtype)
+            o = _mm(qf, s_op, tl.zeros([C, BV], dtype=tl.float32), DOT_PREC)
+            a = _mm(qf, tl.trans(kf), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            a = tl.where(causal, a, 0.0).to(v.dtype)
+            o = _mm(a, v, o, DOT_PREC)
+            o_off = (((half * B + b) * T + p).to(tl.int64) * H + h) * D
+            tl.store(O + o_off[:, None] + offs_v[None, :], o.to(O.dtype.element_ty), mask=q_ok[:, None])
+        S = _mm(tl.trans(kf), v, S, DOT_PREC)
+    if STORE_FINAL:
+        tl.store(S_OUT + pid_bk.to(tl.int64) * F * D + rows, S)
+
+
+@triton.jit
+def _fwd_fused_kernel(
+    Q, K, V, S_IN, O, S_OUT,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """``_fwd_kernel`` with both feature halves (states S1 = rows [0, D), S2 = rows [D, 2D)) in one
+    program per (value block, batch x kv head, segment): O is the finished [B, T, H, D] output."""
+    F: tl.constexpr = 2 * D
+    GROUP: tl.constexpr = H // HKV
+    vb = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    seg = tl.program_id(2)
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows1 = offs_d[:, None] * D + offs_v[None, :]
+    rows2 = rows1 + D * D
+    if S_IN_MODE == 1:
+        S1 = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows1)
+        S2 = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows2)
+    elif S_IN_MODE == 2:
+        S1 = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows1)
+        S2 = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows2)
+    else:
+        S1 = tl.zeros([D, BV], dtype=tl.float32)
+        S2 = tl.zeros([D, BV], dtype=tl.float32)
+    causal = offs_c[:, None] >= offs_c[None, :]
+    c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
+    for c in range(seg * SEG_CHUNKS, c_stop):
+        p = c * C + offs_c
+        q_ok = p < T
+        j = p - LAG
+        k_ok = q_ok & (j >= 0)
+        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
+        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        kf1 = tl.where(k_ok[:, None], _phi(k, 1.0, FEATURE), 0.0).to(v.dtype)
+        kf2 = tl.where(k_ok[:, None], _phi(k, -1.0, FEATURE), 0.0).to(v.dtype)
+        s1 = S1.to(v.dtype)
+        s2 = S2.to(v.dtype)
+        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
+            h = hk * GROUP + g
+            q_off = ((b * T + p).to(tl.int64) * H + h) * D
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
+            qf1 = _phi(q, 1.0, FEATURE).to(v.dtype)
+            qf2 = _phi(q, -1.0, FEATURE).to(v.dtype)
+            o = _mm(qf1, s1, tl.zeros([C, BV], dtype=tl.float32), DOT_PREC)
+            o = _mm(qf2, s2, o, DOT_PREC)
+            a = _mm(qf1, tl.trans(kf1), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            a = _mm(qf2, tl.trans(kf2), a, DOT_PREC)
+            a = tl.where(causal, a, 0.0).to(v.dtype)
+            o = _mm(a, v, o, DOT_PREC)
+            tl.store(O + q_off[:, None] + offs_v[None, :], o.to(O.dtype.element_ty), mask=q_ok[:, None])
+        S1 = _mm(tl.trans(kf1), v, S1, DOT_PREC)
+        S2 = _mm(tl.trans(kf2), v, S2, DOT_PREC)
+    if STORE_FINAL:
+        tl.store(S_OUT + pid_bk.to(tl.int64) * F * D + rows1, S1)
+        tl.store(S_OUT + pid_bk.to(tl.int64) * F * D + rows2, S2)
+
+
+@triton.jit
+def _dq_fused_kernel(
+    Q, K, V, DO, S_IN, DQ,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """``_dq_kernel`` with both feature halves in one program: dO v^T is formed once and dq is
+    summed over the halves on chip. DQ: [NV, B, T, H, D] partials (value blocks)."""
+    F: tl.constexpr = 2 * D
+    GROUP: tl.constexpr = H // HKV
+    vb = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    seg = tl.program_id(2)
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows1 = offs_d[:, None] * D + offs_v[None, :]
+    rows2 = rows1 + D * D
+    if S_IN_MODE == 1:
+        S1 = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows1)
+        S2 = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows2)
+    elif S_IN_MODE == 2:
+        S1 = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows1)
+        S2 = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows2)
+    else:
+        S1 = tl.zeros([D, BV], dtype=tl.float32)
+        S2 = tl.zeros([D, BV], dtype=tl.float32)
+    causal = offs_c[:, None] >= offs_c[None, :]
+    c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
+    for c in range(seg * SEG_CHUNKS, c_stop):
+        p = c * C + offs_c
+        q_ok = p < T
+        j = p - LAG
+        k_ok = q_ok & (j >= 0)
+        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
+        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        kf1 = tl.where(k_ok[:, None], _phi(k, 1.0, FEATURE), 0.0).to(v.dtype)
+        kf2 = tl.where(k_ok[:, None], _phi(k, -1.0, FEATURE), 0.0).to(v.dtype)
+        s1_t = tl.trans(S1.to(v.dtype))
+        s2_t = tl.trans(S2.to(v.dtype))
+        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
+            h = hk * GROUP + g
+            q_off = ((b * T + p).to(tl.int64) * H + h) * D
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
+            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(v.dtype)
+            da = _mm(do, tl.trans(v), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            da = tl.where(causal, da, 0.0).to(v.dtype)
+            dqf = _mm(do, s1_t, tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
+            dqf = _mm(da, kf1, dqf, DOT_PREC)
+            dq = _phi_bwd(q, _phi(q, 1.0, FEATURE), dqf, 1.0, FEATURE)
+            dqf = _mm(do, s2_t, tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
+            dqf = _mm(da, kf2, dqf, DOT_PREC)
+            dq += _phi_bwd(q, _phi(q, -1.0, FEATURE), dqf, -1.0, FEATURE)
+            dq_off = (((vb * B + b) * T + p).to(tl.int64) * H + h) * D
+            tl.store(DQ + dq_off[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
+        S1 = _mm(tl.trans(kf1), v, S1, DOT_PREC)
+        S2 = _mm(tl.trans(kf2), v, S2, DOT_PREC)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, S_IN, DQ,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dq of one segment: dphi(q)_i = dO_i S_i^T + sum_{j in chunk, causal} (dO_i . v'_j) phi(k'_j),
+    then through the feature map. DQ: [NH * NV, B, T, H, D] partials (half, value block)."""
+    NV: tl.constexpr = D // BV
+    F: tl.constexpr = NH * D
+    GROUP: tl.constexpr = H // HKV
+    pid_fv = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    seg = tl.program_id(2)
+    half = pid_fv // NV
+    vb = pid_fv % NV
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    sign = 1.0 - 2.0 * half.to(tl.float32)
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    if S_IN_MODE == 1:
+        S = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows)
+    elif S_IN_MODE == 2:
+        S = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows)
+    else:
+        S = tl.zeros([D, BV], dtype=tl.float32)
+    causal = offs_c[:, None] >= offs_c[None, :]
+    c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
+    for c in range(seg * SEG_CHUNKS, c_stop):
+        p = c * C + offs_c
+        q_ok = p < T
+        j = p - LAG
+        k_ok = q_ok & (j >= 0)
+        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
+        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
+        s_t = tl.trans(S.to(v.dtype))
+        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
+            h = hk * GROUP + g
+            q_off = ((b * T + p).to(tl.int64) * H + h) * D
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
+            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(v.dtype)
+            qf = _phi(q, sign, FEATURE)
+            dqf = _mm(do, s_t, tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
+            da = _mm(do, tl.trans(v), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            da = tl.where(causal, da, 0.0).to(v.dtype)
+            dqf = _mm(da, kf, dqf, DOT_PREC)
+            dq = _phi_bwd(q, qf, dqf, sign, FEATURE)
+            dq_off = (((pid_fv * B + b) * T + p).to(tl.int64) * H + h) * D
+            tl.store(DQ + dq_off[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
+        S = _mm(tl.trans(kf), v, S, DOT_PREC)
+
+
+@triton.jit
+def _adjoint_pass_kernel(
+    Q, DO, DSF, GSTATES,
+    B, T, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    NH: tl.constexpr, FEATURE: tl.constexpr, HAS_DSF: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Reverse state pass per kv head: G at every segment end,
+    G = dS_final + sum over the group's query heads and the queries after the segment of phi(q)^T dO."""
+    NV: tl.constexpr = D // BV
+    F: tl.constexpr = NH * D
+    GROUP: tl.constexpr = H // HKV
+    pid_fv = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    half = pid_fv // NV
+    vb = pid_fv % NV
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    sign = 1.0 - 2.0 * half.to(tl.float32)
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    if HAS_DSF:
+        G = tl.load(DSF + pid_bk.to(tl.int64) * F * D + rows)
+    else:
+        G = tl.zeros([D, BV], dtype=tl.float32)
+    for seg_r in range(0, NSEG):
+        seg = NSEG - 1 - seg_r
+        tl.store(GSTATES + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows, G)
+        c_start = seg * SEG_CHUNKS
+        c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
+        for c in range(c_start, c_stop):  # a sum: the order within the segment is free
+            p = c * C + offs_c
+            q_ok = p < T
+            for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
+                q_off = ((b * T + p).to(tl.int64) * H + hk * GROUP + g) * D
+                q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+                do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(q.dtype)
+                qf = tl.where(q_ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(q.dtype)
+                G = _mm(tl.trans(qf), do, G, DOT_PREC)
+
+
+@triton.jit
+def _dkv_kernel(
+    Q, K, V, DO, G_IN, DK, DV, DS0,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    NH: tl.constexpr, FEATURE: tl.constexpr, G_IN_MODE: tl.constexpr, STORE_DS0: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dk, dv of one segment, chunks in reverse, for one kv head (summed over its query heads).
+
+    With G = sum over later queries (all heads of the group) of phi(q_i)^T dO_i (the adjoint state):
+        dv'_j    = phi(k'_j)^T G + sum_h sum_{i in chunk, i >= j} (phi(q_ih) . phi(k'_j)) dO_ih
+        dphi(k') = v'_j G^T       + sum_h sum_{i in chunk, i >= j} (dO_ih . v'_j) phi(q_ih)
+    G_IN_MODE: 0 zeros, 1 dS_final [B, HKV, F, D], 2 stored [B, HKV, NSEG, F, D]. DK: [NH * NV,
+    B, T, HKV, D], DV: [NH, B, T, HKV, D] partials; rows of keys that never leave the window are
+    not written. STORE_DS0: G after segment 0 is dS_0.
+    """
+    NV: tl.constexpr = D // BV
+    F: tl.constexpr = NH * D
+    GROUP: tl.constexpr = H // HKV
+    pid_fv = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    seg = tl.program_id(2)
+    half = pid_fv // NV
+    vb = pid_fv % NV
+    b = pid_bk // HKV
+    hk = pid_bk % HKV
+    sign = 1.0 - 2.0 * half.to(tl.float32)
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    if G_IN_MODE == 1:
+        G = tl.load(G_IN + pid_bk.to(tl.int64) * F * D + rows)
+    elif G_IN_MODE == 2:
+        G = tl.load(G_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows)
+    else:
+        G = tl.zeros([D, BV], dtype=tl.float32)
+    later = offs_c[:, None] <= offs_c[None, :]  # [key row, query column]
+    c_start = seg * SEG_CHUNKS
+    c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
+    for cc in range(c_start, c_stop):
+        c = c_stop - 1 - (cc - c_start)
+        p = c * C + offs_c
+        q_ok = p < T
+        j = p - LAG
+        k_ok = q_ok & (j >= 0)
+        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
+        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
+        g_op = G.to(v.dtype)
+        dv = _mm(kf, g_op, tl.zeros([C, BV], dtype=tl.float32), DOT_PREC)
+        dkf = _mm(v, tl.trans(g_op), tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
+        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
+            q_off = ((b * T + p).to(tl.int64) * H + hk * GROUP + g) * D
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(v.dtype)
+            qf = tl.where(q_ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
+            at = _mm(kf, tl.trans(qf), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            at = tl.where(later, at, 0.0).to(v.dtype)
+            dv = _mm(at, do, dv, DOT_PREC)
+            dat = _mm(v, tl.trans(do), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            dat = tl.where(later, dat, 0.0).to(v.dtype)
+            dkf = _mm(dat, qf, dkf, DOT_PREC)
+            G = _mm(tl.trans(qf), do, G, DOT_PREC)  # after this chunk's keys have read the old G
+        # phi(k) again in float32 for its Jacobian (cheaper than keeping the float32 tile live).
+        k32 = k.to(tl.float32)
+        dk = _phi_bwd(k32, _phi(k32, sign, FEATURE), dkf, sign, FEATURE)
+        dk_off = (((pid_fv * B + b) * T + j).to(tl.int64) * HKV + hk) * D
+        tl.store(DK + dk_off[:, None] + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
+        dv_off = (((half * B + b) * T + j).to(tl.int64) * HKV + hk) * D
+        tl.store(DV + dv_off[:, None] + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+    if STORE_DS0:
+        if seg == 0:
+            tl.store(DS0 + pid_bk.to(tl.int64) * F * D + rows, G)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+
+def _default_tiling(dim: int) -> tuple[int, int]:
+    """(chunk size C, value block BV). Interpreter: tiny chunks so short test sequences span
+    several chunks, and BV = D / 2 so the value-block partial sums are exercised."""
+    if triton_interpreting():
+        return 16, max(16, dim // 2)
+    # Compiled for sm_90 (head_dim 128), C = 32 / BV = 64 / 8 warps is the largest tiling whose
+    # forward and state passes do not spill registers (docs/benchmarks_rattention.md).
+    return 32, min(dim, 64)
+
+
+def _num_segments(num_chunks: int, programs: int, state_every: int | None, device: torch.device) -> int:
+    """Segments of ``state_every`` chunks; by default enough to give every SM two programs."""
+    if state_every is not None:
+        return 1 if state_every <= 0 else max(1, math.ceil(num_chunks / state_every))
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(num_chunks, math.ceil(2 * sms / max(programs, 1)), num_chunks // 4 or 1))
+
+
+class _Plan:
+    """Shapes, tiling and segmentation shared by forward and backward."""
+
+    def __init__(self, q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves):
+        self.batch, self.seq, self.heads, self.dim = q.shape
+        self.kv_heads = k.shape[2]
+        self.feature = FEATURE_IDS[feature_map]
+        self.halves = 1 if feature_map == "identity" else 2
+        self.fuse = self.halves == 2 and bool(fuse_halves)
+        self.features = self.halves * self.dim
+        default_c, default_bv = _default_tiling(self.dim)
+        self.chunk = chunk_size or default_c
+        self.block_v = block_v or default_bv
+        self.lag = window_size + 1
+        self.num_chunks = max(1, math.ceil(self.seq / self.chunk))
+        self.nv = self.dim // self.block_v
+        programs = (1 if self.fuse else self.halves) * self.nv * self.batch * self.kv_heads
+        self.nseg = _num_segments(self.num_chunks, programs, state_every, q.device)
+        self.seg_chunks = math.ceil(self.num_chunks / self.nseg)
+        self.nseg = math.ceil(self.num_chunks / self.seg_chunks)
+        self.dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        state_floats = self.block_v * self.dim * (2 if self.fuse else 1)
+        self.num_warps = num_warps or (4 if state_floats < 64 * 128 else 8)
+
+    def common(self, halves: bool = True):
+        """Compile-time arguments shared by the kernels (the fused ones take no NH)."""
+        args = dict(
+            D=self.dim, BV=self.block_v, C=self.chunk, FEATURE=self.feature,
+            DOT_PREC=self.dot_prec, num_warps=self.num_warps, num_stages=2,
+        )
+        if halves:
+            args["NH"] = self.halves
+        return args
+
+    def runtime(self):
+        return (self.batch, self.seq, self.lag, self.seg_chunks, self.num_chunks, self.nseg)
+
+
+def _check_tiling(plan: _Plan) -> None:
+    if plan.dim not in HEAD_DIMS:
+        raise ValueError(f"residual_linear_attention: the Triton kernel supports head_dim in {HEAD_DIMS}; got {plan.dim}.")
+    if plan.block_v not in (16, 32, 64, 128) or plan.dim % plan.block_v:
+        raise ValueError(f"residual_linear_attention: block_v must be a power of two >= 16 dividing head_dim; got {plan.block_v}.")
+    if plan.chunk not in (16, 32, 64, 128):
+        raise ValueError(f"residual_linear_attention: chunk_size must be 16, 32, 64 or 128; got {plan.chunk}.")
+
+
+def _forward(q, k, v, initial_state, plan: _Plan):
+    B, T, H, D = q.shape
+    HKV, F = plan.kv_heads, plan.features
+    dev = q.device
+    final = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32)
+    s0 = initial_state.float().contiguous() if initial_state is not None else None
+    states = None
+    if plan.nseg > 1:
+        states = torch.empty((B, HKV, plan.nseg, F, D), device=dev, dtype=torch.float32)
+        _state_pass_kernel[(plan.halves * plan.nv, B * HKV)](
+            k, v, s0 if s0 is not None else final, states, final, *plan.runtime(),
+            HKV=HKV, HAS_S0=s0 is not None, **plan.common(),
+        )
+        mode, s_in, store_final = 2, states, False
+    else:
+        mode, s_in, store_final = (1, s0, True) if s0 is not None else (0, final, True)
+    if plan.fuse:
+        out = torch.empty_like(q)
+        _fwd_fused_kernel[(plan.nv, B * HKV, plan.nseg)](
+            q, k, v, s_in, out, final, *plan.runtime(),
+            H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(halves=False),
+        )
+        return out, final, states
+    # One partial output per feature half, added in float32.
+    partial = plan.halves > 1
+    o_buf = torch.empty((plan.halves, B, T, H, D), device=dev, dtype=torch.float32 if partial else q.dtype)
+    _fwd_kernel[(plan.halves * plan.nv, B * HKV, plan.nseg)](
+        q, k, v, s_in, o_buf, final, *plan.runtime(),
+        H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(),
+    )
+    return (o_buf.sum(0).to(q.dtype) if partial else o_buf[0]), final, states
+
+
+def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0: bool):
+    B, T, H, D = q.shape
+    HKV, F = plan.kv_heads, plan.features
+    dev = q.device
+    do = do.contiguous()
+    grid = (plan.halves * plan.nv, B * HKV, plan.nseg)
+    nq = plan.halves * plan.nv
+    nq_dq = plan.nv if plan.fuse else nq
+    dq_buf = torch.empty((nq_dq, B, T, H, D), device=dev, dtype=torch.float32 if nq_dq > 1 else q.dtype)
+    dk_buf = torch.empty((nq, B, T, HKV, D), device=dev, dtype=torch.float32)
+    dv_buf = torch.empty((plan.halves, B, T, HKV, D), device=dev, dtype=torch.float32)
+    # Keys j > T - 1 - lag never leave the window: the kernel writes no row for them.
+    unread = min(plan.lag, T)
+    if unread > 0:
+        dk_buf[:, :, T - unread :] = 0
+        dv_buf[:, :, T - unread :] = 0
+    ds0 = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32) if need_ds0 else dk_buf
+    s0 = initial_state.float().contiguous() if initial_state is not None else None
+    dsf = dfinal.float().contiguous() if dfinal is not None else None
+
+    if plan.nseg > 1:
+        s_mode, s_in = 2, states
+    else:
+        s_mode, s_in = (1, s0) if s0 is not None else (0, dq_buf)
+    if plan.fuse:
+        _dq_fused_kernel[(plan.nv, B * HKV, plan.nseg)](
+            q, k, v, do, s_in, dq_buf, *plan.runtime(), H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(halves=False),
+        )
+    else:
+        _dq_kernel[grid](
+            q, k, v, do, s_in, dq_buf, *plan.runtime(),
+            H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(),
+        )
+    if plan.nseg > 1:
+        gstates = torch.empty((B, HKV, plan.nseg, F, D), device=dev, dtype=torch.float32)
+        _adjoint_pass_kernel[(plan.halves * plan.nv, B * HKV)](
+            q, do, dsf if dsf is not None else gstates, gstates,
+            B, T, plan.seg_chunks, plan.num_chunks, plan.nseg,
+            H=H, HKV=HKV, HAS_DSF=dsf is not None, **plan.common(),
+        )
+        g_mode, g_in = 2, gstates
+    else:
+        g_mode, g_in = (1, dsf) if dsf is not None else (0, dk_buf)
+    _dkv_kernel[grid](
+        q, k, v, do, g_in, dk_buf, dv_buf, ds0, *plan.runtime(),
+        H=H, HKV=HKV, G_IN_MODE=g_mode, STORE_DS0=need_ds0, **plan.common(),
+    )
+    dq = dq_buf.sum(0).to(q.dtype) if nq_dq > 1 else dq_buf[0]
+    dk = dk_buf.sum(0).to(k.dtype)
+    dv = dv_buf.sum(0).to(v.dtype)
+    return dq, dk, dv, ds0 if need_ds0 else None
+
+
+class _ResidualLinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, plan):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, final, states = _forward(q, k, v, initial_state, plan)
+        ctx.plan = plan
+        ctx.has_s0 = initial_state is not None
+        ctx.save_for_backward(q, k, v, initial_state if initial_state is not None else None, states)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, s0, states = ctx.saved_tensors
+        need_ds0 = ctx.has_s0 and ctx.needs_input_grad[3]
+        dq, dk, dv, ds0 = _backward(q, k, v, s0, states, do, dfinal, ctx.plan, need_ds0)
+        if ds0 is not None:
+            ds0 = ds0.to(s0.dtype)
+        return dq, dk, dv, ds0, None
+
+
+def residual_linear_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: int,
+    feature_map: str = "softmax",
+    initial_state: torch.Tensor | None = None,
+    *,
+    chunk_size: int | None = None,
+    block_v: int | None = None,
+    state_every: int | None = None,
+    num_warps: int | None = None,
+    fuse_halves: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked Triton RLA, differentiable in q, k, v and initial_state (and through final_state).
+
+    chunk_size C (16-128; 32 on GPU), block_v BV (value columns per program; 64 on GPU),
+    state_every m (chunks per stored state; None = enough segments to fill the GPU,
+    0 = one sequential segment, nothing stored), num_warps, fuse_halves (both feature halves in
+    one forward / dq program; off by default): tuning knobs, same result.
+    """
+    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    _check_tiling(plan)
+    return _ResidualLinearAttention.apply(q, k, v, initial_state, plan)
+
+
+# ----------------------------------------------------------------------------------------------
+# decode step
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _phi_vec(x, sign, FEATURE: tl.constexpr):
+    """One half of the feature map on one float32 vector x [D]."""
+    if FEATURE == 0:
+        y = x * sign
+        e = tl.exp(y - tl.max(y, 0))
+        return e / tl.sum(e, 0)
+    elif FEATURE == 1:
+        return tl.maximum(x * sign, 0.0)
+    else:
+        return x
+
+
+@triton.jit
+def _decode_kernel(
+    Q, S, S_OUT, KL, VL, LEAVE, O,
+    B,
+    H: tl.constexpr, HS: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, NH: tl.constexpr,
+    FEATURE: tl.constexpr, HAS_LEAVE: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """One token: S <- S + phi(k_leaving) v_leaving^T, then o_h = phi(q_h)^T S for the query heads
+    of the state head. One read and (when a token leaves) one write of each [D, BV] state block."""
+    NV: tl.constexpr = D // BV
+    F: tl.constexpr = NH * D
+    GROUP: tl.constexpr = H // HS
+    pid_fv = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    half = pid_fv // NV
+    vb = pid_fv % NV
+    b = pid_bs // HS
+    hs = pid_bs % HS
+    sign = 1.0 - 2.0 * half.to(tl.float32)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    base = pid_bs.to(tl.int64) * F * D
+    s = tl.load(S + base + rows)
+    if HAS_LEAVE:
+        k = tl.load(KL + pid_bs.to(tl.int64) * D + offs_d).to(tl.float32)
+        v = tl.load(VL + pid_bs.to(tl.int64) * D + offs_v).to(tl.float32)
+        kf = _phi_vec(k, sign, FEATURE)
+        if HAS_MASK:
+            kf = kf * tl.load(LEAVE + b).to(tl.float32)
+        s = s + kf[:, None] * v[None, :]
+        tl.store(S_OUT + base + rows, s)
+    for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
+        h = hs * GROUP + g
+        q = tl.load(Q + (b * H + h).to(tl.int64) * D + offs_d).to(tl.float32)
+        qf = _phi_vec(q, sign, FEATURE)
+        o = tl.sum(qf[:, None] * s, 0)
+        tl.store(O + ((half * B + b) * H + h).to(tl.int64) * D + offs_v, o.to(O.dtype.element_ty))
+
+
+def residual_linear_attention_decode_triton(q, state, k_leaving, v_leaving, leaving_mask, feature_map, inplace):
+    """Fused decode step; same function as ``reference.residual_linear_attention_decode_reference``.
+    ``inplace`` updates ``state`` itself (a cache's own tensor) instead of returning a new one."""
+    batch, heads, dim = q.shape
+    state_heads = state.shape[1]
+    halves = 1 if feature_map == "identity" else 2
+    block_v = min(dim, 64)
+    has_leave = k_leaving is not None
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        state, inplace = state.float().contiguous(), True  # a fresh copy: safe to write
+    out_state = state if (inplace or not has_leave) else torch.empty_like(state)
+    o_buf = torch.empty((halves, batch, heads, dim), device=q.device, dtype=torch.float32 if halves > 1 else q.dtype)
+    q = q.contiguous()
+    kl = k_leaving.contiguous() if has_leave else q
+    vl = v_leaving.contiguous() if has_leave else q
+    mask = leaving_mask.contiguous() if leaving_mask is not None else q
+    _decode_kernel[(halves * (dim // block_v), batch * state_heads)](
+        q, state, out_state, kl, vl, mask, o_buf, batch,
+        H=heads, HS=state_heads, D=dim, BV=block_v, NH=halves, FEATURE=FEATURE_IDS[feature_map],
+        HAS_LEAVE=has_leave, HAS_MASK=leaving_mask is not None, num_warps=4,
+    )
+    o = o_buf.sum(0).to(q.dtype) if halves > 1 else o_buf[0]
+    return o, out_state
