@@ -10,6 +10,7 @@ COMMANDS = {
     "convert": ("hf_hybrid.conversion.dense_to_rat_plus", "main_convert", "convert dense-to-rat-plus SRC DST: Llama checkpoint -> RAT+"),
     "adapt": ("hf_hybrid.adapt", "main_adapt", "resolution adaptation of a RAT+ checkpoint (joint objective, Trainer)"),
     "bench": ("hf_hybrid.bench.__main__", "main", "op / layer / model benchmarks vs SDPA on the GPU (table, JSON, PNG)"),
+    "eval": ("hf_hybrid.eval.cli", "main", "per-token loss / perplexity vs context length and needle heatmaps for saved models"),
 }
 
 

@@ -39,5 +39,7 @@ def test_demo_smoke_trains_saves_reloads_and_reports(tmp_path, capsys):
 
 def test_cli_lists_commands_and_rejects_unknown(capsys):
     assert cli_main([]) == 0
-    assert "demo" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    for command in ("demo", "convert", "adapt", "bench", "eval"):
+        assert f"  {command} " in listed
     assert cli_main(["no-such-command"]) == 2
