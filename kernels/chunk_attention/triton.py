@@ -39,12 +39,18 @@ FWD_CONFIG = (128, 64, 8, 3)
 DQ_CONFIG = (128, 64, 8, 2)
 DKV_CONFIG = (64, 128, 8, 2)  # (queries per step, keys per program, warps, stages)
 INTERPRET_CONFIG = (16, 16, 4, 1)
+# fp32 tiles take twice the shared memory: the bf16 tiles above overflow an H100's 227 KiB.
+FWD_CONFIG_FP32 = (64, 64, 8, 2)
+DQ_CONFIG_FP32 = (64, 64, 8, 1)
+DKV_CONFIG_FP32 = (64, 64, 8, 1)
 ROWS_BLOCK = 32  # rows per program of the row-wise backward kernel
 
 
-def _configs(device: torch.device):
+def _configs(device: torch.device, dtype: torch.dtype):
     if device.type != "cuda":
         return INTERPRET_CONFIG, INTERPRET_CONFIG, INTERPRET_CONFIG
+    if dtype == torch.float32:
+        return FWD_CONFIG_FP32, DQ_CONFIG_FP32, DKV_CONFIG_FP32
     return FWD_CONFIG, DQ_CONFIG, DKV_CONFIG
 
 
@@ -511,7 +517,7 @@ def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float):
     batch, seq, heads, head_dim = q.shape
     out = torch.empty(batch, seq, heads, head_dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, seq, device=q.device, dtype=torch.float32)
-    (block_m, block_n, warps, stages), _, _ = _configs(q.device)
+    (block_m, block_n, warps, stages), _, _ = _configs(q.device, q.dtype)
     grid = (triton.cdiv(seq, block_m), batch * heads)
     _fwd_kernel[grid](
         q, k, v, ke, ve, qc, out, lse,
@@ -533,7 +539,7 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
     dout = dout.contiguous()
     dq = torch.empty_like(out)
     delta, ds_own = torch.empty_like(lse), torch.empty_like(lse)
-    (_, _, _, _), (bm, bn, w, st), (km, kn, kw, kst) = _configs(q.device)
+    (_, _, _, _), (bm, bn, w, st), (km, kn, kw, kst) = _configs(q.device, q.dtype)
     prec = _dot_precision(q.dtype, q.device)
     has_window = geo.window > 0 and not geo.compact
     has_sinks = geo.sinks > 0 and not geo.compact
