@@ -12,6 +12,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# The test models are tiny: with one intra-op thread they run many times faster on a busy 2-core
+# CI runner than with threads contending for its cores (a pretrain example: 2 s instead of 60 s).
+# Results do not depend on it. HF_HYBRID_TEST_THREADS overrides.
+if not torch.cuda.is_available():
+    torch.set_num_threads(int(os.environ.get("HF_HYBRID_TEST_THREADS", "1")))
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m gpu` on a GPU machine)")
