@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-dir", default="pretrain_output")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config fields")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-order", choices=["random", "sequential"], default="random",
+                        help="sequential: every run, whatever its number of processes, sees the same first batch")
     args = parser.parse_args(argv)
 
     vocab = RecallVocab()
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
         weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
-        disable_tqdm=True,
+        disable_tqdm=True, train_sampling_strategy=args.data_order,
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, data_collator=default_data_collator)
     trainer.train()
@@ -82,8 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
         "last_loss": losses[-1],
         "recall_accuracy": recall_accuracy(model, eval_set["input_ids"], eval_set["labels"]) if single_process else None,
     }
+    trainer.save_model(args.output_dir)  # every rank: FSDP gathers the full state dict collectively
     if trainer.is_world_process_zero():
-        trainer.save_model(args.output_dir)
         print(json.dumps(summary))
     return summary
 
