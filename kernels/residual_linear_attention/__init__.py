@@ -185,6 +185,9 @@ def residual_linear_attention_decode(
     return o, new_state
 
 
+FLEX_MIN_HEAD_DIM = 16  # flex_attention's compiled kernels reject smaller head dims
+
+
 def sliding_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,7 +209,14 @@ def sliding_window_attention(
     _check_window(op, window_size, 0)
     impl = resolve_backend(backend, q.device, op, extra=("flex", "sdpa"))
     if backend == "auto":
-        impl = "flex" if q.device.type == "cuda" and triton_available() else "sdpa"
+        flex_ok = q.device.type == "cuda" and triton_available() and q.shape[-1] >= FLEX_MIN_HEAD_DIM
+        impl = "flex" if flex_ok else "sdpa"
+    small_for_flex = q.device.type == "cuda" and q.shape[-1] < FLEX_MIN_HEAD_DIM
+    if impl in ("flex", "triton") and small_for_flex and window_size < q.shape[1] - 1:
+        raise ValueError(
+            f"{op}: flex_attention needs head_dim >= {FLEX_MIN_HEAD_DIM}, got {q.shape[-1]}; "
+            "pass backend='sdpa' (or 'auto', which picks it) or use a larger head_dim."
+        )
     if impl == "reference":
         return sliding_window_attention_reference(q, k, v, window_size, scale)
     if impl == "sdpa" or window_size >= q.shape[1] - 1:

@@ -300,6 +300,18 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.gpu
+def test_gpu_auto_swa_small_head_dim_avoids_flex():
+    """flex_attention's compiled kernels need head_dim >= 16: "auto" takes the SDPA band mask
+    below that, and an explicit "flex" says so instead of failing inside Inductor."""
+    q, k, v = (torch.randn(2, 40, 4, 8, device="cuda") for _ in range(3))
+    out = sliding_window_attention(q, k, v, 5)
+    torch.testing.assert_close(out, sliding_window_attention_reference(q, k, v, 5), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="head_dim >= 16"):
+        sliding_window_attention(q, k, v, 5, backend="flex")
+
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "seq,w,options",
     [(4096, 512, {}), (4099, 511, {"state_every": 0}), (2053, -1, {"state_every": 3, "fuse_halves": True}),
