@@ -15,8 +15,12 @@ import pytest  # noqa: E402
 # The test models are tiny: with one intra-op thread they run many times faster on a busy 2-core
 # CI runner than with threads contending for its cores (a pretrain example: 2 s instead of 60 s).
 # Results do not depend on it. HF_HYBRID_TEST_THREADS overrides.
+# Child processes (fresh-process reload checks) inherit it through OMP_NUM_THREADS: the same thread
+# count keeps their CPU reductions in the same order, so "bit-identical" logits stay comparable.
 if not torch.cuda.is_available():
-    torch.set_num_threads(int(os.environ.get("HF_HYBRID_TEST_THREADS", "1")))
+    _threads = os.environ.get("HF_HYBRID_TEST_THREADS", "1")
+    os.environ["OMP_NUM_THREADS"] = _threads
+    torch.set_num_threads(int(_threads))
 
 
 def pytest_collection_modifyitems(config, items):
