@@ -13,10 +13,12 @@ Any number of new tokens can follow (decode or chunked prefill).
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
+
+from ..cache_layer import TensorMapLayer
 
 
-class FoxLayerCache(CacheLayerMixin):
+class FoxLayerCache(TensorMapLayer):
     _layer_type = "fox"
     is_sliding = False
     is_compileable = False
@@ -81,22 +83,6 @@ class FoxLayerCache(CacheLayerMixin):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
-
-    def offload(self):
-        self._map_tensors(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        if self.is_initialized and self.keys.device != self.device:
-            self._map_tensors(lambda t: t.to(self.device, non_blocking=True))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_tensors(lambda t: t[indices, ...])
 
     def reset(self) -> None:
         self.keys = self.values = self.cum_log_forget = self.shift_key = self.shift_value = None

@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..cache_layer import TensorMapLayer
 
-class RatLayerCache(CacheLayerMixin):
+
+class RatLayerCache(TensorMapLayer):
     """Cache of one RAT layer. ``keys`` / ``values`` hold the chunk ends, [batch, chunks, heads, head_dim]."""
 
     _layer_type = "rat"  # lets DynamicCache(config=...) build it from config.layer_types
@@ -126,21 +128,6 @@ class RatLayerCache(CacheLayerMixin):
                 setattr(self, name, fn(tensor))
         if self._key_buffer is not None:
             self._refresh_views()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_tensors(lambda t: t[indices, ...])
-
-    def offload(self):
-        self._map_tensors(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        self._map_tensors(lambda t: t.to(self.device, non_blocking=True))
 
     def reset(self) -> None:
         self.keys = self.values = self.state_key = self.state_value = None

@@ -22,10 +22,11 @@ so a call with a different ``sparse_config`` on the same cache raises.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ...kernels.topk_block_attention import block_summaries
 from ...sparse import AttentionPattern
+from ..cache_layer import TensorMapLayer
 
 _FAR = torch.iinfo(torch.int64).max
 
@@ -168,7 +169,7 @@ def make_store(pattern: AttentionPattern) -> FullStore | DilatedStore:
     return DilatedStore(pattern) if pattern.kind == "dilated" else FullStore(pattern)
 
 
-class RatPlusLayerCache(CacheLayerMixin):
+class RatPlusLayerCache(TensorMapLayer):
     """Cache of one RAT+ layer: recurrence state + one store per head group (see the module docstring)."""
 
     is_compileable = False
@@ -258,22 +259,6 @@ class RatPlusLayerCache(CacheLayerMixin):
             tensor = getattr(owner, name)
             if tensor is not None:
                 setattr(owner, name, fn(tensor))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_tensors(lambda t: t[indices, ...])
-
-    def offload(self) -> None:
-        self._map_tensors(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self) -> None:
-        if self.is_initialized:
-            self._map_tensors(lambda t: t.to(self.device, non_blocking=True))
 
     def reset(self) -> None:
         self.state_key = self.state_value = None

@@ -15,12 +15,14 @@ the attention mask. Any number of new tokens can follow (decode or chunked prefi
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..cache_layer import TensorMapLayer
 
 _TENSORS = ("keys", "values", "raw_keys", "state")
 
 
-class RattentionLocalLayerCache(CacheLayerMixin):
+class RattentionLocalLayerCache(TensorMapLayer):
     """Window K/V (last w + 1 tokens) + RLA state of one local layer; ``keys`` / ``values`` are
     [batch, tokens, kv_heads, head_dim] (``keys`` is None without the SWA branch, ``raw_keys`` and
     ``state`` are None without the RLA branch)."""
@@ -90,22 +92,6 @@ class RattentionLocalLayerCache(CacheLayerMixin):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
-
-    def offload(self):
-        self._map_tensors(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        if self.is_initialized and self.values is not None and self.values.device != self.device:
-            self._map_tensors(lambda t: t.to(self.device, non_blocking=True))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_tensors(lambda t: t[indices, ...])
 
     def reset(self) -> None:
         self.keys = self.values = self.raw_keys = self.state = None
