@@ -15,10 +15,16 @@ from .decode import (
     forgetting_attention_with_cache_reference,
     forgetting_attention_with_cache_sdpa,
 )
-from .reference import cumulative_log_forget, forgetting_attention_reference, visibility_mask
+from .reference import (
+    cumulative_log_forget,
+    cumulative_log_forget_by_head,
+    forgetting_attention_reference,
+    visibility_mask,
+)
 
 __all__ = [
     "cumulative_log_forget",
+    "cumulative_log_forget_by_head",
     "forgetting_attention",
     "forgetting_attention_reference",
     "forgetting_attention_with_cache",
@@ -111,8 +117,8 @@ def forgetting_attention(
         from .triton import forgetting_attention_triton
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        c = cumulative_log_forget(log_f, cu_seqlens)
-        return forgetting_attention_triton(q, k, v, c, scale, window_size, cu_seqlens)
+        c_by_head = cumulative_log_forget_by_head(log_f, cu_seqlens)
+        return forgetting_attention_triton(q, k, v, c_by_head, scale, window_size, cu_seqlens)
     return forgetting_attention_reference(q, k, v, log_f, scale, window_size, cu_seqlens)
 
 

@@ -27,20 +27,35 @@ def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].to(torch.int64), positions, right=True)
 
 
+def cumulative_log_forget_by_head(log_f: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """c = cumsum(log_f) laid out [heads, batch * seq] (float32): the Triton kernels' layout.
+
+    log_f [batch, seq, heads] (any float dtype). The scan runs along the contiguous last axis:
+    torch's scan over the strided middle axis of [batch, seq, heads] gives one thread to each
+    (row, head) and took 9.8 ms for 65K tokens x 16 heads on the H100 (the whole attention
+    forward is ~45 ms), against well under 0.1 ms along the last axis. With cu_seqlens (batch 1)
+    the sum runs in float64 and the running total at each sequence start is subtracted, so a late
+    sequence keeps full precision. Differentiable (autograd turns dc into the reverse cumsum).
+    """
+    heads = log_f.shape[2]
+    by_head = log_f.permute(2, 0, 1)  # [heads, batch, seq]
+    if cu_seqlens is None:
+        return torch.cumsum(by_head.float().contiguous(), dim=-1).reshape(heads, -1)
+    total = torch.cumsum(by_head[:, 0].double().contiguous(), dim=-1)  # [heads, tokens]
+    seg = segment_ids(cu_seqlens, total.shape[1])
+    starts = cu_seqlens[:-1].to(torch.int64)
+    before = torch.nn.functional.pad(total, (1, 0))[:, starts]  # sum before each sequence start
+    return (total - before[:, seg]).float()
+
+
 def cumulative_log_forget(log_f: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """c = cumsum(log_f) over the sequence axis in float32, restarting at every packed sequence.
 
-    log_f [batch, seq, heads] (any float dtype). With cu_seqlens the sum runs in float64 and the
-    running total at each sequence start is subtracted, so a late sequence keeps full precision.
-    Differentiable (autograd turns d c into the reverse cumsum per sequence).
+    log_f and the result are [batch, seq, heads] (the result is a view of the [heads, batch, seq]
+    sums of :func:`cumulative_log_forget_by_head`). Differentiable.
     """
-    if cu_seqlens is None:
-        return torch.cumsum(log_f.float(), dim=1)
-    total = torch.cumsum(log_f.double(), dim=1)
-    seg = segment_ids(cu_seqlens, log_f.shape[1])
-    starts = cu_seqlens[:-1].to(torch.int64)
-    before = torch.cat([torch.zeros_like(total[:, :1]), total], dim=1)[:, starts]  # sum before each start
-    return (total - before[:, seg]).float()
+    batch, seq, heads = log_f.shape
+    return cumulative_log_forget_by_head(log_f, cu_seqlens).view(heads, batch, seq).permute(1, 2, 0)
 
 
 def visibility_mask(

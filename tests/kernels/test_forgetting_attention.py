@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hf_hybrid.kernels._backend import triton_interpreting
 from hf_hybrid.kernels.forgetting_attention import (
     cumulative_log_forget,
+    cumulative_log_forget_by_head,
     forgetting_attention,
     forgetting_attention_reference,
     forgetting_attention_with_cache,
@@ -101,6 +102,24 @@ def test_cumulative_log_forget_restarts_per_sequence():
     c = cumulative_log_forget(log_f, cu)
     assert torch.allclose(c[:, :4], log_f[:, :4].cumsum(1))
     assert torch.allclose(c[:, 4:], log_f[:, 4:].cumsum(1), atol=1e-6)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 3, 9, 10]])
+def test_cumulative_log_forget_by_head_layout_and_gradient(cu):
+    """[heads, batch * seq] sums along the contiguous axis == the per-row cumsum, values and grads."""
+    batch = 1 if cu is not None else 2
+    log_f = (-torch.rand(batch, 10, 3, dtype=torch.float64)).requires_grad_()
+    cu_t = None if cu is None else torch.tensor(cu)
+    got = cumulative_log_forget_by_head(log_f, cu_t)
+    bounds = [(0, 10)] if cu is None else list(zip(cu[:-1], cu[1:]))
+    want = torch.cat([log_f[:, s:e].cumsum(1) for s, e in bounds], dim=1).permute(2, 0, 1).reshape(3, -1)
+    assert got.shape == (3, batch * 10) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, atol=1e-6)
+    weights = torch.randn(3, batch * 10, dtype=torch.float64)
+    (grad_got,) = torch.autograd.grad((got.double() * weights).sum(), log_f)
+    (grad_want,) = torch.autograd.grad((want * weights).sum(), log_f)
+    assert torch.allclose(grad_got, grad_want, atol=1e-6)
+    assert torch.equal(cumulative_log_forget(log_f, cu_t), got.view(3, batch, 10).permute(1, 2, 0))
 
 
 # ------------------------------------------------------------------------------------------
