@@ -1,0 +1,1 @@
+"""Token mixers and building blocks shared by the architectures (attention layers, norms, RoPE, MLP)."""
