@@ -37,7 +37,7 @@ from ..layers import residual_linear_attention as rla_layer_module
 from ..layers.context import SequenceContext
 from ..layers.residual_linear_attention import RattentionGlobalAttention, RattentionLocalAttention
 from ..models.rattention.cache_rattention import RattentionLocalLayerCache
-from .timing import free_memory, time_fn
+from .timing import free_memory, time_cuda_graph, time_fn
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 4, 128
 # (chunk_size, block_v, state_every, fuse_halves); state_every None = enough segments to fill the
@@ -200,7 +200,8 @@ def decode_times(layers, batch, length, device, dtype, repeat):
 
             with _flash_only(name == "full"):
                 t = time_fn(step, device, warmup=5, repeat=max(repeat, 50))
-            row[name] = {"step_ms": t.median_ms, "cache_gb": nbytes / 2**30}
+                graphed = time_cuda_graph(step, device, warmup=3, repeat=max(repeat, 50))
+            row[name] = {"step_ms": t.median_ms, "graph_step_ms": graphed.median_ms, "cache_gb": nbytes / 2**30}
             cache = step = None  # free the K/V before the next layer
         except Exception as exc:
             traceback.print_exc()
@@ -320,15 +321,17 @@ def markdown(train_rows, decode_row, decode_batch, decode_context):
         "",
         f"Decode step, batch {decode_batch}, context {decode_context} (ms per step; speed-up vs full):",
         "",
-        "| layer | step ms | speed-up vs full | cache GiB |",
-        "|---|---|---|---|",
+        "| layer | step ms, eager | speed-up vs full | step ms, CUDA graph | speed-up vs full | cache GiB |",
+        "|---|---|---|---|---|---|",
     ]
-    base = _ms(decode_row.get("full", {}), "step_ms")
+    full = decode_row.get("full", {})
     for name in ("full", "swa4096", "local512"):
         cell = decode_row.get(name, {})
-        t = _ms(cell, "step_ms")
-        speed = f"{base / t:.2f}x" if t and base else "-"
-        lines.append(f"| {name} | {t:.3f} | {speed} | {cell.get('cache_gb', 0):.3f} |" if t else f"| {name} | error | - | - |")
+        cells = []
+        for key in ("step_ms", "graph_step_ms"):
+            t, base = _ms(cell, key), _ms(full, key)
+            cells += [f"{t:.3f}" if t else "error", f"{base / t:.2f}x" if t and base else "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {cell.get('cache_gb', 0):.3f} |")
     return "\n".join(lines)
 
 

@@ -164,7 +164,7 @@ class RattentionLocalAttention(_QKVProjections):
         else:
             o_swa, o_rla, state = self._whole_sequence(q, k, v, q_swa, k_swa, context)
             if cache_layer is not None:
-                cache_layer.update(k_swa, v, k, state, capacity=self.cache_capacity)
+                cache_layer.update(k_swa, v, k if self.use_rla else None, state, capacity=self.cache_capacity)
 
         out = 0
         if self.use_swa:
@@ -186,9 +186,28 @@ class RattentionLocalAttention(_QKVProjections):
             o_rla, state = residual_linear_attention(q, k, v, self.window_size, self.feature_map, backend=self.backend)
         return o_swa, o_rla, state
 
+    def _decode_in_ring(self, q, k, v, q_swa, k_swa, context, cache_layer):
+        """One new token per row, no padding, window full: the token leaving the window (t - w - 1)
+        sits in ring slot t % (w + 1); fold it into S, overwrite the slot with token t, then attend
+        over the w + 1 slots (tokens t - w .. t; order does not matter to softmax attention)."""
+        slot = cache_layer.ring_slot()
+        o_rla = state = None
+        if self.use_rla:
+            raw_out, v_out = cache_layer.read_slot(slot)
+            o, state = residual_linear_attention_decode(
+                q[:, 0], cache_layer.state, raw_out, v_out, feature_map=self.feature_map,
+                inplace=not torch.is_grad_enabled(), backend=self._decode_backend(),
+            )
+            o_rla = o[:, None]
+        cache_layer.write_slot(slot, k_swa, v, k if self.use_rla else None, state)
+        o_swa = _attend(q_swa, cache_layer.keys, cache_layer.values, None, self.num_heads, self.num_kv_heads)
+        return o_swa, o_rla
+
     def _with_cache(self, q, k, v, q_swa, k_swa, context, cache_layer):
         """New tokens after cached ones: the cached window (last w + 1 tokens) is prepended."""
         seq = q.shape[1]
+        if seq == 1 and context.key_valid is None and self.use_swa and cache_layer.is_full():
+            return self._decode_in_ring(q, k, v, q_swa, k_swa, context, cache_layer)
         win_swa, win_v, win_raw, state = cache_layer.window()
         ext_v = torch.cat([win_v, v], dim=1)
         ext_raw = torch.cat([win_raw, k], dim=1) if self.use_rla else None

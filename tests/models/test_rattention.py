@@ -193,6 +193,58 @@ def test_prefill_plus_decode_equals_full_forward(name, overrides, seq):
         assert_prefill_decode_matches(model, ids, prefill)
 
 
+def test_decode_with_full_window_writes_the_ring_in_place():
+    """Once the window is full a decode step overwrites the leaving token's slot (no new buffers,
+    no host-side slot value), and the logits still equal the full forward's."""
+    model = tiny_model(num_hidden_layers=2, layer_types=["local", "global"])
+    ids = torch.randint(1, VOCAB, (2, 14))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        local = cache.layers[0]
+        assert local.is_full() and int(local.ring_slot()) == 6 % 4
+        buffers = [t.data_ptr() for t in (local.keys, local.values, local.raw_keys)]
+        for t in range(6, 14):
+            step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            torch.testing.assert_close(step.logits[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+            assert [t_.data_ptr() for t_ in (local.keys, local.values, local.raw_keys)] == buffers
+    keys, values, raw, _ = local.window()  # oldest first: the raw keys of tokens 10..13
+    assert int(local.ring_slot()) == 14 % 4 and local.get_seq_length() == 14
+    k_raw = model.model.layers[0].self_attn.k_proj(model.model.layers[0].input_layernorm(model.model.embed_tokens(ids)))
+    torch.testing.assert_close(raw, k_raw[:, 10:].view_as(raw), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_ring_decode_matches_full_forward_and_replays_in_a_cuda_graph():
+    """On CUDA (Triton decode kernel, in-place state): ring decoding == the full forward, and one
+    local-layer decode step captured in a CUDA graph advances the ring like the eager step."""
+    model = tiny_model(hidden_size=64, num_hidden_layers=2, layer_types=["local", "global"], window_size=7).cuda()
+    ids = torch.randint(1, VOCAB, (2, 40), device="cuda")
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :20], use_cache=True).past_key_values
+        for t in range(20, 40):
+            step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            torch.testing.assert_close(step.logits[:, 0], full[:, t], rtol=1e-4, atol=1e-4)
+
+        layer = model.model.layers[0].self_attn
+        x = torch.randn(2, 1, layer.q_proj.in_features, device="cuda")
+        context = SequenceContext.build(2, 1, 20, None, None, torch.device("cuda"))
+        eager_cache, warm_cache, graph_cache = (model(ids[:, :20], use_cache=True).past_key_values.layers[0] for _ in range(3))
+        eager = [layer(x, context, eager_cache) for _ in range(3)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS / Triton state for this stream)
+            layer(x, context, warm_cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records the step; nothing runs until replay
+            out = layer(x, context, graph_cache)
+        for expected in eager:
+            graph.replay()
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_chunked_prefill_equals_full_forward():
     model = tiny_model(num_hidden_layers=4)
     ids = torch.randint(1, VOCAB, (2, 30))

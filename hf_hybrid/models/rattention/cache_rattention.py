@@ -11,6 +11,12 @@
 
 One column per input column (padding included, with zeroed values), so column indices match
 the attention mask. Any number of new tokens can follow (decode or chunked prefill).
+
+Once a local window is full it is a ring: column c sits at slot c % (w + 1). A decode step then
+reads the leaving token from its slot and overwrites it in place (``read_slot`` / ``write_slot``,
+device-side slot index) instead of concatenating and re-slicing the window, so the step is a
+fixed set of kernels on fixed buffers (CUDA-graph capturable); ``window()`` returns the tokens
+oldest first for the paths that need the order (padding masks, several new tokens).
 """
 from __future__ import annotations
 
@@ -37,14 +43,47 @@ class RattentionLocalLayerCache(TensorMapLayer):
         self.raw_keys: torch.Tensor | None = None
         self.state: torch.Tensor | None = None
         self.cumulative_length = 0
+        self.capacity = 0
+        self._next_column: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor | None, value_states: torch.Tensor) -> None:
         self.dtype, self.device = value_states.dtype, value_states.device
         self.is_initialized = True
 
     def window(self):
-        """(keys, values, raw_keys, state) held now; window tensors have <= w + 1 tokens."""
-        return self.keys, self.values, self.raw_keys, self.state
+        """(keys, values, raw_keys, state) held now, window tokens oldest first (<= w + 1 of them)."""
+        if not self.is_full():
+            return self.keys, self.values, self.raw_keys, self.state
+        oldest = self.cumulative_length % self.capacity  # slot of column cumulative_length - capacity
+
+        def ordered(x):
+            return None if x is None else torch.roll(x, -oldest, dims=1)
+
+        return ordered(self.keys), ordered(self.values), ordered(self.raw_keys), self.state
+
+    def is_full(self) -> bool:
+        """True once the window holds w + 1 tokens (it is then a ring, see the module docstring)."""
+        return self.capacity > 0 and self.values is not None and self.values.shape[1] == self.capacity
+
+    def ring_slot(self) -> torch.Tensor:
+        """[1] long tensor on the cache's device: the slot of the oldest token, which the next
+        token replaces (its column modulo w + 1). Kept on the device so a decode step needs no
+        host value (and a captured CUDA graph advances it on every replay)."""
+        return torch.remainder(self._next_column, self.capacity)
+
+    def read_slot(self, slot: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(raw key, value) [batch, kv_heads, head_dim] at ring slot ``slot`` (a [1] long tensor)."""
+        raw = None if self.raw_keys is None else self.raw_keys.index_select(1, slot)[:, 0]
+        return raw, self.values.index_select(1, slot)[:, 0]
+
+    def write_slot(self, slot: torch.Tensor, key_states, value_states, raw_keys, state) -> None:
+        """Overwrite ring slot ``slot`` with one new token [batch, 1, kv_heads, head_dim] (in place)."""
+        for held, new in ((self.keys, key_states), (self.values, value_states), (self.raw_keys, raw_keys)):
+            if held is not None:
+                held.index_copy_(1, slot, new.to(held.dtype))
+        self.state = state
+        self._next_column.add_(1)
+        self.cumulative_length += 1
 
     def update(
         self,
@@ -62,17 +101,21 @@ class RattentionLocalLayerCache(TensorMapLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += value_states.shape[1] if new_tokens is None else new_tokens
+        self.capacity = capacity
+        # A full window is stored as a ring (column c at slot c % capacity): rotate the tail so.
+        shift = self.cumulative_length % capacity if capacity and value_states.shape[1] >= capacity else 0
 
         def tail(x):
             if x is None:
                 return None
-            start = max(x.shape[1] - capacity, 0)
-            # Copy when the rest is long (a prefill), so a view never pins the whole sequence;
-            # a decode step's view keeps only one token beyond the window alive.
-            return x[:, start:].clone() if start > 1 else x[:, start:]
+            x = x[:, max(x.shape[1] - capacity, 0):]
+            # Own storage, so a view never pins the whole prefill and the ring can be written in place.
+            return torch.roll(x, shift, dims=1) if shift else x.clone()
 
         self.keys, self.values, self.raw_keys = tail(key_states), tail(value_states), tail(raw_keys)
         self.state = state
+        if self.is_full():  # a fill kernel with the value as argument: no host-to-device copy
+            self._next_column = torch.full((1,), self.cumulative_length, dtype=torch.long, device=self.values.device)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -97,6 +140,8 @@ class RattentionLocalLayerCache(TensorMapLayer):
         self.keys = self.values = self.raw_keys = self.state = None
         self.is_initialized = False
         self.cumulative_length = 0
+        self.capacity = 0
+        self._next_column = None
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError(
