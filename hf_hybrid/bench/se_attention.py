@@ -68,7 +68,17 @@ def variants(args) -> dict:
     return out
 
 
-def _profile(attn, seq, args) -> None:
+def _device_us(event) -> float:
+    """Total device time of a profiler row (named cuda_time_total in older torch versions)."""
+    for name in ("device_time_total", "cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
+def _profile(name, attn, seq, args, steps: int = 3) -> None:
+    """Per-step time of the op's stages (the se::* ranges in chunked.py) and of its top CUDA kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     shape = (args.batch, seq, args.heads, args.head_dim)
@@ -78,11 +88,24 @@ def _profile(attn, seq, args) -> None:
     step = _step(attn, q, k, v, grad, backward=True)
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    rows = prof.key_averages()
+    kernels = [e for e in rows if e.device_type == DeviceType.CUDA and not e.key.startswith("se::")]
+    total = sum(_device_us(e) for e in kernels) / steps / 1e3
+    print(f"\n== profile: {name}, T={seq}, fwd+bwd, per step: {sum(e.count for e in kernels) / steps:.0f} GPU kernels, {total:.2f} ms kernel time")
+    stages = {}
+    for e in rows:  # a stage shows up as a CPU range (its kernels' time) and, with newer torch, as a GPU annotation
+        if e.key.startswith("se::"):
+            stages[e.key] = max(stages.get(e.key, 0.0), _device_us(e))
+    print("| stage | ms per step |\n|---|---|")
+    for key, us in sorted(stages.items(), key=lambda kv: -kv[1]):
+        print(f"| {key} | {us / steps / 1e3:.3f} |")
+    print("| kernel | ms per step | calls per step |\n|---|---|---|")
+    for e in sorted(kernels, key=_device_us, reverse=True)[:25]:
+        print(f"| {e.key[:90]} | {_device_us(e) / steps / 1e3:.3f} | {e.count / steps:.0f} |")
 
 
 def main(argv=None) -> int:
@@ -98,8 +121,14 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", type=str, default=None)
-    parser.add_argument("--profile", type=str, default=None, help="also print torch.profiler's top CUDA kernels for this variant at the largest T")
+    parser.add_argument(
+        "--profile", type=str, nargs="+", default=[],
+        help="variant name(s), e.g. 'se M=2048 G=128': also print a torch.profiler breakdown (stages, top CUDA kernels) at the largest T",
+    )
     args = parser.parse_args(argv)
+    unknown = [name for name in args.profile if name not in variants(args)]
+    if unknown:
+        parser.error(f"--profile: unknown variant(s) {unknown}; choose from {list(variants(args))}")
     if not torch.cuda.is_available():
         print("se_attention bench needs a CUDA device (it times fused GPU kernels).", file=sys.stderr)
         return 2
@@ -141,11 +170,11 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['seq']} | {r['variant']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
               f"{r['speedup_fwd_bwd']:.2f}x | {r['speedup_fwd']:.2f}x | {r['peak_gib']:.2f} |")
-    if args.profile:
-        _profile(variants(args)[args.profile], max(args.seq), args)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(environment=env, results=rows), fh, indent=2)
+    for name in args.profile:
+        _profile(name, variants(args)[name], max(args.seq), args)
     return 0
 
 

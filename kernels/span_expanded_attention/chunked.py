@@ -12,19 +12,35 @@ Work per mode (T tokens, chunks of M, k retrieved blocks of S tokens, groups of 
     2. each group's G queries against its kS gathered block keys, groups stacked on the batch
        axis, no mask (only slots that hold a real past block are included: chunk i has
        min(k, floor(iM/S)) of them, so chunk 0 skips this call and, when M < kS, a few early
-       chunks run it with fewer keys).
+       chunks run it with fewer keys). Those counts follow from the shapes, so the forward never
+       waits for the GPU (no host sync).
   Retrieval itself costs T/S block summaries (S x S each) and a [groups x blocks] score matrix.
+
+Memory traffic around the fused calls, per K and V (X = one [b, T, h, d] tensor; the gathered
+keys are about kS/G X): the retrieved keys are whole head_dim rows of K, copied once with
+``index_select`` into exactly the layout the retrieval call reads; their gradients are added
+straight into the chunk call's dK with ``index_add_`` (no zero-filled buffer, no second copy).
 
 Selection is shared with the reference (:func:`reference.selection_for_sequence`), so both paths
 retrieve the same blocks and differ only by floating-point rounding.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
 from .lse_attention import attention_with_lse, attention_with_lse_backward
 from .reference import RETRIEVAL_MODES, expand_kv_heads, selection_for_sequence
+
+
+def _stage(name: str):
+    """A profiler range ``se::<name>`` while torch.profiler records (a no-op otherwise)."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"se::{name}")
+    return contextlib.nullcontext()
 
 
 def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -39,7 +55,8 @@ def _to_runs(x: torch.Tensor, run: int) -> torch.Tensor:
 
 
 def _from_runs(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """Inverse of :func:`_to_runs`: [b * n, h, run, ...] -> [b, n * run, h, ...]."""
+    """Inverse of :func:`_to_runs`: [b * n, h, run, ...] -> [b, n * run, h, ...] (a view for the
+    fused kernels' outputs, which they lay out like their [b, t, h, d] inputs)."""
     n, h, run = x.shape[0] // batch, x.shape[1], x.shape[2]
     return x.view(batch, n, h, run, *x.shape[3:]).transpose(2, 3).reshape(batch, n * run, h, *x.shape[3:])
 
@@ -55,92 +72,156 @@ def _rows_as_runs(x: torch.Tensor, first: int, last: int, run: int) -> torch.Ten
     return rows.transpose(2, 3).reshape(-1, x.shape[2], run, x.shape[3])
 
 
-def _retrieved(kr: torch.Tensor, first: int, last: int, slots: int) -> torch.Tensor:
-    """kr [b, groups, h, k, S, d] -> [b * (last - first), h, slots * S, d] for groups [first, last)."""
-    part = kr[:, first:last, :, :slots]
-    return part.reshape(-1, part.shape[2], slots * part.shape[4], part.shape[5])
+# ---------------------------------------------------------------------------------------------
+# Which groups retrieve how many blocks, and where their keys live
+# ---------------------------------------------------------------------------------------------
+
+
+def _retrieval_parts(num_chunks: int, chunk_size: int, block_size: int, slots: int) -> tuple:
+    """Runs of chunks whose groups retrieve the same number (> 0) of valid blocks:
+    ((valid slots, first chunk, last chunk), ...). Chunk i has min(k', floor(iM/S)) valid slots,
+    k' = ``slots`` per group (see :func:`reference.select_blocks`): known from shapes alone."""
+    parts = []
+    for chunk in range(num_chunks):
+        valid = min(slots, chunk * chunk_size // block_size)
+        if valid == 0:
+            continue
+        if parts and parts[-1][0] == valid:
+            parts[-1][2] = chunk + 1
+        else:
+            parts.append([valid, chunk, chunk + 1])
+    return tuple(tuple(p) for p in parts)
+
+
+def _block_rows(indices: torch.Tensor, first_group: int, length: int, block_size: int) -> torch.Tensor:
+    """Row numbers, in x.view(-1, head_dim) for x [b, length, h, d] contiguous, of the keys that
+    groups ``first_group``.. retrieve: indices [b, h, groups, k'] -> [b * groups' * h * k' * S] in
+    the order the retrieval call reads them ([b * groups', h, k' * S, d])."""
+    batch, heads = indices.shape[:2]
+    device = indices.device
+    blocks = indices[:, :, first_group:].transpose(1, 2).contiguous()  # [b, groups', h, k'], so the rows come out in order
+    first_position = blocks * block_size + (torch.arange(batch, device=device) * length)[:, None, None, None]
+    first_row = first_position * heads + torch.arange(heads, device=device)[:, None]
+    return (first_row[..., None] + torch.arange(block_size, device=device) * heads).reshape(-1)
+
+
+def _gather_rows(x: torch.Tensor, rows: torch.Tensor, keys_per_group: int) -> torch.Tensor:
+    """x [b, t, h, d] contiguous, rows from :func:`_block_rows` -> [b * groups', h, k' * S, d]:
+    one copy of whole head_dim rows straight into the retrieval call's layout."""
+    heads, dim = x.shape[2:]
+    return x.view(-1, dim).index_select(0, rows).view(-1, heads, keys_per_group, dim)
+
+
+def _add_rows_(x: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """x.view(-1, d)[rows] += values with repeated rows accumulating (the gather's backward)."""
+    dim = x.shape[-1]
+    x.view(-1, dim).index_add_(0, rows, values.reshape(-1, dim))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The static layout of one ``se``/``se_random`` call (what the autograd Function needs)."""
+
+    chunk_size: int
+    select_every: int
+    block_size: int
+    slots: int  # k': retrieval slots per group, valid or not
+    parts: tuple  # ((valid slots, first chunk, last chunk), ...), from _retrieval_parts
+    scale: float
+
+    @property
+    def groups_per_chunk(self) -> int:
+        return self.chunk_size // self.select_every
+
+    @property
+    def first_group(self) -> int:
+        """The first group whose keys are gathered (earlier chunks retrieve nothing)."""
+        return self.parts[0][1] * self.groups_per_chunk
+
+    def groups(self, part) -> tuple[int, int]:
+        return part[1] * self.groups_per_chunk, part[2] * self.groups_per_chunk
+
+    def select(self, gathered: torch.Tensor, batch: int, part) -> torch.Tensor:
+        """Gathered [b * groups', h, k' S, ...] -> the part's valid slots [b * groups, h, slots S, ...]
+        (a view unless b > 1 and the part is not all the gathered groups)."""
+        first, last = (g - self.first_group for g in self.groups(part))
+        per_row = gathered.unflatten(0, (batch, -1))[:, first:last, :, : part[0] * self.block_size]
+        return per_row.flatten(0, 1)
+
+
+def _lse_by_group(lse: torch.Tensor, batch: int, plan: _Plan, part) -> torch.Tensor:
+    """Chunk-call lse [b * n, h, M] -> the part's chunks as [b, chunks, M / G, h, G], the
+    retrieval call's [b * groups, h, G] order (a view: writes land in lse)."""
+    by_chunk = lse.unflatten(0, (batch, -1))[:, part[1]:part[2]]  # [b, chunks, h, M]
+    return by_chunk.unflatten(3, (plan.groups_per_chunk, plan.select_every)).transpose(2, 3)
 
 
 class _MergedChunkAttention(torch.autograd.Function):
     """One softmax over [retrieved blocks of the query's group ; own chunk causally].
 
-    q, k, v [b, T', h, d] contiguous (T' a multiple of M, heads already expanded); kr, vr
-    [b, groups, h, k, S, d]; parts: ((slots, first group, last group), ...) - contiguous runs of
-    groups that retrieve the same number of valid blocks (it only grows with the chunk index).
+    q, k, v [b, T', h, d] contiguous (T' a multiple of M, heads already expanded); rows from
+    :func:`_block_rows` for the groups from ``plan.first_group`` on. The retrieved keys are
+    gathered here and their gradients added into dK/dV here, so K and V are the only key inputs.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kr, vr, chunk_size, select_every, parts, scale):
+    def forward(ctx, q, k, v, rows, plan: _Plan):
         batch, _, heads, dim = q.shape
-        G = select_every
-        out1, lse1, saved1 = attention_with_lse(_to_runs(q, chunk_size), _to_runs(k, chunk_size), _to_runs(v, chunk_size), True, scale)
+        M, G = plan.chunk_size, plan.select_every
+        with _stage("chunk_attention"):
+            out1, lse, saved1 = attention_with_lse(*(_to_runs(x, M) for x in (q, k, v)), True, plan.scale)
         out = _from_runs(out1, batch)  # [b, T', h, d]; merged into in place below
-        lse = _from_runs(lse1[..., None], batch)[..., 0].contiguous()  # [b, T', h]
-        saved2 = []
-        for slots, first, last in parts:
-            out2, lse2, saved = attention_with_lse(
-                _rows_as_runs(q, first, last, G), _retrieved(kr, first, last, slots), _retrieved(vr, first, last, slots), False, scale
-            )
+        with _stage("gather"):
+            kr, vr = (_gather_rows(x, rows, plan.slots * plan.block_size) for x in (k, v))
+        saved2, merged_lse = [], []
+        for part in plan.parts:
+            first, last = plan.groups(part)
+            with _stage("retrieval_attention"):
+                out2, lse2, saved = attention_with_lse(
+                    _rows_as_runs(q, first, last, G), plan.select(kr, batch, part), plan.select(vr, batch, part),
+                    False, plan.scale,
+                )
+            with _stage("merge"):
+                lse1 = _lse_by_group(lse, batch, plan, part)
+                lse2 = lse2.view(lse1.shape)
+                total = torch.logaddexp(lse2, lse1)  # the union's lse, in the retrieval call's order
+                # softmax over the union: out = out1 + w * (out2 - out1) with w = exp(lse2 - total).
+                weight = torch.exp(lse2 - total).flatten(1, 2).transpose(2, 3)  # [b, groups, G, h]
+                out2 = out2.view(batch, last - first, heads, G, dim).transpose(2, 3)
+                _rows(out, first, last, G).lerp_(out2, weight.to(out.dtype)[..., None])
+                lse1.copy_(total)  # the chunk call's backward reads the merged lse from its own buffer
             saved2.append(saved)
-            out2 = out2.view(batch, last - first, heads, G, dim).transpose(2, 3)
-            lse2 = lse2.view(batch, last - first, heads, G).transpose(2, 3)
-            lse_rows = _rows(lse, first, last, G)
-            # softmax over the union: out = out1 + sigmoid(lse2 - lse1) * (out2 - out1).
-            weight = torch.sigmoid(lse2 - lse_rows).to(out.dtype)[..., None]
-            _rows(out, first, last, G).lerp_(out2, weight)
-            lse_rows.copy_(torch.logaddexp(lse_rows, lse2))
-        ctx.save_for_backward(q, k, v, kr, vr, out, lse)
-        ctx.meta = (chunk_size, select_every, parts, scale, saved1, saved2)
+            merged_lse.append(total.view(-1, heads, G))
+        ctx.save_for_backward(q, k, v, rows, kr, vr, out, lse, *merged_lse)
+        ctx.meta = (plan, saved1, saved2)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, kr, vr, out, lse = ctx.saved_tensors
-        chunk_size, G, parts, scale, saved1, saved2 = ctx.meta
+        q, k, v, rows, kr, vr, out, lse, *merged_lse = ctx.saved_tensors
+        plan, saved1, saved2 = ctx.meta
         batch, _, heads, dim = q.shape
+        M, G = plan.chunk_size, plan.select_every
         grad_out = grad_out.contiguous()
-        lse = lse[..., None]
-        dq1, dk1, dv1 = attention_with_lse_backward(
-            _to_runs(grad_out, chunk_size), _to_runs(q, chunk_size), _to_runs(k, chunk_size), _to_runs(v, chunk_size),
-            _to_runs(out, chunk_size), _to_runs(lse, chunk_size)[..., 0], saved1, True, scale,
-        )
-        dq, dk, dv = (_from_runs(x, batch) for x in (dq1, dk1, dv1))
-        dkr, dvr = torch.zeros_like(kr), torch.zeros_like(vr)
-        for (slots, first, last), saved in zip(parts, saved2):
-            dq2, dk2, dv2 = attention_with_lse_backward(
-                _rows_as_runs(grad_out, first, last, G), _rows_as_runs(q, first, last, G),
-                _retrieved(kr, first, last, slots), _retrieved(vr, first, last, slots),
-                _rows_as_runs(out, first, last, G), _rows_as_runs(lse, first, last, G)[..., 0], saved, False, scale,
-            )
-            _rows(dq, first, last, G).add_(dq2.reshape(batch, last - first, heads, G, dim).transpose(2, 3))
-            block_shape = (batch, last - first, heads, slots, kr.shape[4], dim)
-            dkr[:, first:last, :, :slots] = dk2.reshape(block_shape)
-            dvr[:, first:last, :, :slots] = dv2.reshape(block_shape)
-        return dq, dk, dv, dkr, dvr, None, None, None, None
-
-
-def _gather_blocks(x: torch.Tensor, indices: torch.Tensor, block_size: int) -> torch.Tensor:
-    """x [b, t, h, d], indices [b, h, groups, k] -> [b, groups, h, k, S, d] (differentiable gather)."""
-    batch, _, heads, dim = x.shape
-    num_blocks = x.shape[1] // block_size
-    blocks = x[:, : num_blocks * block_size].view(batch, num_blocks, block_size, heads, dim)
-    rows = torch.arange(batch, device=x.device)[:, None, None, None]
-    head = torch.arange(heads, device=x.device)[None, None, :, None]
-    return blocks[rows, indices.permute(0, 2, 1, 3), :, head]
-
-
-def _retrieval_parts(valid: torch.Tensor) -> tuple:
-    """Contiguous runs of groups with the same number of valid slots (> 0): ((slots, first, last), ...)."""
-    per_group = valid[0, 0].sum(-1).tolist()
-    parts = []
-    for group, slots in enumerate(per_group):
-        if slots == 0:
-            continue
-        if parts and parts[-1][0] == slots and parts[-1][2] == group:
-            parts[-1][2] = group + 1
-        else:
-            parts.append([slots, group, group + 1])
-    return tuple(tuple(p) for p in parts)
+        with _stage("chunk_attention_backward"):
+            grads = attention_with_lse_backward(*(_to_runs(x, M) for x in (grad_out, q, k, v, out)), lse, saved1, True, plan.scale)
+        # [b, T', h, d] contiguous (a view for the fused kernels): the retrieval gradients are added in place.
+        dq, dk, dv = (_from_runs(x, batch).contiguous() for x in grads)
+        rows = rows.view(kr.shape[:3])  # [b * groups', h, k' S], like kr
+        for part, saved, total in zip(plan.parts, saved2, merged_lse):
+            first, last = plan.groups(part)
+            with _stage("retrieval_attention_backward"):
+                dq2, dk2, dv2 = attention_with_lse_backward(
+                    _rows_as_runs(grad_out, first, last, G), _rows_as_runs(q, first, last, G),
+                    plan.select(kr, batch, part), plan.select(vr, batch, part),
+                    _rows_as_runs(out, first, last, G), total, saved, False, plan.scale,
+                )
+            with _stage("add_retrieval_gradients"):
+                _rows(dq, first, last, G).add_(dq2.view(batch, last - first, heads, G, dim).transpose(2, 3))
+                part_rows = plan.select(rows, batch, part).reshape(-1)
+                _add_rows_(dk, part_rows, dk2)
+                _add_rows_(dv, part_rows, dv2)
+        return dq, dk, dv, None, None
 
 
 def span_expanded_attention_chunked(
@@ -170,16 +251,19 @@ def span_expanded_attention_chunked(
     qp, kp, vp = (_pad_to(x, padded).contiguous() for x in (q, k_full, v_full))
     parts = ()
     if mode in RETRIEVAL_MODES:
-        indices, valid, _ = selection_for_sequence(
-            q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k,
-            select_every=select_every, seed=seed, scale=scale,
-        )
-        parts = _retrieval_parts(valid) if indices.shape[-1] else ()
+        with _stage("select"):
+            indices, _, _ = selection_for_sequence(
+                q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k,
+                select_every=select_every, seed=seed, scale=scale,
+            )
+        parts = _retrieval_parts(padded // chunk_size, chunk_size, block_size, indices.shape[-1])
     if not parts:  # se_nomem, or nothing to retrieve yet
         out = F.scaled_dot_product_attention(*(_to_runs(x, chunk_size) for x in (qp, kp, vp)), is_causal=True, scale=scale)
         return _from_runs(out, batch)[:, :seq]
-    kr, vr = _gather_blocks(k_full, indices, block_size), _gather_blocks(v_full, indices, block_size)
-    out = _MergedChunkAttention.apply(qp, kp, vp, kr, vr, chunk_size, select_every, parts, scale)
+    plan = _Plan(chunk_size, select_every, block_size, indices.shape[-1], parts, scale)
+    with _stage("select"):
+        rows = _block_rows(indices, plan.first_group, padded, block_size)
+    out = _MergedChunkAttention.apply(qp, kp, vp, rows, plan)
     return out[:, :seq]
 
 

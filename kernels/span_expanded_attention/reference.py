@@ -153,8 +153,9 @@ def select_blocks(
         scores = torch.einsum("bghd,bjhd->bhgj", relevancy_queries, summaries.to(relevancy_queries.dtype))
     elif mode == "se_random":
         heads = torch.arange(num_heads, device=device)
+        seed_key = torch.full((), seed, dtype=torch.int64, device=device)  # filled on device: no host-to-device copy (a sync)
         scores = _hash_uniform(
-            torch.tensor(seed, device=device), heads[:, None, None], chunk_index[None, :, None], blocks[None, None, :]
+            seed_key, heads[:, None, None], chunk_index[None, :, None], blocks[None, None, :]
         )[None].expand(batch, num_heads, groups, num_blocks)
     else:
         raise ValueError(f"select_blocks: mode must be one of {RETRIEVAL_MODES}, got {mode!r}.")

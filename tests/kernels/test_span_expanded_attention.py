@@ -8,10 +8,13 @@ import torch
 from hf_hybrid.kernels.span_expanded_attention import (
     MODES,
     block_summaries,
+    expand_kv_heads,
     select_blocks,
+    selection_for_sequence,
     span_expanded_attention,
     span_expanded_attention_reference,
 )
+from hf_hybrid.kernels.span_expanded_attention.chunked import _add_rows_, _block_rows, _gather_rows, _retrieval_parts
 from hf_hybrid.kernels.span_expanded_attention.reference import _hash_uniform
 
 # Small shapes that still exercise every branch: several chunks, a partial last chunk, a partial
@@ -191,6 +194,87 @@ def test_sdpa_short_sequences_and_mha():
     for seq in (1, 2, 5):
         q, k, v = _inputs(seq, heads=2, kv_heads=2)
         _compare_backends(q, k, v, dict(mode="se", chunk_size=4, block_size=2, top_k=2, select_every=2), 1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast-path pieces: retrieval parts from shapes, the row gather and its backward, no host sync
+# ---------------------------------------------------------------------------------------------
+
+
+def _valid_slots_per_group(parts, num_groups, groups_per_chunk):
+    counts = [0] * num_groups
+    for valid, first_chunk, last_chunk in parts:
+        for group in range(first_chunk * groups_per_chunk, last_chunk * groups_per_chunk):
+            counts[group] = valid
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["se", "se_random"])
+@pytest.mark.parametrize(
+    "seq, chunk_size, block_size, top_k, select_every",
+    [(37, 12, 3, 3, 4), (29, 8, 4, 3, 2), (40, 16, 4, 2, 16), (100, 8, 16, 3, 4), (64, 16, 4, 8, 8),
+     (5, 4, 2, 2, 2), (3, 4, 4, 2, 2), (40, 8, 4, 0, 4), (130, 4, 8, 5, 2)],
+)
+def test_retrieval_parts_match_the_selection(mode, seq, chunk_size, block_size, top_k, select_every):
+    """The parts computed from shapes alone give every group exactly the valid-slot count of the
+    selection (the old code read it back from the GPU with .tolist())."""
+    q, k, v = _inputs(seq, batch=1)
+    indices, valid, _ = selection_for_sequence(
+        q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k, select_every=select_every
+    )
+    num_chunks = -(-seq // chunk_size)
+    parts = _retrieval_parts(num_chunks, chunk_size, block_size, indices.shape[-1])
+    per_group = valid[0, 0].sum(-1).tolist()
+    assert _valid_slots_per_group(parts, len(per_group), chunk_size // select_every) == per_group
+    assert all(p[1] < p[2] and p[0] > 0 for p in parts)
+    assert all(a[2] <= b[1] and a[0] != b[0] for a, b in zip(parts, parts[1:]))  # ordered runs, merged
+
+
+def _gather_by_advanced_indexing(x, indices, block_size):
+    """The previous gather, as an oracle: x [b, t, h, d], indices [b, h, groups, k] -> [b, groups, h, k, S, d]."""
+    batch, _, heads, dim = x.shape
+    num_blocks = x.shape[1] // block_size
+    blocks = x[:, : num_blocks * block_size].view(batch, num_blocks, block_size, heads, dim)
+    rows = torch.arange(batch)[:, None, None, None]
+    head = torch.arange(heads)[None, None, :, None]
+    return blocks[rows, indices.permute(0, 2, 1, 3), :, head]
+
+
+@pytest.mark.parametrize("first_group", [0, 3])
+def test_row_gather_and_its_backward_equal_advanced_indexing(first_group):
+    """GQA-expanded keys, batch 2, a length padded past the last block, many repeated blocks."""
+    batch, seq, padded, heads, kv_heads, dim, block_size, slots, groups = 2, 37, 48, 4, 2, 8, 3, 3, 10
+    gen = torch.Generator().manual_seed(4)
+    keys = expand_kv_heads(torch.randn(batch, seq, kv_heads, dim, generator=gen, dtype=torch.float64), heads)
+    x = torch.nn.functional.pad(keys, (0, 0, 0, 0, 0, padded - seq)).contiguous()
+    indices = torch.randint(0, seq // block_size, (batch, heads, groups, slots), generator=gen)
+    rows = _block_rows(indices, first_group, padded, block_size)
+    assert rows.unique().numel() < rows.numel()  # the backward has to accumulate
+
+    got = _gather_rows(x, rows, slots * block_size)
+    expected = _gather_by_advanced_indexing(x, indices[:, :, first_group:], block_size)
+    assert got.shape == (batch * (groups - first_group), heads, slots * block_size, dim)
+    assert torch.equal(got, expected.reshape(got.shape))
+
+    leaf = x.clone().requires_grad_(True)
+    grad = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    (_gather_by_advanced_indexing(leaf, indices[:, :, first_group:], block_size) * grad).sum().backward()
+    dx = torch.ones_like(x)  # the backward adds into an existing gradient (the chunk call's dK)
+    _add_rows_(dx, rows, grad.reshape(got.shape))
+    torch.testing.assert_close(dx, leaf.grad + 1, rtol=1e-12, atol=1e-12)
+    assert dx[:, seq:].eq(1).all()  # padding is never retrieved
+
+
+@pytest.mark.parametrize("mode", ["se", "se_random"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fast_path_never_reads_values_back_to_the_host(mode, shape):
+    """Meta tensors have shapes but no data, so any .item() / .tolist() / host copy raises: forward
+    and backward run without one, hence on CUDA the CPU never waits for the GPU mid-step."""
+    q = torch.randn(2, shape["seq"], 4, 16, device="meta", requires_grad=True)
+    k, v = (torch.randn(2, shape["seq"], 2, 16, device="meta", requires_grad=True) for _ in range(2))
+    out = span_expanded_attention(q, k, v, backend="sdpa", **_se_kwargs(shape, mode))
+    out.backward(torch.empty_like(out))
+    assert out.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
 # ---------------------------------------------------------------------------------------------
