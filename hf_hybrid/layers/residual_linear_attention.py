@@ -32,8 +32,9 @@ from ..kernels.residual_linear_attention import (
     sliding_window_attention,
 )
 from .context import SequenceContext
+from .fused_norms import norm_backend, qk_norm_rotary, sum_branch_norms
 from .norm import RMSNorm
-from .rotary import apply_rotary, build_rotary
+from .rotary import build_rotary
 
 BRANCH_NORM_EPS = 1e-8
 
@@ -82,10 +83,11 @@ class _QKVProjections(nn.Module):
         v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
         return q, k, v
 
-    def normed(self, q: torch.Tensor, k: torch.Tensor):
-        if self.q_norm is None:
-            return q, k
-        return self.q_norm(q), self.k_norm(k)
+    def normed(self, q: torch.Tensor, k: torch.Tensor, cos_sin=None):
+        """QK-norm (when configured), then RoPE (when ``cos_sin`` is given): one fused pass per
+        tensor on CUDA (kernels/fused_norm), the modules' own math elsewhere."""
+        backend = norm_backend(getattr(self, "backend", "auto"), q.shape[0] * q.shape[1])
+        return qk_norm_rotary(q, k, self.q_norm, self.k_norm, cos_sin, backend)
 
 
 class RattentionGlobalAttention(_QKVProjections):
@@ -154,9 +156,8 @@ class RattentionLocalAttention(_QKVProjections):
         v = _zero_padding(v, context)
         q_swa = k_swa = None
         if self.use_swa:
-            q_swa, k_swa = self.normed(q, k)
             cos_sin = self.rotary(context.positions) if self.rotary is not None else None
-            q_swa, k_swa = apply_rotary(q_swa, cos_sin), apply_rotary(k_swa, cos_sin)
+            q_swa, k_swa = self.normed(q, k, cos_sin)
 
         cached = cache_layer is not None and cache_layer.get_seq_length() > 0
         if cached:
@@ -166,11 +167,7 @@ class RattentionLocalAttention(_QKVProjections):
             if cache_layer is not None:
                 cache_layer.update(k_swa, v, k if self.use_rla else None, state, capacity=self.cache_capacity)
 
-        out = 0
-        if self.use_swa:
-            out = self.swa_norm(o_swa)
-        if self.use_rla:
-            out = out + self.rla_norm(o_rla)
+        out = sum_branch_norms(o_swa, self.swa_norm, o_rla, self.rla_norm, norm_backend(self.backend, batch * seq))
         return self.o_proj(out.reshape(batch, seq, -1))
 
     def _whole_sequence(self, q, k, v, q_swa, k_swa, context):

@@ -1,0 +1,411 @@
+"""Triton forward and backward of the per-head norms (math: see reference.py).
+
+One row is one (token, head) vector of head_dim D. A program owns one head h and a block of
+BLOCK_T tokens (the [B, T] axes flattened), so it reads a [BLOCK_T, D] tile of strided rows, keeps
+it in float32 registers and writes the result once, in the input dtype:
+
+* rms_norm_rotary: y = RoPE(w_h * x * r), r = rsqrt(mean(x^2) + eps). The row is handled as its
+  two halves [x1, x2], which makes rotate-half elementwise:
+      y1 = n1 * cos1 - n2 * sin1,   y2 = n2 * cos2 + n1 * sin2.
+* branch_norm_sum: y = w_a,h * a * r_a + w_b,h * b * r_b (the second term optional).
+
+Backward, per row, with g the gradient reaching the normalised row n = w * xh, xh = x * r:
+
+    RoPE^T:  g1 = dy1 * cos1 + dy2 * sin2,   g2 = dy2 * cos2 - dy1 * sin1    (inverse rotation)
+    dx = r * (g * w - xh * mean(g * w * xh)),    dw_h = sum over the head's rows of g * xh
+
+(the branch sum's two terms each get dy as their g). r is recomputed from x instead of saved: the
+row is read anyway and the recompute is a handful of flops. The weight gradient needs no atomics:
+a backward program walks a fixed range of tokens for its head, accumulates g * xh in registers
+and writes one [D] partial sum; torch sums the few partials per head afterwards (deterministic).
+
+Head is the fastest grid axis, so the programs running together share their tokens: the heads of
+a token block are adjacent in memory, and the token's cos/sin rows are read once from DRAM and
+then hit in L2. Inputs may be strided views ([B, T, H, D] slices of a projection output, or a
+transposed attention output) as long as the last dimension is contiguous; others are copied once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpreting
+
+MAX_HEAD_DIM = 1024  # a [BLOCK_T, D] float32 tile per operand must fit in registers
+TILE_ELEMENTS = 2048  # elements per operand tile: 16 tokens x 128 at 4 warps (16 per thread)
+MAX_BLOCK_T = 64
+NUM_WARPS = 4
+# Backward: programs per head ~ TARGET_PROGRAMS / heads, each looping over its range of tokens
+# (enough programs to fill an H100 twice over; few enough that the partial sums stay ~1 MB).
+TARGET_PROGRAMS = 2048
+# The CPU interpreter runs tiny shapes: small tiles and few programs make the tests cover several
+# token blocks per program, ragged ends and more than one partial sum per head.
+INTERPRET_BLOCK_T = 4
+INTERPRET_PROGRAMS_PER_HEAD = 2
+
+
+# ---------------------------------------------------------------- kernel helpers
+
+
+@triton.jit
+def _row_offsets(tokens, T, stride_b, stride_t, head_offset):
+    """Element offsets of the rows of `tokens` (flattened b * T + t) for one head: [BLOCK_T, 1]."""
+    tok = tokens.to(tl.int64)
+    return ((tok // T) * stride_b + (tok % T) * stride_t + head_offset)[:, None]
+
+
+@triton.jit
+def _load_f32(ptr, offsets, mask):
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _inv_rms(sum_sq, rows_ok, D: tl.constexpr, eps):
+    # Rows past the end read zeros; with eps = 0 their rsqrt would be inf and poison the weight
+    # gradient through 0 * inf, so they take rsqrt(1) (their x is 0, so x * r stays 0).
+    return tl.rsqrt(tl.where(rows_ok, sum_sq / D + eps, 1.0))
+
+
+# ---------------------------------------------------------------- RMSNorm + RoPE
+
+
+@triton.jit
+def _norm_rope_fwd_kernel(
+    X, W, COS, SIN, Y,
+    n_tokens, T, eps,
+    sx_b, sx_t, sx_h, sc_b, sc_t, ss_b, ss_t,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    h = tl.program_id(0)
+    heads = tl.num_programs(0)
+    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_HALF)
+    rows_ok = tokens < n_tokens
+    mask = rows_ok[:, None] & (cols < HALF)[None, :]
+
+    x_rows = _row_offsets(tokens, T, sx_b, sx_t, h.to(tl.int64) * sx_h)
+    x1 = _load_f32(X, x_rows + cols[None, :], mask)
+    x2 = _load_f32(X, x_rows + HALF + cols[None, :], mask)
+    r = _inv_rms(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), rows_ok, D, eps)[:, None]
+    w1 = _load_f32(W, h * D + cols, cols < HALF)[None, :]
+    w2 = _load_f32(W, h * D + HALF + cols, cols < HALF)[None, :]
+    n1 = w1 * (x1 * r)
+    n2 = w2 * (x2 * r)
+
+    c_rows = _row_offsets(tokens, T, sc_b, sc_t, 0)
+    s_rows = _row_offsets(tokens, T, ss_b, ss_t, 0)
+    cos1 = _load_f32(COS, c_rows + cols[None, :], mask)
+    cos2 = _load_f32(COS, c_rows + HALF + cols[None, :], mask)
+    sin1 = _load_f32(SIN, s_rows + cols[None, :], mask)
+    sin2 = _load_f32(SIN, s_rows + HALF + cols[None, :], mask)
+    y1 = n1 * cos1 - n2 * sin1
+    y2 = n2 * cos2 + n1 * sin2
+
+    y_rows = (tokens.to(tl.int64) * heads + h)[:, None] * D
+    tl.store(Y + y_rows + cols[None, :], y1.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + y_rows + HALF + cols[None, :], y2.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rope_bwd_kernel(
+    X, W, COS, SIN, DY, DX, DW_PART,
+    n_tokens, T, eps, tokens_per_program,
+    sx_b, sx_t, sx_h, sc_b, sc_t, ss_b, ss_t, sd_b, sd_t, sd_h,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    h = tl.program_id(0)
+    heads = tl.num_programs(0)
+    part = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_ok = cols < HALF
+    w1 = _load_f32(W, h * D + cols, col_ok)[None, :]
+    w2 = _load_f32(W, h * D + HALF + cols, col_ok)[None, :]
+    dw1 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    first = part * tokens_per_program
+    last = tl.minimum(first + tokens_per_program, n_tokens)
+    for start in range(first, last, BLOCK_T):
+        tokens = start + tl.arange(0, BLOCK_T)
+        rows_ok = tokens < last
+        mask = rows_ok[:, None] & col_ok[None, :]
+
+        x_rows = _row_offsets(tokens, T, sx_b, sx_t, h.to(tl.int64) * sx_h)
+        x1 = _load_f32(X, x_rows + cols[None, :], mask)
+        x2 = _load_f32(X, x_rows + HALF + cols[None, :], mask)
+        r = _inv_rms(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), rows_ok, D, eps)[:, None]
+        xh1 = x1 * r
+        xh2 = x2 * r
+
+        d_rows = _row_offsets(tokens, T, sd_b, sd_t, h.to(tl.int64) * sd_h)
+        dy1 = _load_f32(DY, d_rows + cols[None, :], mask)
+        dy2 = _load_f32(DY, d_rows + HALF + cols[None, :], mask)
+        c_rows = _row_offsets(tokens, T, sc_b, sc_t, 0)
+        s_rows = _row_offsets(tokens, T, ss_b, ss_t, 0)
+        cos1 = _load_f32(COS, c_rows + cols[None, :], mask)
+        cos2 = _load_f32(COS, c_rows + HALF + cols[None, :], mask)
+        sin1 = _load_f32(SIN, s_rows + cols[None, :], mask)
+        sin2 = _load_f32(SIN, s_rows + HALF + cols[None, :], mask)
+        g1 = dy1 * cos1 + dy2 * sin2  # the transposed rotation: gradient w.r.t. the normed row
+        g2 = dy2 * cos2 - dy1 * sin1
+
+        dw1 += g1 * xh1
+        dw2 += g2 * xh2
+        gw1 = g1 * w1
+        gw2 = g2 * w2
+        proj = ((tl.sum(gw1 * xh1, 1) + tl.sum(gw2 * xh2, 1)) / D)[:, None]
+        dx_rows = (tokens.to(tl.int64) * heads + h)[:, None] * D
+        tl.store(DX + dx_rows + cols[None, :], (r * (gw1 - xh1 * proj)).to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + dx_rows + HALF + cols[None, :], (r * (gw2 - xh2 * proj)).to(DX.dtype.element_ty), mask=mask)
+
+    part_row = (part * heads + h).to(tl.int64) * D
+    tl.store(DW_PART + part_row + cols, tl.sum(dw1, 0), mask=col_ok)
+    tl.store(DW_PART + part_row + HALF + cols, tl.sum(dw2, 0), mask=col_ok)
+
+
+# ---------------------------------------------------------------- sum of two RMSNorms
+
+
+@triton.jit
+def _branch_fwd_kernel(
+    A, WA, B, WB, Y,
+    n_tokens, T, eps_a, eps_b,
+    sa_b, sa_t, sa_h, sb_b, sb_t, sb_h,
+    HAS_B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    h = tl.program_id(0)
+    heads = tl.num_programs(0)
+    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    rows_ok = tokens < n_tokens
+    mask = rows_ok[:, None] & (cols < D)[None, :]
+
+    a = _load_f32(A, _row_offsets(tokens, T, sa_b, sa_t, h.to(tl.int64) * sa_h) + cols[None, :], mask)
+    r_a = _inv_rms(tl.sum(a * a, 1), rows_ok, D, eps_a)[:, None]
+    y = _load_f32(WA, h * D + cols, cols < D)[None, :] * (a * r_a)
+    if HAS_B:
+        b = _load_f32(B, _row_offsets(tokens, T, sb_b, sb_t, h.to(tl.int64) * sb_h) + cols[None, :], mask)
+        r_b = _inv_rms(tl.sum(b * b, 1), rows_ok, D, eps_b)[:, None]
+        y += _load_f32(WB, h * D + cols, cols < D)[None, :] * (b * r_b)
+    y_rows = (tokens.to(tl.int64) * heads + h)[:, None] * D
+    tl.store(Y + y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_tile(X, W, DX, dw_acc, dy, tokens, rows_ok, mask, cols, h, heads, T, eps, s_b, s_t, s_h,
+                   D: tl.constexpr):
+    """One branch's backward on a [BLOCK_T, BLOCK_D] tile: stores dx, returns dw_acc + dy * xh."""
+    x = _load_f32(X, _row_offsets(tokens, T, s_b, s_t, h.to(tl.int64) * s_h) + cols[None, :], mask)
+    r = _inv_rms(tl.sum(x * x, 1), rows_ok, D, eps)[:, None]
+    xh = x * r
+    gw = dy * _load_f32(W, h * D + cols, cols < D)[None, :]
+    proj = (tl.sum(gw * xh, 1) / D)[:, None]
+    dx_rows = (tokens.to(tl.int64) * heads + h)[:, None] * D
+    tl.store(DX + dx_rows + cols[None, :], (r * (gw - xh * proj)).to(DX.dtype.element_ty), mask=mask)
+    return dw_acc + dy * xh
+
+
+@triton.jit
+def _branch_bwd_kernel(
+    A, WA, B, WB, DY, DA, DB, DWA_PART, DWB_PART,
+    n_tokens, T, eps_a, eps_b, tokens_per_program,
+    sa_b, sa_t, sa_h, sb_b, sb_t, sb_h, sd_b, sd_t, sd_h,
+    HAS_B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    h = tl.program_id(0)
+    heads = tl.num_programs(0)
+    part = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    dwa = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    dwb = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    first = part * tokens_per_program
+    last = tl.minimum(first + tokens_per_program, n_tokens)
+    for start in range(first, last, BLOCK_T):
+        tokens = start + tl.arange(0, BLOCK_T)
+        rows_ok = tokens < last
+        mask = rows_ok[:, None] & col_ok[None, :]
+        dy = _load_f32(DY, _row_offsets(tokens, T, sd_b, sd_t, h.to(tl.int64) * sd_h) + cols[None, :], mask)
+        dwa = _norm_bwd_tile(A, WA, DA, dwa, dy, tokens, rows_ok, mask, cols, h, heads, T, eps_a, sa_b, sa_t, sa_h, D)
+        if HAS_B:
+            dwb = _norm_bwd_tile(B, WB, DB, dwb, dy, tokens, rows_ok, mask, cols, h, heads, T, eps_b, sb_b, sb_t, sb_h, D)
+    part_row = (part * heads + h).to(tl.int64) * D
+    tl.store(DWA_PART + part_row + cols, tl.sum(dwa, 0), mask=col_ok)
+    if HAS_B:
+        tl.store(DWB_PART + part_row + cols, tl.sum(dwb, 0), mask=col_ok)
+
+
+# ---------------------------------------------------------------- launch helpers
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bt_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(batch, seq) strides of a [B, T, ...] tensor."""
+    return t.stride(0), t.stride(1)
+
+
+def _bth_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a [B, T, H, D] tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _block_tokens(block_cols: int, block_tokens: int | None) -> int:
+    if block_tokens is not None:
+        return block_tokens
+    if triton_interpreting():
+        return INTERPRET_BLOCK_T
+    return max(1, min(MAX_BLOCK_T, TILE_ELEMENTS // block_cols))
+
+
+def _backward_split(n_tokens: int, heads: int, block_t: int, programs: int | None) -> tuple[int, int]:
+    """(programs per head, tokens per program); a program's range is a whole number of blocks."""
+    n_blocks = triton.cdiv(n_tokens, block_t)
+    if programs is None:
+        programs = INTERPRET_PROGRAMS_PER_HEAD if triton_interpreting() else triton.cdiv(TARGET_PROGRAMS, heads)
+    blocks_per_program = triton.cdiv(n_blocks, max(1, min(programs, n_blocks)))
+    return triton.cdiv(n_blocks, blocks_per_program), blocks_per_program * block_t
+
+
+def _expand_rotary(t: torch.Tensor, batch: int, seq: int, dim: int) -> torch.Tensor:
+    """cos or sin broadcast to [B, T, 1, D] without a copy (stride 0 on broadcast axes)."""
+    return _last_dim_contiguous(t.expand(batch, seq, 1, dim))
+
+
+def _reduce_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return partials.sum(0).to(dtype)
+
+
+# ---------------------------------------------------------------- RMSNorm + RoPE: autograd
+
+
+class _RmsNormRotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cos, sin, eps, tune):
+        batch, seq, heads, dim = x.shape
+        x = _last_dim_contiguous(x)
+        weight = weight.contiguous()
+        cos, sin = _expand_rotary(cos, batch, seq, dim), _expand_rotary(sin, batch, seq, dim)
+        half = dim // 2
+        block_half = triton.next_power_of_2(half)
+        block_t = _block_tokens(2 * block_half, tune.get("block_tokens"))
+        n_tokens = batch * seq
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        grid = (heads, triton.cdiv(n_tokens, block_t))
+        _norm_rope_fwd_kernel[grid](
+            x, weight, cos, sin, y, n_tokens, seq, eps,
+            *_bth_strides(x), *_bt_strides(cos), *_bt_strides(sin),
+            D=dim, HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, num_warps=tune.get("num_warps", NUM_WARPS),
+        )
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.eps, ctx.tune = eps, tune
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, cos, sin = ctx.saved_tensors
+        batch, seq, heads, dim = x.shape
+        dy = _last_dim_contiguous(dy)
+        half = dim // 2
+        block_half = triton.next_power_of_2(half)
+        block_t = _block_tokens(2 * block_half, ctx.tune.get("block_tokens"))
+        n_tokens = batch * seq
+        programs, tokens_per_program = _backward_split(n_tokens, heads, block_t, ctx.tune.get("programs_per_head"))
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        partials = torch.empty(programs, heads, dim, dtype=torch.float32, device=x.device)
+        _norm_rope_bwd_kernel[(heads, programs)](
+            x, weight, cos, sin, dy, dx, partials, n_tokens, seq, ctx.eps, tokens_per_program,
+            *_bth_strides(x), *_bt_strides(cos), *_bt_strides(sin), *_bth_strides(dy),
+            D=dim, HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, num_warps=ctx.tune.get("num_warps", NUM_WARPS),
+        )
+        return dx, _reduce_partials(partials, weight.dtype), None, None, None, None
+
+
+# ---------------------------------------------------------------- branch-norm sum: autograd
+
+
+class _BranchNormSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, weight_a, b, weight_b, eps_a, eps_b, tune):
+        batch, seq, heads, dim = a.shape
+        a, weight_a = _last_dim_contiguous(a), weight_a.contiguous()
+        has_b = b is not None
+        if has_b:
+            b, weight_b = _last_dim_contiguous(b), weight_b.contiguous()
+        b_args = (b, weight_b) if has_b else (a, weight_a)  # placeholders the kernel never reads
+        block_d = triton.next_power_of_2(dim)
+        block_t = _block_tokens(block_d, tune.get("block_tokens"))
+        n_tokens = batch * seq
+        y = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+        _branch_fwd_kernel[(heads, triton.cdiv(n_tokens, block_t))](
+            a, weight_a, *b_args, y, n_tokens, seq, eps_a, eps_b,
+            *_bth_strides(a), *_bth_strides(b_args[0]),
+            HAS_B=has_b, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=tune.get("num_warps", NUM_WARPS),
+        )
+        ctx.save_for_backward(a, weight_a, b, weight_b)
+        ctx.eps, ctx.tune = (eps_a, eps_b), tune
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, weight_a, b, weight_b = ctx.saved_tensors
+        batch, seq, heads, dim = a.shape
+        has_b = b is not None
+        dy = _last_dim_contiguous(dy)
+        block_d = triton.next_power_of_2(dim)
+        block_t = _block_tokens(block_d, ctx.tune.get("block_tokens"))
+        n_tokens = batch * seq
+        programs, tokens_per_program = _backward_split(n_tokens, heads, block_t, ctx.tune.get("programs_per_head"))
+        da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+        dwa_part = torch.empty(programs, heads, dim, dtype=torch.float32, device=a.device)
+        db = torch.empty(b.shape, dtype=b.dtype, device=b.device) if has_b else da
+        dwb_part = torch.empty_like(dwa_part) if has_b else dwa_part
+        b_args = (b, weight_b) if has_b else (a, weight_a)
+        _branch_bwd_kernel[(heads, programs)](
+            a, weight_a, *b_args, dy, da, db, dwa_part, dwb_part,
+            n_tokens, seq, *ctx.eps, tokens_per_program,
+            *_bth_strides(a), *_bth_strides(b_args[0]), *_bth_strides(dy),
+            HAS_B=has_b, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=ctx.tune.get("num_warps", NUM_WARPS),
+        )
+        dwa = _reduce_partials(dwa_part, weight_a.dtype)
+        if not has_b:
+            return da, dwa, None, None, None, None, None
+        return da, dwa, db, _reduce_partials(dwb_part, weight_b.dtype), None, None, None
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def rms_norm_rotary_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **tune,
+) -> torch.Tensor:
+    """Triton path of ``hf_hybrid.kernels.fused_norm.rms_norm_rotary`` (inputs already checked).
+
+    Differentiable in x and weight (cos/sin get no gradient). Without RoPE it is the one-branch
+    norm kernel. ``tune`` (block_tokens, num_warps, programs_per_head) changes speed, not results
+    beyond float32 summation order."""
+    if cos_sin is None:
+        return _BranchNormSum.apply(x, weight, None, None, float(eps), float(eps), tune)
+    cos, sin = cos_sin
+    return _RmsNormRotary.apply(x, weight, cos, sin, float(eps), tune)
+
+
+def branch_norm_sum_triton(
+    a: torch.Tensor | None,
+    weight_a: torch.Tensor | None,
+    b: torch.Tensor | None,
+    weight_b: torch.Tensor | None,
+    eps_a: float,
+    eps_b: float,
+    **tune,
+) -> torch.Tensor:
+    """Triton path of ``hf_hybrid.kernels.fused_norm.branch_norm_sum`` (inputs already checked)."""
+    if a is None:  # one branch: the kernel's first slot
+        a, weight_a, eps_a, b, weight_b = b, weight_b, eps_b, None, None
+    return _BranchNormSum.apply(a, weight_a, b, weight_b, float(eps_a), float(eps_b), tune)
