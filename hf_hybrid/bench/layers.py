@@ -116,6 +116,31 @@ def rat_layer_builder(config: BenchConfig, batch: int, seq: int, backward: bool)
     return build
 
 
+def rat_gemm_floor_builder(config: BenchConfig, batch: int, seq: int, backward: bool):
+    """The RAT layer's six projections alone (q, k, v, forget gate, output gate, o; no recurrence,
+    no attention, no element-wise work): a lower bound on the RAT layer's time, so the best
+    layer ratio any kernel work could reach is sdpa_layer / this."""
+    def build():
+        layer = _rat_layer(config)
+        x = torch.randn(batch, seq, HIDDEN, device=config.device, dtype=config.dtype, requires_grad=backward)
+        inputs = (layer.q_proj, layer.k_proj, layer.v_proj, layer.g_proj, layer.z_proj)
+        params = [p for p in layer.parameters() if p.requires_grad and p.dim() == 2]
+
+        def projections(x):
+            outs = [proj(x) for proj in inputs]
+            return outs + [layer.o_proj(outs[2])]
+
+        def run():
+            if backward:
+                outs = projections(x)
+                torch.autograd.grad(outs, [x] + params, [torch.ones_like(o) for o in outs])
+            else:
+                with torch.inference_mode():
+                    projections(x)
+        return run
+    return build
+
+
 def rat_plus_layer_builder(config: BenchConfig, batch: int, seq: int, dilation: int):
     def build():
         from ..sparse import SparseInferenceConfig
@@ -167,12 +192,14 @@ def cases(config: BenchConfig) -> list[Case]:
         out.append(Case("layer", "RAT(L=16) layer fwd+bwd", {"seq": seq, "batch": batch}, {
             "sdpa_layer": sdpa_layer_builder(config, batch, seq, backward=True),
             "rat_layer": rat_layer_builder(config, batch, seq, backward=True),
+            "rat_gemm_floor": rat_gemm_floor_builder(config, batch, seq, backward=True),
         }))
     for seq in prefill_seqs:
         batch = 1 if quick else max(1, PREFILL_TOKENS // seq)
         variants = {
             "sdpa_layer": sdpa_layer_builder(config, batch, seq, backward=False),
             "rat_layer": rat_layer_builder(config, batch, seq, backward=False),
+            "rat_gemm_floor": rat_gemm_floor_builder(config, batch, seq, backward=False),
         }
         if seq >= 32768 or quick:
             variants["rat_plus_layer_D16"] = rat_plus_layer_builder(config, batch, seq, 16)
