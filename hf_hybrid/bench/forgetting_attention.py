@@ -2,6 +2,7 @@
 
     python -m hf_hybrid.bench.forgetting_attention                 # T = 4K, 16K, 32K, 64K
     python -m hf_hybrid.bench.forgetting_attention --seq 4096 --json out.json
+    python -m hf_hybrid.bench.forgetting_attention --sweep-forward --seq 4096 65536 --json sweep.json
 
 Shapes follow the FoX issue: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
 tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_attention``
@@ -121,6 +122,45 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+# Forward tiles the sweep times: (BLOCK_M, BLOCK_N, warps, stages), BLOCK_M a multiple of BLOCK_N.
+SWEEP_TILES = [
+    (m, n, w, st) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4) if m % n == 0
+]
+
+
+def sweep_forward(seqs, tokens, heads, head_dim, repeat):
+    """The forward kernel alone (no set-up) at every tile of SWEEP_TILES, next to SDPA flash:
+    {seq: {"sdpa_flash": ms, "BMxBNxWxS": ms or error}}. How the autotuning table was chosen."""
+    import triton
+
+    from hf_hybrid.kernels.forgetting_attention import cumulative_log_forget_by_head
+    from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
+
+    device = torch.device("cuda")
+    results = {}
+    for seq in seqs:
+        batch = max(tokens // seq, 1)
+        q, k, v, log_f, _ = _inputs(batch, seq, heads, head_dim, torch.bfloat16, device)
+        c_by_head = cumulative_log_forget_by_head(log_f)
+        cu = torch.arange(0, (batch + 1) * seq, seq, device=device, dtype=torch.int32)
+        packed = [x.reshape(batch * seq, heads, head_dim) for x in (q, k, v)]
+        row = {"sdpa_flash": time_fn(lambda: _ops()["sdpa_flash"](q, k, v, log_f), device, warmup=2, repeat=repeat).median_ms}
+        for m, n, w, st in SWEEP_TILES:
+            config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            try:
+                row[f"{m}x{n}x{w}x{st}"] = time_fn(
+                    lambda: fa_triton._forward(*packed, c_by_head, cu, seq, head_dim**-0.5, None, config=config),
+                    device, warmup=2, repeat=repeat,
+                ).median_ms
+            except Exception as exc:  # a tile that does not fit this GPU is reported, not fatal
+                row[f"{m}x{n}x{w}x{st}"] = f"{type(exc).__name__}: {exc}"[:120]
+        timed = sorted((ms, tile) for tile, ms in row.items() if tile != "sdpa_flash" and isinstance(ms, float))
+        print(f"T={seq}: SDPA {row['sdpa_flash']:.2f} ms; fastest tiles " +
+              ", ".join(f"{tile} {ms:.2f} ms ({ms / row['sdpa_flash']:.2f}x)" for ms, tile in timed[:4]), flush=True)
+        results[seq] = row
+    return results
+
+
 def _tuned_configs():
     """The block sizes the autotuner picked, per kernel and tuning key."""
     from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
@@ -139,10 +179,18 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", type=str, default=None, help="write the raw numbers here")
+    parser.add_argument("--sweep-forward", action="store_true",
+                        help="time the forward kernel alone at every tile of SWEEP_TILES instead (how the autotuning table was chosen)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("forgetting_attention bench needs a CUDA device", file=sys.stderr)
         return 1
+    if args.sweep_forward:
+        results = sweep_forward(args.seq, args.tokens, args.heads, args.head_dim, args.repeat)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"device": torch.cuda.get_device_name(), "sweep_forward": results}, fh, indent=2)
+        return 0
     rows = run(args.seq, args.tokens, args.heads, args.head_dim, args.repeat)
     table = markdown(rows)
     print(json.dumps(_tuned_configs(), indent=1))
