@@ -26,13 +26,6 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Tiny ops: one thread is faster than two contending on a busy 2-core runner."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -84,6 +77,15 @@ def output_and_grads(fn, wrt, grad_layout="contiguous"):
     return out, grads
 
 
+def assert_bit_identical(fn, reference_fn, wrt):
+    """fn and reference_fn give the same output and the same gradients, bit for bit."""
+    out, grads = output_and_grads(fn, wrt)
+    out_ref, grads_ref = output_and_grads(reference_fn, wrt)
+    assert torch.equal(out, out_ref)
+    for a, b in zip(grads, grads_ref):
+        assert torch.equal(a, b)
+
+
 def assert_close_all(got, want, tol, names):
     for name, a, b in zip(names, got, want):
         assert a.dtype == b.dtype, name
@@ -112,11 +114,7 @@ def test_qk_helper_reference_is_the_layer_math_bit_for_bit(dtype, with_rope):
     def helper():
         return torch.cat(qk_norm_rotary(q, k, q_norm, k_norm, cos_sin, backend="reference"), 2)
 
-    out, grads = output_and_grads(layer_today, wrt)
-    out2, grads2 = output_and_grads(helper, wrt)
-    assert torch.equal(out, out2)
-    for a, b in zip(grads, grads2):
-        assert torch.equal(a, b)
+    assert_bit_identical(helper, layer_today, wrt)
 
 
 def test_qk_helper_without_norm_modules_is_rope_alone():
@@ -153,11 +151,7 @@ def test_branch_helper_reference_is_the_layer_math_bit_for_bit(dtype, branches):
             o_rla if use_rla else None, rla_norm if use_rla else None, backend="reference",
         )
 
-    out, grads = output_and_grads(layer_today, wrt)
-    out2, grads2 = output_and_grads(helper, wrt)
-    assert torch.equal(out, out2)
-    for a, b in zip(grads, grads2):
-        assert torch.equal(a, b)
+    assert_bit_identical(helper, layer_today, wrt)
 
 
 def test_auto_off_cuda_is_the_reference():

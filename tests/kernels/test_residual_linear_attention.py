@@ -31,14 +31,6 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These tiny ops run far faster on one thread; on a busy 2-core runner, two threads per op
-    contend and a 10 ms model forward can take seconds. Restored after the module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -29,17 +29,8 @@ VOCAB = 61
 # The Triton kernel runs compiled on CUDA, in the CPU interpreter (TRITON_INTERPRET=1, set by conftest) elsewhere.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreting(), reason="needs CUDA or TRITON_INTERPRET=1")
-_DEFAULT_THREADS = torch.get_num_threads()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These tiny ops run far faster on one thread; on a busy 2-core runner, two threads per op
-    contend and a 10 ms model forward can take seconds. Restored after the module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def tiny_config(**overrides) -> RattentionConfig:
@@ -331,12 +322,7 @@ def test_auto_config_for_model_builds_a_working_tiny_model():
 
 def test_save_and_reload_in_fresh_process_is_bit_exact(tmp_path):
     model = tiny_model()
-    # The fresh processes run with torch's default thread count; bit-exactness needs the same here.
-    torch.set_num_threads(_DEFAULT_THREADS)
-    try:
-        assert_save_load_roundtrip(model, tmp_path, torch.randint(1, VOCAB, (2, 13)), "RattentionForCausalLM")
-    finally:
-        torch.set_num_threads(1)
+    assert_save_load_roundtrip(model, tmp_path, torch.randint(1, VOCAB, (2, 13)), "RattentionForCausalLM")
 
 
 def test_gradient_checkpointing_gives_same_gradients():
