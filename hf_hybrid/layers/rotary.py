@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.fused_norm.reference import rotary_reference
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for rotate-half RoPE: x_rot = x * cos + rotate_half(x) * sin.
@@ -36,18 +38,11 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}"
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """x [batch, seq, heads, head_dim]; ``cos_sin`` None means NoPE (identity)."""
-    if cos_sin is None:
-        return x
-    cos, sin = cos_sin
-    xf = x.to(torch.float32)
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    """x [batch, seq, heads, head_dim]; ``cos_sin`` None means NoPE (identity). Float32 math,
+    result in x's dtype; the statement lives with the kernels' references (kernels/fused_norm),
+    which the fused QK-norm + RoPE kernel is tested against."""
+    return rotary_reference(x, cos_sin)
 
 
 def build_rotary(head_dim: int, theta: float | None) -> RotaryEmbedding | None:
