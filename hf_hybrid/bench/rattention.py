@@ -237,21 +237,12 @@ def kernel_report():
 
 
 def compile_report(variants=None):
-    """Compile every RLA kernel for sm_90 ahead of time (no GPU needed: Triton's bundled ptxas) and
-    read registers, local-memory stack (spills) and shared memory per thread block with the bundled
-    cuobjdump. bf16, head_dim 128, 16 query / 4 key-value heads, the bench's kernel variants."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Compile every RLA kernel for sm_90 ahead of time (no GPU needed, see sm90.py) and report
+    registers, local-memory stack (spills) and shared memory per thread block. bf16, head_dim
+    128, 16 query / 4 key-value heads, the bench's kernel variants."""
     from ..kernels.residual_linear_attention import triton as rla_triton
+    from .sm90 import compile_for_sm90
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     bf, f32 = "*bf16", "*fp32"
     specs = {  # kernel -> (pointer dtypes, extra constexprs, takes NH, used when fused)
         "_state_pass_kernel": (dict(K=bf, V=bf, S0=f32, STATES=f32, S_OUT=f32), dict(HAS_S0=False), True, None),
@@ -275,23 +266,9 @@ def compile_report(variants=None):
             consts["HKV"] = KV_HEADS
             if takes_nh:
                 consts["NH"] = 2
-            signature = {a: ("constexpr" if a in consts else ptrs.get(a, "i32")) for a in fn.arg_names}
             row = {"variant": f"C={chunk} BV={block_v} fuse={bool(fuse)} warps={warps}", "kernel": name}
             try:
-                compiled = triton.compile(
-                    ASTSource(fn=fn, signature=signature, constexprs=consts),
-                    target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2},
-                )
-                with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as fh:
-                    fh.write(compiled.asm["cubin"])
-                    fh.flush()
-                    usage = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True).stdout
-                row.update(
-                    regs=int(re.search(r"REG:(\d+)", usage).group(1)),
-                    stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                    shared_bytes=compiled.metadata.shared,
-                    wgmma="wgmma" in compiled.asm["ptx"],
-                )
+                row.update(compile_for_sm90(fn, ptrs, consts, warps))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(f"[compile] {row}", flush=True)

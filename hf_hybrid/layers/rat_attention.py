@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..kernels.chunk_attention import block_end_attention, chunk_end_attention, chunk_ends
-from ..kernels.gated_recurrence import gated_recurrence
+from ..kernels.gated_recurrence import gated_recurrence, rat_keys_values
 from .context import SequenceContext
 from .rotary import apply_rotary, build_rotary
 
@@ -50,12 +50,17 @@ class RatAttention(nn.Module):
         num_qk_groups: int = 2,
         rope_theta: float | None = 10000.0,
         backend: str = "auto",
+        fused_gates: bool = False,
     ):
         super().__init__()
         if num_heads % num_qk_groups:
             raise ValueError(f"num_qk_groups ({num_qk_groups}) must divide num_attention_heads ({num_heads}).")
         self.num_heads, self.head_dim, self.chunk_size = num_heads, head_dim, chunk_size
         self.num_qk_groups, self.backend = num_qk_groups, backend
+        # Whole sequences (training, cache-less prefill) through one kernel for the gate, both
+        # recurrences and the RoPE of k~ (kernels/gated_recurrence/rat_keys_values.py). Off by
+        # default until it is timed on a GPU against the op-by-op path (bench variant rat_layer_fused).
+        self.fused_gates = fused_gates
         inner = num_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, num_qk_groups * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_qk_groups * head_dim, bias=False)
@@ -79,36 +84,46 @@ class RatAttention(nn.Module):
         batch, seq, groups, dim = x.shape
         return x.unsqueeze(2).expand(batch, seq, self.num_heads // groups, groups, dim).reshape(batch, seq, self.num_heads, dim)
 
+    def _recurrences(self, k, v, gate_logits, start, positions, cache_layer):
+        """k~, v~ (un-rotated) op by op: the float32 gate, then the chunk recurrences from the cache's state."""
+        L = self.chunk_size
+        k = self._expand_groups(k)
+        gate = torch.sigmoid(gate_logits.float() + self.gate_bias.float().view(self.num_heads, self.head_dim))
+        state_k, state_v = cache_layer.recurrent_state() if cache_layer is not None else (None, None)
+        if start is not None:
+            return (gated_recurrence(k, gate, L, start, state_k, backend=self.backend),
+                    gated_recurrence(v, gate, L, start, state_v, backend=self.backend))
+        # Rows start at different positions (left padding): restart each row where its own
+        # position opens a chunk. A restart means h_t = (1 - g_t) x_t, which the plain recurrence
+        # computes when the gate there is 0 and the input is (1 - g_t) x_t.
+        restart = (positions % L == 0)[:, :, None, None]
+        gate_rows = gate.masked_fill(restart, 0.0)
+        k_in, v_in = torch.where(restart, (1 - gate) * k, k), torch.where(restart, (1 - gate) * v, v)
+        return (gated_recurrence(k_in, gate_rows, 0, 0, state_k, backend=self.backend).to(k.dtype),
+                gated_recurrence(v_in, gate_rows, 0, 0, state_v, backend=self.backend).to(v.dtype))
+
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         heads, dim, L, groups = self.num_heads, self.head_dim, self.chunk_size, self.num_qk_groups
         q = self.q_proj(hidden_states).view(batch, seq, groups, dim)
-        k = self._expand_groups(self.k_proj(hidden_states).view(batch, seq, groups, dim))
+        k = self.k_proj(hidden_states).view(batch, seq, groups, dim)
         v = self.v_proj(hidden_states).view(batch, seq, heads, dim)
-        gate = torch.sigmoid(self.g_proj(hidden_states).float() + self.gate_bias.float()).view(batch, seq, heads, dim)
+        gate_logits = self.g_proj(hidden_states).view(batch, seq, heads, dim)
         out_gate = torch.sigmoid(self.z_proj(hidden_states))
 
-        state_k, state_v = cache_layer.recurrent_state() if cache_layer is not None else (None, None)
         start = context.uniform_start
         # Unpadded rows share their positions: compute per-position tables once, not per row.
         positions = context.positions[:1] if start is not None else context.positions
-        if start is not None:
-            k_tilde = gated_recurrence(k, gate, L, start, state_k, backend=self.backend)
-            v_tilde = gated_recurrence(v, gate, L, start, state_v, backend=self.backend)
-        else:
-            # Rows start at different positions (left padding): restart each row where its own
-            # position opens a chunk. A restart means h_t = (1 - g_t) x_t, which the plain recurrence
-            # computes when the gate there is 0 and the input is (1 - g_t) x_t.
-            restart = (positions % L == 0)[:, :, None, None]
-            gate_rows = gate.masked_fill(restart, 0.0)
-            k_in, v_in = torch.where(restart, (1 - gate) * k, k), torch.where(restart, (1 - gate) * v, v)
-            k_tilde = gated_recurrence(k_in, gate_rows, 0, 0, state_k, backend=self.backend).to(k.dtype)
-            v_tilde = gated_recurrence(v_in, gate_rows, 0, 0, state_v, backend=self.backend).to(v.dtype)
-
         chunk_index = torch.div(positions, L, rounding_mode="floor")
         cos_sin = self.rotary(chunk_index) if self.rotary is not None else None
+        if self.fused_gates and cache_layer is None and start == 0:
+            k_rot, v_tilde = rat_keys_values(k, v, gate_logits, self.gate_bias, L, cos_sin, backend=self.backend)
+            k_tilde = None  # only a cache needs the un-rotated states
+        else:
+            k_tilde, v_tilde = self._recurrences(k, v, gate_logits, start, positions, cache_layer)
+            k_rot = apply_rotary(k_tilde, cos_sin)
         # q is shared by the heads of a group: rotate the groups, then expand.
-        q, k_rot = self._expand_groups(apply_rotary(q, cos_sin)), apply_rotary(k_tilde, cos_sin)
+        q = self._expand_groups(apply_rotary(q, cos_sin))
 
         if cache_layer is None and start == 0 and hidden_states.is_cuda:
             # Whole sequence from position 0: the fused kernel reads the chunk ends in place.

@@ -4,9 +4,16 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .rat_keys_values import rat_keys_values, rat_keys_values_reference
 from .reference import gated_recurrence_reference, gated_recurrence_scan
 
-__all__ = ["gated_recurrence", "gated_recurrence_reference", "gated_recurrence_scan"]
+__all__ = [
+    "gated_recurrence",
+    "gated_recurrence_reference",
+    "gated_recurrence_scan",
+    "rat_keys_values",
+    "rat_keys_values_reference",
+]
 
 
 def gated_recurrence(

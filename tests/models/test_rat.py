@@ -264,3 +264,29 @@ def test_cuda_model_triton_path_matches_reference_and_decodes(dtype, tolerance):
     assert _relative_error(cached, full) < tolerance
     generated = model.generate(ids[:, :50], max_new_tokens=20, do_sample=False)
     assert generated.shape == (2, 70)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not hf_hybrid.kernels._backend.triton_interpreting(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("seq", [21, 32])
+def test_fused_gates_layer_equals_op_by_op_layer(seq):
+    """fused_gates=True (one kernel for gate, both recurrences and RoPE of k~) computes the same
+    layer output and the same gradients of the input and of every weight, gate bias included."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    plain = RatAttention(32, 4, 16, 8, num_qk_groups=2, backend="triton").to(device)
+    plain.reset_extra_parameters()
+    fused = RatAttention(32, 4, 16, 8, num_qk_groups=2, backend="triton", fused_gates=True).to(device)
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(2, seq, 32, device=device)
+    context = SequenceContext.build(2, seq, 0, None, None, torch.device(device))
+    results = []
+    for layer in (plain, fused):
+        leaf = x.clone().requires_grad_()
+        out = layer(leaf, context)
+        grads = torch.autograd.grad(out, [leaf] + list(layer.parameters()), torch.ones_like(out))
+        results.append((out, grads))
+    (out_a, grads_a), (out_b, grads_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-5)
+    for (name, _), a, b in zip(plain.named_parameters(), grads_a[1:], grads_b[1:]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(grads_b[0], grads_a[0], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,66 @@
+"""Compile a Triton kernel for the H100 (sm_90) without a GPU and read its resource use.
+
+Triton ships ptxas and cuobjdump, so a kernel can be compiled ahead of time on any machine:
+registers per thread, local-memory stack (register spills) and shared memory per block tell
+whether a tile choice fits before any device time is spent on it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+
+def compile_for_sm90(fn, pointer_dtypes: dict, constexprs: dict, num_warps: int, num_stages: int = 2) -> dict:
+    """fn: a @triton.jit kernel; pointer_dtypes: argument -> "*bf16" / "*fp32" ... (other
+    non-constexpr arguments are int32). Returns {"regs", "stack_bytes", "shared_bytes", "wgmma"}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {a: ("constexpr" if a in constexprs else pointer_dtypes.get(a, "i32")) for a in fn.arg_names}
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as fh:
+        fh.write(compiled.asm["cubin"])
+        fh.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True).stdout
+    return {
+        "regs": int(re.search(r"REG:(\d+)", usage).group(1)),
+        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+        "shared_bytes": compiled.metadata.shared,
+        "wgmma": "wgmma" in compiled.asm["ptx"],
+    }
+
+
+def rat_keys_values_report(warps=(4, 8, 16)) -> list[dict]:
+    """The fused RAT keys/values kernels at the RAT(L=16) layer shape (bf16, 16 heads x 128, 2 key
+    groups) for each warp count: how FWD_WARPS / BWD_WARPS were chosen."""
+    from ..kernels.gated_recurrence import rat_keys_values_triton as kv
+
+    bf, f32 = "*bf16", "*fp32"
+    inputs = dict(K=bf, V=bf, LOGIT=bf, BIAS=bf, COS=f32, SIN=f32)
+    kernels = {
+        "_fwd_kernel": dict(inputs, KROT=bf, VT=bf),
+        "_bwd_kernel": dict(inputs, DKROT=bf, DVT=bf, DK=bf, DV=bf, DLOGIT=bf, DBIAS=f32),
+    }
+    constexprs = dict(GROUPS=2, HEADS=16, D=128, HALF=64, L=16, HAS_ROPE=True)
+    rows = []
+    for name, pointers in kernels.items():
+        for num_warps in warps:
+            row = {"kernel": name, "num_warps": num_warps}
+            try:
+                row.update(compile_for_sm90(getattr(kv, name), pointers, constexprs, num_warps))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    for row in rat_keys_values_report():
+        print(row)
