@@ -113,7 +113,11 @@ def _gather_rows(x: torch.Tensor, rows: torch.Tensor, keys_per_group: int) -> to
 
 
 def _add_rows_(x: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """x.view(-1, d)[rows] += values with repeated rows accumulating (the gather's backward)."""
+    """x.view(-1, d)[rows] += values with repeated rows accumulating (the gather's backward).
+
+    On CUDA, index_add_ accumulates repeated rows with atomics, so dK/dV can differ in the last
+    bits from run to run; under torch.use_deterministic_algorithms(True) PyTorch takes its
+    deterministic (slower) path instead."""
     dim = x.shape[-1]
     x.view(-1, dim).index_add_(0, rows, values.reshape(-1, dim))
 
