@@ -174,15 +174,38 @@ def rat_decode_builder(config: BenchConfig, batch: int, position: int):
 
         layer = _rat_layer(config)
         cache = RatLayerCache()
-        ends = torch.randn(batch, position // CHUNK, HEADS, HEAD_DIM, device=config.device, dtype=config.dtype)
-        cache.lazy_initialization(ends, ends)
-        cache.keys, cache.values = ends, torch.randn_like(ends)
+        shape = (batch, position // CHUNK, HEADS, HEAD_DIM)
+        probe = torch.empty(shape, device=config.device, dtype=config.dtype)
+        cache.lazy_initialization(probe, probe)
+        cache.reserve(position + 4 * CHUNK, CHUNK)  # fixed buffers: the graphed variant must not reallocate
+        cache._key_buffer.normal_()
+        cache._value_buffer.normal_()
+        cache.num_slots = position // CHUNK
+        cache._refresh_views()
         state = torch.randn(batch, HEADS, HEAD_DIM, device=config.device, dtype=config.dtype)
         cache.state_key, cache.state_value = state, torch.randn_like(state)
         cache.cumulative_length = position
         x = torch.randn(batch, 1, HIDDEN, device=config.device, dtype=config.dtype)
         context = _context(batch, 1, position, config.device)
         return _step(layer, lambda x: layer(x, context, cache), x, backward=False)
+    return build
+
+
+def graphed(builder):
+    """The builder's step captured once in a CUDA graph; the timed call replays it (the same
+    kernels without the per-launch host cost, as a graph-captured decode loop runs them)."""
+    def build():
+        step = builder()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (autotuning, allocations) off the capture
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
     return build
 
 
@@ -215,4 +238,9 @@ def cases(config: BenchConfig) -> list[Case]:
         "sdpa_layer": sdpa_decode_builder(config, batch, position),
         "rat_layer": rat_decode_builder(config, batch, position),
     }, x_key="position"))
+    if config.on_cuda:
+        out.append(Case("layer", "RAT(L=16) layer decode step, CUDA graph", {"position": position, "batch": batch}, {
+            "sdpa_layer": graphed(sdpa_decode_builder(config, batch, position)),
+            "rat_layer": graphed(rat_decode_builder(config, batch, position)),
+        }, x_key="position"))
     return out

@@ -102,6 +102,28 @@ class RatAttention(nn.Module):
         return (gated_recurrence(k_in, gate_rows, 0, 0, state_k, backend=self.backend).to(k.dtype),
                 gated_recurrence(v_in, gate_rows, 0, 0, state_v, backend=self.backend).to(v.dtype))
 
+    def _decode_step(self, q, k, v, gate_logits, out_gate, positions, chunk_index, cos_sin, cache_layer):
+        """One new token per row, no padding. Fixed shapes on the cache's buffers, and the chunk
+        restart and slot come from the positions on the device, not from host values, so the
+        step can be captured in a CUDA graph and replayed at every position."""
+        batch, heads, dim = q.shape[0], self.num_heads, self.head_dim
+        gate = torch.sigmoid(gate_logits[:, 0].float() + self.gate_bias.float().view(heads, dim))
+        keep = (positions[:, :1] % self.chunk_size != 0).view(-1, 1, 1)  # False where the token opens a chunk
+        state_k, state_v = cache_layer.recurrent_state()
+        k_new, v_new = self._expand_groups(k)[:, 0], v[:, 0]
+        # h = g * h_prev + (1 - g) * x in float32, h_prev = 0 at a chunk start (the recurrence's own formula)
+        k_tilde = (gate * (state_k.float() * keep) + (1.0 - gate) * k_new.float()).to(k.dtype)
+        v_tilde = (gate * (state_v.float() * keep) + (1.0 - gate) * v_new.float()).to(v.dtype)
+        k_rot = apply_rotary(k_tilde[:, None], cos_sin)
+        q = self._expand_groups(apply_rotary(q, cos_sin))
+        k_ends, v_ends = cache_layer.decode_step(
+            k_rot, v_tilde[:, None], chunk_index.view(-1)[:1], k_tilde, v_tilde, self.chunk_size
+        )
+        y = chunk_end_attention(
+            q, k_rot, v_tilde[:, None], k_ends, v_ends, query_chunk=chunk_index.expand(batch, 1), backend=self.backend
+        )
+        return self.o_proj(out_gate * y.reshape(batch, 1, heads * dim))
+
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         heads, dim, L, groups = self.num_heads, self.head_dim, self.chunk_size, self.num_qk_groups
@@ -116,6 +138,8 @@ class RatAttention(nn.Module):
         positions = context.positions[:1] if start is not None else context.positions
         chunk_index = torch.div(positions, L, rounding_mode="floor")
         cos_sin = self.rotary(chunk_index) if self.rotary is not None else None
+        if cache_layer is not None and seq == 1 and start is not None and cache_layer.get_seq_length() > 0:
+            return self._decode_step(q, k, v, gate_logits, out_gate, positions, chunk_index, cos_sin, cache_layer)
         if self.fused_gates and cache_layer is None and start == 0:
             k_rot, v_tilde = rat_keys_values(k, v, gate_logits, self.gate_bias, L, cos_sin, backend=self.backend)
             k_tilde = None  # only a cache needs the un-rotated states

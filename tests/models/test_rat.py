@@ -290,3 +290,52 @@ def test_fused_gates_layer_equals_op_by_op_layer(seq):
     for (name, _), a, b in zip(plain.named_parameters(), grads_a[1:], grads_b[1:]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
     torch.testing.assert_close(grads_b[0], grads_a[0], rtol=1e-4, atol=1e-5)
+
+
+def test_decode_steps_keep_the_cache_buffers_in_place():
+    """Unpadded decoding writes each token's k~ / v~ into its own chunk's slot of fixed buffers
+    (reserved ahead) and updates the recurrent state in place: the step reads no host value and
+    allocates nothing, and the logits still equal the full forward's."""
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (2, 19))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        layer_cache = cache.layers[0]
+        layer_cache.reserve(19, chunk_size=4)
+        pointers = [t.data_ptr() for t in (layer_cache._key_buffer, layer_cache._value_buffer, layer_cache.state_key)]
+        for t in range(6, 19):
+            step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            torch.testing.assert_close(step.logits[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+        assert [t.data_ptr() for t in (layer_cache._key_buffer, layer_cache._value_buffer, layer_cache.state_key)] == pointers
+    assert layer_cache.num_entries == 19 // 4  # completed chunks only
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_replays_in_a_cuda_graph():
+    """A RAT layer's decode step captured once in a CUDA graph advances the recurrent state and
+    the chunk-end buffers like the eager step (Triton decode kernel, fixed buffers)."""
+    model = tiny_model(hidden_size=64, layer_types=["rat", "rat"]).cuda()
+    ids = torch.randint(1, VOCAB, (2, 21), device="cuda")
+    layer = model.model.layers[0].self_attn
+    x = torch.randn(2, 1, 64, device="cuda")
+    context = SequenceContext.build(2, 1, 21, None, None, torch.device("cuda"))
+    with torch.no_grad():
+        caches = []
+        for _ in range(3):
+            layer_cache = model(ids, use_cache=True).past_key_values.layers[0]
+            layer_cache.reserve(64, chunk_size=4)
+            caches.append(layer_cache)
+        eager_cache, warm_cache, graph_cache = caches
+        eager = [layer(x, context, eager_cache) for _ in range(3)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(x, context, warm_cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x, context, graph_cache)
+        for expected in eager:
+            graph.replay()
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

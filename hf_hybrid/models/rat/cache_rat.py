@@ -47,14 +47,54 @@ class RatLayerCache(TensorMapLayer):
         self.keys = self._key_buffer[:, : self.num_slots]
         self.values = self._value_buffer[:, : self.num_slots]
 
-    def _reserve(self, slots: int) -> None:
+    def _grow(self, slots: int) -> None:
+        """Buffers for at least ``slots`` chunk ends (doubling, so appends stay amortised O(1))."""
         capacity = self._key_buffer.shape[1]
         if slots > capacity:
             grown = max(slots, 2 * capacity)
             pad = lambda b: torch.cat([b, b.new_zeros(b.shape[0], grown - capacity, *b.shape[2:])], dim=1)
             self._key_buffer, self._value_buffer = pad(self._key_buffer), pad(self._value_buffer)
+
+    def _reserve(self, slots: int) -> None:
+        self._grow(slots)
         self.num_slots = max(self.num_slots, slots)
         self._refresh_views()
+
+    def reserve(self, tokens: int, chunk_size: int) -> None:
+        """Room for the chunk ends of ``tokens`` tokens now, so that decoding up to there never
+        reallocates (a CUDA graph captured over the decode step needs fixed buffers)."""
+        self._grow(-(-tokens // chunk_size) + 1)
+
+    def decode_step(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        slot: torch.Tensor,
+        state_key: torch.Tensor,
+        state_value: torch.Tensor,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per row, all rows at the same position: write its rotated k~ / v~
+        [batch, 1, heads, head_dim] to ``slot`` (a [1] long tensor: the token's own chunk) and keep
+        the recurrent state in place. The slot holds the chunk's end once the chunk closes; queries
+        only read the slots of earlier chunks, so writing the open chunk's slot every step is
+        harmless and needs no host decision. Returns the whole buffers (the attention masks by
+        each query's chunk index), which stay put between steps unless they have to grow."""
+        position = self.cumulative_length
+        self._grow(position // chunk_size + 1)
+        self._key_buffer.index_copy_(1, slot, key_states.to(self._key_buffer.dtype))
+        self._value_buffer.index_copy_(1, slot, value_states.to(self._value_buffer.dtype))
+        if (position + 1) % chunk_size == 0:
+            self.num_slots = max(self.num_slots, position // chunk_size + 1)
+        self._refresh_views()
+        in_place = not torch.is_grad_enabled() and self.state_key is not None and self.state_key.shape == state_key.shape
+        if in_place:
+            self.state_key.copy_(state_key)
+            self.state_value.copy_(state_value)
+        else:
+            self.state_key, self.state_value = state_key, state_value
+        self.cumulative_length += 1
+        return self._key_buffer, self._value_buffer
 
     def recurrent_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """k~, v~ after the last cached token (None before the first update)."""
