@@ -167,24 +167,31 @@ def sdpa_decode_builder(config: BenchConfig, batch: int, position: int):
     return build
 
 
+def random_rat_layer_cache(batch: int, position: int, heads: int, head_dim: int, chunk: int, device, dtype):
+    """A RatLayerCache as it stands after ``position`` tokens (random chunk ends and recurrent
+    state; the cost of a step does not depend on them), with fixed buffers for a few more chunks
+    so that a graph-captured step never reallocates."""
+    from ..models.rat.cache_rat import RatLayerCache
+
+    cache = RatLayerCache()
+    probe = torch.empty(batch, 0, heads, head_dim, device=device, dtype=dtype)
+    cache.lazy_initialization(probe, probe)
+    cache.reserve(position + 4 * chunk, chunk)
+    cache._key_buffer.normal_()
+    cache._value_buffer.normal_()
+    cache.num_slots = position // chunk
+    cache._refresh_views()
+    state = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    cache.state_key, cache.state_value = state, torch.randn_like(state)
+    cache.cumulative_length = position
+    return cache
+
+
 def rat_decode_builder(config: BenchConfig, batch: int, position: int):
     """RAT layer decode with its RatLayerCache holding position // L chunk ends and a recurrent state."""
     def build():
-        from ..models.rat.cache_rat import RatLayerCache
-
         layer = _rat_layer(config)
-        cache = RatLayerCache()
-        shape = (batch, position // CHUNK, HEADS, HEAD_DIM)
-        probe = torch.empty(shape, device=config.device, dtype=config.dtype)
-        cache.lazy_initialization(probe, probe)
-        cache.reserve(position + 4 * CHUNK, CHUNK)  # fixed buffers: the graphed variant must not reallocate
-        cache._key_buffer.normal_()
-        cache._value_buffer.normal_()
-        cache.num_slots = position // CHUNK
-        cache._refresh_views()
-        state = torch.randn(batch, HEADS, HEAD_DIM, device=config.device, dtype=config.dtype)
-        cache.state_key, cache.state_value = state, torch.randn_like(state)
-        cache.cumulative_length = position
+        cache = random_rat_layer_cache(batch, position, HEADS, HEAD_DIM, CHUNK, config.device, config.dtype)
         x = torch.randn(batch, 1, HIDDEN, device=config.device, dtype=config.dtype)
         context = _context(batch, 1, position, config.device)
         return _step(layer, lambda x: layer(x, context, cache), x, backward=False)

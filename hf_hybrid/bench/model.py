@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .cases import BenchConfig, Case
+from .layers import graphed, random_rat_layer_cache
 
 PROMPT, GENERATE = 3072, 1024
 MIDPOINT = PROMPT + GENERATE // 2
@@ -80,13 +81,7 @@ def _fill_cache(model, config, layer_type: str, batch: int, position: int, devic
     heads, dim = config.num_attention_heads, config.head_dim
     for i in range(config.num_hidden_layers):
         if layer_type == "rat":
-            layer = cache.layers[i]
-            ends = torch.randn(batch, position // config.chunk_size, heads, dim, device=device, dtype=dtype)
-            layer.lazy_initialization(ends, ends)
-            layer.keys, layer.values = ends, torch.randn_like(ends)
-            layer.state_key = torch.randn(batch, heads, dim, device=device, dtype=dtype)
-            layer.state_value = torch.randn_like(layer.state_key)
-            layer.cumulative_length = position
+            cache.layers[i] = random_rat_layer_cache(batch, position, heads, dim, config.chunk_size, device, dtype)
         else:
             cache.layers[i] = StaticKVLayer(batch, heads, position, dim, device, dtype)
     return cache
@@ -125,8 +120,27 @@ def decode_throughput_builder(config: BenchConfig, layer_type: str, max_batch: i
     return build
 
 
+def graphed_throughput(builder):
+    """The decode step captured once in a CUDA graph (both caches write fixed slots of fixed
+    buffers); the timed call replays it: the per-step cost of a graph-captured decode loop."""
+    def build():
+        step, info = builder()
+        replay = graphed(lambda: step)()
+        return replay, dict(info, cuda_graph=True)
+    return build
+
+
 def cases(config: BenchConfig) -> list[Case]:
     shape = {"layers": 2, "hidden": 64} if config.quick else {"layers": 24, "hidden": 2048}
+    graph_cases = [Case(
+        "model", "1.3B decode throughput (1024 after 3072), CUDA graph", shape,
+        {
+            "attention_model": graphed_throughput(decode_throughput_builder(config, "full_attention")),
+            "rat_model": graphed_throughput(decode_throughput_builder(config, "rat")),
+        },
+        unit="tokens/s", x_key="layers",
+        notes="as the eager case, each model's step captured once in a CUDA graph and replayed",
+    )] if config.on_cuda else []
     return [Case(
         "model", "1.3B decode throughput (1024 after 3072)", shape,
         {
@@ -135,4 +149,4 @@ def cases(config: BenchConfig) -> list[Case]:
         },
         unit="tokens/s", x_key="layers",
         notes="batch = largest that fits a 4096-token cache; steps timed at position 3584 (the midpoint)",
-    )]
+    )] + graph_cases
