@@ -69,6 +69,7 @@ class _QKVProjections(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads}).")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.backend = "auto"  # kernel backend; the local layer takes it as an argument
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
@@ -86,7 +87,7 @@ class _QKVProjections(nn.Module):
     def normed(self, q: torch.Tensor, k: torch.Tensor, cos_sin=None):
         """QK-norm (when configured), then RoPE (when ``cos_sin`` is given): one fused pass per
         tensor on CUDA (kernels/fused_norm), the modules' own math elsewhere."""
-        backend = norm_backend(getattr(self, "backend", "auto"), q.shape[0] * q.shape[1])
+        backend = norm_backend(self.backend, q.shape[0] * q.shape[1])
         return qk_norm_rotary(q, k, self.q_norm, self.k_norm, cos_sin, backend)
 
 
