@@ -86,6 +86,50 @@ def _phi_bwd(x, f, df, sign, FEATURE: tl.constexpr):
 
 
 @triton.jit
+def _program(NV: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+    """Grid (half x value block, batch x kv head, segment) -> this program's indices, the feature
+    sign of its half, the chunk / feature / value offsets and the element offsets of its
+    [D, BV] block of a [F, D] state."""
+    pid_fv = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    seg = tl.program_id(2)
+    half = pid_fv // NV
+    vb = pid_fv % NV
+    sign = 1.0 - 2.0 * half.to(tl.float32)
+    offs_c = tl.arange(0, C)
+    offs_d = tl.arange(0, D)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    return pid_fv, pid_bk, seg, half, pid_bk // HKV, pid_bk % HKV, sign, offs_c, offs_d, offs_v, rows
+
+
+@triton.jit
+def _segment_state(S_IN, pid_bk, seg, NSEG, rows, F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+                   MODE: tl.constexpr):
+    """The [D, BV] state block a segment starts from. MODE 0: zeros; 1: the one given state
+    [B, HKV, F, D] (single segment); 2: the stored per-segment states [B, HKV, NSEG, F, D]."""
+    if MODE == 1:
+        state = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows)
+    elif MODE == 2:
+        state = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows)
+    else:
+        state = tl.zeros([D, BV], dtype=tl.float32)
+    return state
+
+
+@triton.jit
+def _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV: tl.constexpr, D: tl.constexpr, offs_d, offs_v):
+    """Keys and values of the tokens that enter the state LAG positions behind queries p:
+    (j, k_ok, k [C, D], v [C, BV]), j their positions, rows before the sequence start masked to zero."""
+    j = p - LAG
+    k_ok = q_ok & (j >= 0)
+    kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
+    k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+    return j, k_ok, k, v
+
+
+@triton.jit
 def _state_pass_kernel(
     K, V, S0, STATES, S_OUT,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
@@ -95,17 +139,7 @@ def _state_pass_kernel(
     """Per (half, value block, batch x kv head): S at every segment start, and the final S."""
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
-    pid_fv = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    half = pid_fv // NV
-    vb = pid_fv % NV
-    b = pid_bk // HKV
-    hk = pid_bk % HKV
-    sign = 1.0 - 2.0 * half.to(tl.float32)
-    offs_c = tl.arange(0, C)
-    offs_d = tl.arange(0, D)
-    offs_v = vb * BV + tl.arange(0, BV)
-    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    pid_fv, pid_bk, _, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
     state_base = pid_bk.to(tl.int64) * F * D
     if HAS_S0:
         S = tl.load(S0 + state_base + rows)
@@ -116,11 +150,7 @@ def _state_pass_kernel(
         c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
         for c in range(seg * SEG_CHUNKS, c_stop):
             p = c * C + offs_c
-            j = p - LAG
-            k_ok = (p < T) & (j >= 0)
-            kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
-            k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+            j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
             kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
             S = _mm(tl.trans(kf), v, S, DOT_PREC)
     tl.store(S_OUT + state_base + rows, S)
@@ -144,34 +174,14 @@ def _fwd_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    seg = tl.program_id(2)
-    half = pid_fv // NV
-    vb = pid_fv % NV
-    b = pid_bk // HKV
-    hk = pid_bk % HKV
-    sign = 1.0 - 2.0 * half.to(tl.float32)
-    offs_c = tl.arange(0, C)
-    offs_d = tl.arange(0, D)
-    offs_v = vb * BV + tl.arange(0, BV)
-    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
-    if S_IN_MODE == 1:
-        S = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows)
-    elif S_IN_MODE == 2:
-        S = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows)
-    else:
-        S = tl.zeros([D, BV], dtype=tl.float32)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    S = _segment_state(S_IN, pid_bk, seg, NSEG, rows, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
         q_ok = p < T
-        j = p - LAG
-        k_ok = q_ok & (j >= 0)
-        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
-        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
         kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
         s_op = S.to(v.dtype)
         for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
@@ -211,25 +221,15 @@ def _fwd_fused_kernel(
     offs_v = vb * BV + tl.arange(0, BV)
     rows1 = offs_d[:, None] * D + offs_v[None, :]
     rows2 = rows1 + D * D
-    if S_IN_MODE == 1:
-        S1 = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows1)
-        S2 = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows2)
-    elif S_IN_MODE == 2:
-        S1 = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows1)
-        S2 = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows2)
-    else:
-        S1 = tl.zeros([D, BV], dtype=tl.float32)
-        S2 = tl.zeros([D, BV], dtype=tl.float32)
+    S1 = _segment_state(S_IN, pid_bk, seg, NSEG, rows1, F, D, BV, S_IN_MODE)
+    S2 = _segment_state(S_IN, pid_bk, seg, NSEG, rows2, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
         q_ok = p < T
-        j = p - LAG
-        k_ok = q_ok & (j >= 0)
-        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
-        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
+        k = k.to(tl.float32)
         kf1 = tl.where(k_ok[:, None], _phi(k, 1.0, FEATURE), 0.0).to(v.dtype)
         kf2 = tl.where(k_ok[:, None], _phi(k, -1.0, FEATURE), 0.0).to(v.dtype)
         s1 = S1.to(v.dtype)
@@ -275,25 +275,15 @@ def _dq_fused_kernel(
     offs_v = vb * BV + tl.arange(0, BV)
     rows1 = offs_d[:, None] * D + offs_v[None, :]
     rows2 = rows1 + D * D
-    if S_IN_MODE == 1:
-        S1 = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows1)
-        S2 = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows2)
-    elif S_IN_MODE == 2:
-        S1 = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows1)
-        S2 = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows2)
-    else:
-        S1 = tl.zeros([D, BV], dtype=tl.float32)
-        S2 = tl.zeros([D, BV], dtype=tl.float32)
+    S1 = _segment_state(S_IN, pid_bk, seg, NSEG, rows1, F, D, BV, S_IN_MODE)
+    S2 = _segment_state(S_IN, pid_bk, seg, NSEG, rows2, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
         q_ok = p < T
-        j = p - LAG
-        k_ok = q_ok & (j >= 0)
-        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
-        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
+        k = k.to(tl.float32)
         kf1 = tl.where(k_ok[:, None], _phi(k, 1.0, FEATURE), 0.0).to(v.dtype)
         kf2 = tl.where(k_ok[:, None], _phi(k, -1.0, FEATURE), 0.0).to(v.dtype)
         s1_t = tl.trans(S1.to(v.dtype))
@@ -334,34 +324,14 @@ def _dq_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    seg = tl.program_id(2)
-    half = pid_fv // NV
-    vb = pid_fv % NV
-    b = pid_bk // HKV
-    hk = pid_bk % HKV
-    sign = 1.0 - 2.0 * half.to(tl.float32)
-    offs_c = tl.arange(0, C)
-    offs_d = tl.arange(0, D)
-    offs_v = vb * BV + tl.arange(0, BV)
-    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
-    if S_IN_MODE == 1:
-        S = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows)
-    elif S_IN_MODE == 2:
-        S = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows)
-    else:
-        S = tl.zeros([D, BV], dtype=tl.float32)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    S = _segment_state(S_IN, pid_bk, seg, NSEG, rows, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
         q_ok = p < T
-        j = p - LAG
-        k_ok = q_ok & (j >= 0)
-        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
-        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
         kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
         s_t = tl.trans(S.to(v.dtype))
         for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
@@ -392,17 +362,7 @@ def _adjoint_pass_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    half = pid_fv // NV
-    vb = pid_fv % NV
-    b = pid_bk // HKV
-    hk = pid_bk % HKV
-    sign = 1.0 - 2.0 * half.to(tl.float32)
-    offs_c = tl.arange(0, C)
-    offs_d = tl.arange(0, D)
-    offs_v = vb * BV + tl.arange(0, BV)
-    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
+    pid_fv, pid_bk, _, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
     if HAS_DSF:
         G = tl.load(DSF + pid_bk.to(tl.int64) * F * D + rows)
     else:
@@ -443,24 +403,8 @@ def _dkv_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    seg = tl.program_id(2)
-    half = pid_fv // NV
-    vb = pid_fv % NV
-    b = pid_bk // HKV
-    hk = pid_bk % HKV
-    sign = 1.0 - 2.0 * half.to(tl.float32)
-    offs_c = tl.arange(0, C)
-    offs_d = tl.arange(0, D)
-    offs_v = vb * BV + tl.arange(0, BV)
-    rows = (half * D + offs_d)[:, None] * D + offs_v[None, :]
-    if G_IN_MODE == 1:
-        G = tl.load(G_IN + pid_bk.to(tl.int64) * F * D + rows)
-    elif G_IN_MODE == 2:
-        G = tl.load(G_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows)
-    else:
-        G = tl.zeros([D, BV], dtype=tl.float32)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    G = _segment_state(G_IN, pid_bk, seg, NSEG, rows, F, D, BV, G_IN_MODE)
     later = offs_c[:, None] <= offs_c[None, :]  # [key row, query column]
     c_start = seg * SEG_CHUNKS
     c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
@@ -468,11 +412,7 @@ def _dkv_kernel(
         c = c_stop - 1 - (cc - c_start)
         p = c * C + offs_c
         q_ok = p < T
-        j = p - LAG
-        k_ok = q_ok & (j >= 0)
-        kv_off = ((b * T + j).to(tl.int64) * HKV + hk) * D
-        k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V + kv_off[:, None] + offs_v[None, :], mask=k_ok[:, None], other=0.0)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
         kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
         g_op = G.to(v.dtype)
         dv = _mm(kf, g_op, tl.zeros([C, BV], dtype=tl.float32), DOT_PREC)
