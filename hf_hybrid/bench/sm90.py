@@ -13,7 +13,7 @@ import tempfile
 
 
 def compile_for_sm90(fn, pointer_dtypes: dict, constexprs: dict, num_warps: int, num_stages: int = 2) -> dict:
-    """fn: a @triton.jit kernel; pointer_dtypes: argument -> "*bf16" / "*fp32" ... (other
+    """fn: a @triton.jit kernel; pointer_dtypes: argument -> "*bf16" / "*fp32" / "fp32" ... (other
     non-constexpr arguments are int32). Returns {"regs", "stack_bytes", "shared_bytes", "wgmma"}."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -61,6 +61,32 @@ def rat_keys_values_report(warps=(4, 8, 16)) -> list[dict]:
     return rows
 
 
+def fused_norm_report() -> list[dict]:
+    """The fused norm kernels at RATTENTION's shape (bf16, head_dim 128) with the shipped tiles."""
+    from ..kernels.fused_norm import triton as fn
+
+    bf, f32 = "*bf16", "*fp32"
+    block_t = fn.TILE_ELEMENTS // 128
+    norm = dict(D=128, HALF=64, BLOCK_HALF=64, BLOCK_T=block_t)
+    branch = dict(HAS_B=True, D=128, BLOCK_D=128, BLOCK_T=block_t)
+    kernels = {
+        "_norm_rope_fwd_kernel": (dict(X=bf, W=bf, COS=f32, SIN=f32, Y=bf, eps="fp32"), norm),
+        "_norm_rope_bwd_kernel": (dict(X=bf, W=bf, COS=f32, SIN=f32, DY=bf, DX=bf, DW_PART=f32, eps="fp32"), norm),
+        "_branch_fwd_kernel": (dict(A=bf, WA=bf, B=bf, WB=bf, Y=bf, eps_a="fp32", eps_b="fp32"), branch),
+        "_branch_bwd_kernel": (dict(A=bf, WA=bf, B=bf, WB=bf, DY=bf, DA=bf, DB=bf, DWA_PART=f32, DWB_PART=f32,
+                                    eps_a="fp32", eps_b="fp32"), branch),
+    }
+    rows = []
+    for name, (types, constexprs) in kernels.items():
+        row = {"kernel": name, "num_warps": fn.NUM_WARPS}
+        try:
+            row.update(compile_for_sm90(getattr(fn, name), types, constexprs, fn.NUM_WARPS))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+    return rows
+
+
 if __name__ == "__main__":
-    for row in rat_keys_values_report():
+    for row in rat_keys_values_report() + fused_norm_report():
         print(row)

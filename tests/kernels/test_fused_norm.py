@@ -19,6 +19,7 @@ from hf_hybrid.kernels.fused_norm import (
 from hf_hybrid.layers.fused_norms import norm_backend, qk_norm_rotary, sum_branch_norms
 from hf_hybrid.layers.norm import RMSNorm
 from hf_hybrid.layers.rotary import RotaryEmbedding, apply_rotary
+from sm90_check import sm90_report
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -407,3 +408,10 @@ def test_gpu_branch_norm_sum_bf16_real_shapes():
     assert rel(out, exact) < 1e-2
     for got, want in zip(grads, exact_grads):
         assert rel(got, want) < 2e-2
+
+
+def test_kernels_compile_for_the_h100_with_the_shipped_tiles():
+    rows = sm90_report("fused_norm_report()")
+    assert len(rows) == 4
+    for row in rows:
+        assert "error" not in row and row["stack_bytes"] == 0, row

@@ -2,11 +2,6 @@
 reference, forward and every gradient (k groups, v, gate logits, gate bias)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -15,6 +10,7 @@ from hf_hybrid.kernels.gated_recurrence import rat_keys_values, rat_keys_values_
 from hf_hybrid.kernels.gated_recurrence.rat_keys_values import expand_groups
 from hf_hybrid.kernels.gated_recurrence.reference import gated_recurrence_reference
 from hf_hybrid.layers.rotary import RotaryEmbedding
+from sm90_check import sm90_report
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreting(), reason="needs CUDA or TRITON_INTERPRET=1")
@@ -129,22 +125,11 @@ def test_gpu_bf16_real_shapes(seq):
 
 
 def test_kernels_compile_for_the_h100_at_the_shipped_warps_without_spilling_much():
-    """Ahead-of-time sm_90 compile (Triton's bundled ptxas; no GPU): catches kernels that do not
-    build for the real target, which the CPU interpreter cannot."""
-    pytest.importorskip("triton.backends.nvidia")
-    code = (
-        "import json\n"
-        "from hf_hybrid.bench.sm90 import rat_keys_values_report\n"
-        "from hf_hybrid.kernels.gated_recurrence import rat_keys_values_triton as kv\n"
-        "rows = [r for r in rat_keys_values_report((kv.FWD_WARPS, kv.BWD_WARPS))\n"
-        "        if r['num_warps'] == (kv.FWD_WARPS if r['kernel'] == '_fwd_kernel' else kv.BWD_WARPS)]\n"
-        "print(json.dumps(rows))\n"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert {r["kernel"] for r in rows} == {"_fwd_kernel", "_bwd_kernel"}
-    for row in rows:
+    from hf_hybrid.kernels.gated_recurrence import rat_keys_values_triton as kv
+
+    rows = sm90_report(f"rat_keys_values_report(({kv.FWD_WARPS}, {kv.BWD_WARPS}))")
+    shipped = [r for r in rows if r["num_warps"] == (kv.FWD_WARPS if r["kernel"] == "_fwd_kernel" else kv.BWD_WARPS)]
+    assert {r["kernel"] for r in shipped} == {"_fwd_kernel", "_bwd_kernel"}
+    for row in shipped:
         assert "error" not in row, row
         assert row["regs"] <= 255 and row["stack_bytes"] <= 64, row
