@@ -15,27 +15,15 @@ Prints and returns the first and last training loss and the recall accuracy afte
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 import hf_hybrid  # noqa: F401  (registers the architectures)
+from hf_hybrid.cli import parse_overrides
 from hf_hybrid.data import RecallVocab, make_mqar_dataset
 from hf_hybrid.eval import recall_accuracy
-
-
-def parse_overrides(pairs: list[str]) -> dict:
-    """--set key=value pairs; values are Python literals when they parse as one (8, 1e-3, ['a','b'])."""
-    overrides = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            overrides[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            overrides[key] = value
-    return overrides
 
 
 def main(argv: list[str] | None = None) -> dict:

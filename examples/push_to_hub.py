@@ -24,7 +24,6 @@ restored afterwards. The HfApi calls made here also get ``endpoint=`` explicitly
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import json
 import os
@@ -41,18 +40,6 @@ TINY_EXTRA = {
     "se_hybrid": dict(se_chunk_sizes=[16], se_select_every=8, se_block_size=4, se_top_k=2, mamba_d_head=16,
                       mamba_d_state=16, mamba_chunk_size=16),
 }
-
-
-def parse_overrides(pairs: list[str]) -> dict:
-    """--set key=value pairs; values are Python literals when they parse as one (8, 1e-3, ['a','b'])."""
-    overrides = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            overrides[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            overrides[key] = value
-    return overrides
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,6 +81,8 @@ def hub_endpoint(endpoint: str | None):
 def build_model(args):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_hybrid.cli import parse_overrides
 
     if args.model_path:
         return AutoModelForCausalLM.from_pretrained(args.model_path)

@@ -1,6 +1,7 @@
 """The `hf-hybrid` console script: `hf-hybrid <command> [options]`."""
 from __future__ import annotations
 
+import ast
 import importlib
 import sys
 
@@ -12,6 +13,18 @@ COMMANDS = {
     "bench": ("hf_hybrid.bench.__main__", "main", "op / layer / model benchmarks vs SDPA on the GPU (table, JSON, PNG)"),
     "eval": ("hf_hybrid.eval.cli", "main", "per-token loss / perplexity vs context length and needle heatmaps for saved models"),
 }
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """--set key=value pairs; values are Python literals when they parse as one (8, 1e-3, ['a','b'])."""
+    overrides = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[key] = value
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> int:
