@@ -65,6 +65,15 @@ def _load_f32(ptr, offsets, mask):
 
 
 @triton.jit
+def _token_tile(start, limit, cols, width, BLOCK_T: tl.constexpr):
+    """Tokens start .. start + BLOCK_T - 1 of a head, which of them exist (< limit), and the
+    [BLOCK_T, columns] mask (columns < width)."""
+    tokens = start + tl.arange(0, BLOCK_T)
+    rows_ok = tokens < limit
+    return tokens, rows_ok, rows_ok[:, None] & (cols < width)[None, :]
+
+
+@triton.jit
 def _inv_rms(sum_sq, rows_ok, D: tl.constexpr, eps):
     # Rows past the end read zeros; with eps = 0 their rsqrt would be inf and poison the weight
     # gradient through 0 * inf, so they take rsqrt(1) (their x is 0, so x * r stays 0).
@@ -83,10 +92,8 @@ def _norm_rope_fwd_kernel(
 ):
     h = tl.program_id(0)
     heads = tl.num_programs(0)
-    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_HALF)
-    rows_ok = tokens < n_tokens
-    mask = rows_ok[:, None] & (cols < HALF)[None, :]
+    tokens, rows_ok, mask = _token_tile(tl.program_id(1) * BLOCK_T, n_tokens, cols, HALF, BLOCK_T)
 
     x_rows = _row_offsets(tokens, T, sx_b, sx_t, h.to(tl.int64) * sx_h)
     x1 = _load_f32(X, x_rows + cols[None, :], mask)
@@ -130,9 +137,7 @@ def _norm_rope_bwd_kernel(
     first = part * tokens_per_program
     last = tl.minimum(first + tokens_per_program, n_tokens)
     for start in range(first, last, BLOCK_T):
-        tokens = start + tl.arange(0, BLOCK_T)
-        rows_ok = tokens < last
-        mask = rows_ok[:, None] & col_ok[None, :]
+        tokens, rows_ok, mask = _token_tile(start, last, cols, HALF, BLOCK_T)
 
         x_rows = _row_offsets(tokens, T, sx_b, sx_t, h.to(tl.int64) * sx_h)
         x1 = _load_f32(X, x_rows + cols[None, :], mask)
@@ -179,10 +184,8 @@ def _branch_fwd_kernel(
 ):
     h = tl.program_id(0)
     heads = tl.num_programs(0)
-    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
-    rows_ok = tokens < n_tokens
-    mask = rows_ok[:, None] & (cols < D)[None, :]
+    tokens, rows_ok, mask = _token_tile(tl.program_id(1) * BLOCK_T, n_tokens, cols, D, BLOCK_T)
 
     a = _load_f32(A, _row_offsets(tokens, T, sa_b, sa_t, h.to(tl.int64) * sa_h) + cols[None, :], mask)
     r_a = _inv_rms(tl.sum(a * a, 1), rows_ok, D, eps_a)[:, None]
@@ -226,9 +229,7 @@ def _branch_bwd_kernel(
     first = part * tokens_per_program
     last = tl.minimum(first + tokens_per_program, n_tokens)
     for start in range(first, last, BLOCK_T):
-        tokens = start + tl.arange(0, BLOCK_T)
-        rows_ok = tokens < last
-        mask = rows_ok[:, None] & col_ok[None, :]
+        tokens, rows_ok, mask = _token_tile(start, last, cols, D, BLOCK_T)
         dy = _load_f32(DY, _row_offsets(tokens, T, sd_b, sd_t, h.to(tl.int64) * sd_h) + cols[None, :], mask)
         dwa = _norm_bwd_tile(A, WA, DA, dwa, dy, tokens, rows_ok, mask, cols, h, heads, T, eps_a, sa_b, sa_t, sa_h, D)
         if HAS_B:
