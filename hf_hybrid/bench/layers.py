@@ -7,9 +7,10 @@ of the same width (hidden 2048, 16 heads x 128, bf16).
   a preallocated K/V cache (write one slot, attend over the filled prefix, no mask: the strongest
   plain baseline); RAT uses the package's own RatLayerCache (chunk ends + recurrent state).
 
-Extra RAT rows: ``rat_layer_fused`` is the same layer with ``fused_gates=True`` (gate, both
-recurrences and the RoPE of k~ in one kernel); ``rat_gemm_floor`` is its six projections alone
-(the bound on any layer ratio).
+Extra RAT rows: ``rat_layer_unfused`` is the same layer with ``fused_gates=False`` (gate, both
+recurrences and the RoPE of k~ op by op instead of in one kernel, the default); ``rat_gemm_floor``
+is its six projections alone (the bound on any layer ratio). The decode step of ``rat_layer`` is
+the one-kernel step (kernels/chunk_attention/rat_decode_triton.py).
 
 The SDPA layer is written here (q/k/v/o projections, RoPE by position, causal SDPA) so that the
 baseline is the fastest plain attention layer and does not depend on any model code.
@@ -71,7 +72,7 @@ class StaticKV:
         return self.keys, self.values
 
 
-def _rat_layer(config: BenchConfig, fused_gates: bool = False):
+def _rat_layer(config: BenchConfig, fused_gates: bool = True):
     from ..layers.rat_attention import RatAttention
 
     layer = RatAttention(HIDDEN, HEADS, HEAD_DIM, CHUNK, num_qk_groups=2, rope_theta=10000.0, fused_gates=fused_gates)
@@ -111,7 +112,7 @@ def sdpa_layer_builder(config: BenchConfig, batch: int, seq: int, backward: bool
     return build
 
 
-def rat_layer_builder(config: BenchConfig, batch: int, seq: int, backward: bool, fused_gates: bool = False):
+def rat_layer_builder(config: BenchConfig, batch: int, seq: int, backward: bool, fused_gates: bool = True):
     def build():
         layer = _rat_layer(config, fused_gates)
         x = torch.randn(batch, seq, HIDDEN, device=config.device, dtype=config.dtype, requires_grad=backward)
@@ -226,7 +227,7 @@ def cases(config: BenchConfig) -> list[Case]:
         out.append(Case("layer", "RAT(L=16) layer fwd+bwd", {"seq": seq, "batch": batch}, {
             "sdpa_layer": sdpa_layer_builder(config, batch, seq, backward=True),
             "rat_layer": rat_layer_builder(config, batch, seq, backward=True),
-            "rat_layer_fused": rat_layer_builder(config, batch, seq, backward=True, fused_gates=True),
+            "rat_layer_unfused": rat_layer_builder(config, batch, seq, backward=True, fused_gates=False),
             "rat_gemm_floor": rat_gemm_floor_builder(config, batch, seq, backward=True),
         }))
     for seq in prefill_seqs:
@@ -234,7 +235,7 @@ def cases(config: BenchConfig) -> list[Case]:
         variants = {
             "sdpa_layer": sdpa_layer_builder(config, batch, seq, backward=False),
             "rat_layer": rat_layer_builder(config, batch, seq, backward=False),
-            "rat_layer_fused": rat_layer_builder(config, batch, seq, backward=False, fused_gates=True),
+            "rat_layer_unfused": rat_layer_builder(config, batch, seq, backward=False, fused_gates=False),
             "rat_gemm_floor": rat_gemm_floor_builder(config, batch, seq, backward=False),
         }
         if seq >= 32768 or quick:

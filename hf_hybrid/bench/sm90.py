@@ -37,24 +37,24 @@ def compile_for_sm90(fn, pointer_dtypes: dict, constexprs: dict, num_warps: int,
     }
 
 
-def rat_keys_values_report(warps=(4, 8, 16)) -> list[dict]:
+def rat_keys_values_report(warps=(2, 4, 8, 16)) -> list[dict]:
     """The fused RAT keys/values kernels at the RAT(L=16) layer shape (bf16, 16 heads x 128, 2 key
-    groups) for each warp count: how FWD_WARPS / BWD_WARPS were chosen."""
+    groups; the forward with FWD_HEADS heads per program) for each warp count."""
     from ..kernels.gated_recurrence import rat_keys_values_triton as kv
 
     bf, f32 = "*bf16", "*fp32"
     inputs = dict(K=bf, V=bf, LOGIT=bf, BIAS=bf, COS=f32, SIN=f32)
-    kernels = {
-        "_fwd_kernel": dict(inputs, KROT=bf, VT=bf),
-        "_bwd_kernel": dict(inputs, DKROT=bf, DVT=bf, DK=bf, DV=bf, DLOGIT=bf, DBIAS=f32),
-    }
     constexprs = dict(GROUPS=2, HEADS=16, D=128, HALF=64, L=16, HAS_ROPE=True)
+    kernels = {
+        "_fwd_kernel": (dict(inputs, KROT=bf, VT=bf), dict(constexprs, BLOCK_H=kv.FWD_HEADS)),
+        "_bwd_kernel": (dict(inputs, DKROT=bf, DVT=bf, DK=bf, DV=bf, DLOGIT=bf, DBIAS=f32), constexprs),
+    }
     rows = []
-    for name, pointers in kernels.items():
+    for name, (pointers, kernel_constexprs) in kernels.items():
         for num_warps in warps:
             row = {"kernel": name, "num_warps": num_warps}
             try:
-                row.update(compile_for_sm90(getattr(kv, name), pointers, constexprs, num_warps))
+                row.update(compile_for_sm90(getattr(kv, name), pointers, kernel_constexprs, num_warps))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -87,6 +87,32 @@ def fused_norm_report() -> list[dict]:
     return rows
 
 
+def rat_decode_report() -> list[dict]:
+    """The one-kernel RAT decode step and the chunk-end decode kernel at the RAT(L=16) layer shape
+    (bf16, 16 heads x 128, 2 q/k groups) with the shipped warp count."""
+    from ..kernels.chunk_attention import decode, rat_decode_triton as rd
+
+    bf, f32 = "*bf16", "*fp32"
+    kernels = {
+        "_rat_decode_kernel": (rd._rat_decode_kernel, dict(
+            Q=bf, K=bf, V=bf, GL=bf, BIAS=f32, SK=bf, SV=bf, POS="*i64", COS=f32, SIN=f32, KB=bf, VB=bf, O=bf,
+            sqb="i64", skb="i64", svb="i64", sgb="i64", ssb="i64", sbb="i64", sbc="i64", sob="i64", qk_scale="fp32",
+        ), dict(GROUPS=2, HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, HAS_ROPE=True)),
+        "_decode_kernel": (decode._decode_kernel, dict(
+            Q=bf, KO=bf, VO=bf, KE=bf, VE=bf, QC="*i64", O=bf, qk_scale="fp32",
+        ), dict(HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N)),
+    }
+    rows = []
+    for name, (fn, types, constexprs) in kernels.items():
+        row = {"kernel": name, "num_warps": decode.DECODE_WARPS}
+        try:
+            row.update(compile_for_sm90(fn, types, constexprs, decode.DECODE_WARPS))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+    return rows
+
+
 if __name__ == "__main__":
-    for row in rat_keys_values_report() + fused_norm_report():
+    for row in rat_keys_values_report() + fused_norm_report() + rat_decode_report():
         print(row)

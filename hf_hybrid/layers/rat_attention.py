@@ -22,8 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels._backend import resolve_backend
 from ..kernels.chunk_attention import block_end_attention, chunk_end_attention, chunk_ends
+from ..kernels.chunk_attention.rat_decode import rat_decode_inputs_reference, rat_decode_supported
 from ..kernels.gated_recurrence import gated_recurrence, rat_keys_values
+from ..kernels.gated_recurrence.rat_keys_values import expand_groups
 from .context import SequenceContext
 from .rotary import apply_rotary, build_rotary
 
@@ -50,7 +53,7 @@ class RatAttention(nn.Module):
         num_qk_groups: int = 2,
         rope_theta: float | None = 10000.0,
         backend: str = "auto",
-        fused_gates: bool = False,
+        fused_gates: bool = True,
     ):
         super().__init__()
         if num_heads % num_qk_groups:
@@ -58,8 +61,8 @@ class RatAttention(nn.Module):
         self.num_heads, self.head_dim, self.chunk_size = num_heads, head_dim, chunk_size
         self.num_qk_groups, self.backend = num_qk_groups, backend
         # Whole sequences (training, cache-less prefill) through one kernel for the gate, both
-        # recurrences and the RoPE of k~ (kernels/gated_recurrence/rat_keys_values.py). Off by
-        # default until it is timed on a GPU against the op-by-op path (bench variant rat_layer_fused).
+        # recurrences and the RoPE of k~ (kernels/gated_recurrence/rat_keys_values.py): on the H100
+        # 1.19x faster fwd+bwd at 32K and 1.54x faster prefill than op by op (docs/benchmarks_rat.md).
         self.fused_gates = fused_gates
         inner = num_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, num_qk_groups * head_dim, bias=False)
@@ -80,9 +83,7 @@ class RatAttention(nn.Module):
             self.gate_bias.zero_()
 
     def _expand_groups(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, groups, dim] -> [batch, seq, heads, dim]; head h reads group h % num_qk_groups."""
-        batch, seq, groups, dim = x.shape
-        return x.unsqueeze(2).expand(batch, seq, self.num_heads // groups, groups, dim).reshape(batch, seq, self.num_heads, dim)
+        return expand_groups(x, self.num_heads)
 
     def _recurrences(self, k, v, gate_logits, start, positions, cache_layer):
         """k~, v~ (un-rotated) op by op: the float32 gate, then the chunk recurrences from the cache's state."""
@@ -102,27 +103,35 @@ class RatAttention(nn.Module):
         return (gated_recurrence(k_in, gate_rows, 0, 0, state_k, backend=self.backend).to(k.dtype),
                 gated_recurrence(v_in, gate_rows, 0, 0, state_v, backend=self.backend).to(v.dtype))
 
+    def _fused_decode(self, v: torch.Tensor) -> bool:
+        """One kernel for the whole decode step: decoding without gradients (it writes the cache in
+        place), on the Triton backend, at a head_dim it takes."""
+        return (not torch.is_grad_enabled() and rat_decode_supported(v)
+                and resolve_backend(self.backend, v.device, "rat_decode_step") == "triton")
+
     def _decode_step(self, q, k, v, gate_logits, out_gate, positions, chunk_index, cos_sin, cache_layer):
         """One new token per row, no padding. Fixed shapes on the cache's buffers, and the chunk
         restart and slot come from the positions on the device, not from host values, so the
         step can be captured in a CUDA graph and replayed at every position."""
-        batch, heads, dim = q.shape[0], self.num_heads, self.head_dim
-        gate = torch.sigmoid(gate_logits[:, 0].float() + self.gate_bias.float().view(heads, dim))
-        keep = (positions[:, :1] % self.chunk_size != 0).view(-1, 1, 1)  # False where the token opens a chunk
-        state_k, state_v = cache_layer.recurrent_state()
-        k_new, v_new = self._expand_groups(k)[:, 0], v[:, 0]
-        # h = g * h_prev + (1 - g) * x in float32, h_prev = 0 at a chunk start (the recurrence's own formula)
-        k_tilde = (gate * (state_k.float() * keep) + (1.0 - gate) * k_new.float()).to(k.dtype)
-        v_tilde = (gate * (state_v.float() * keep) + (1.0 - gate) * v_new.float()).to(v.dtype)
-        k_rot = apply_rotary(k_tilde[:, None], cos_sin)
-        q = self._expand_groups(apply_rotary(q, cos_sin))
-        k_ends, v_ends = cache_layer.decode_step(
-            k_rot, v_tilde[:, None], chunk_index.view(-1)[:1], k_tilde, v_tilde, self.chunk_size
-        )
-        y = chunk_end_attention(
-            q, k_rot, v_tilde[:, None], k_ends, v_ends, query_chunk=chunk_index.expand(batch, 1), backend=self.backend
-        )
-        return self.o_proj(out_gate * y.reshape(batch, 1, heads * dim))
+        batch, L = q.shape[0], self.chunk_size
+        position = positions.reshape(-1)[:1]
+        if self._fused_decode(v):
+            from ..kernels.chunk_attention.rat_decode_triton import rat_decode_step_triton
+
+            key_buffer, value_buffer, state_k, state_v = cache_layer.fused_decode_buffers(L)
+            y = rat_decode_step_triton(
+                q, k, v, gate_logits, self.gate_bias, state_k, state_v, position, L, cos_sin, key_buffer, value_buffer
+            )
+        else:
+            state_k, state_v = cache_layer.recurrent_state()
+            q_rot, k_rot, v_new, k_tilde, v_tilde = rat_decode_inputs_reference(
+                q, k, v, gate_logits, self.gate_bias, state_k, state_v, position, L, cos_sin
+            )
+            k_ends, v_ends = cache_layer.decode_step(k_rot, v_new, chunk_index.view(-1)[:1], k_tilde, v_tilde, L)
+            y = chunk_end_attention(
+                q_rot, k_rot, v_new, k_ends, v_ends, query_chunk=chunk_index.expand(batch, 1), backend=self.backend
+            )
+        return self.o_proj(out_gate * y.reshape(batch, 1, -1))
 
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
@@ -147,12 +156,14 @@ class RatAttention(nn.Module):
             k_tilde, v_tilde = self._recurrences(k, v, gate_logits, start, positions, cache_layer)
             k_rot = apply_rotary(k_tilde, cos_sin)
         # q is shared by the heads of a group: rotate the groups, then expand.
-        q = self._expand_groups(apply_rotary(q, cos_sin))
+        q = apply_rotary(q, cos_sin)
 
         if cache_layer is None and start == 0 and hidden_states.is_cuda:
-            # Whole sequence from position 0: the fused kernel reads the chunk ends in place.
+            # Whole sequence from position 0: the fused kernel reads the chunk ends (and, without
+            # gradients, the shared q heads) in place.
             y = block_end_attention(q, k_rot, v_tilde, L, backend=self.backend)
             return self.o_proj(out_gate * y.reshape(batch, seq, heads * dim))
+        q = self._expand_groups(q)
 
         closes_chunk = (positions + 1) % L == 0
         if context.query_valid is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from ..gated_recurrence.rat_keys_values import expand_groups
 from .reference import (
     block_end_attention_reference,
     block_end_mask,
@@ -40,6 +41,18 @@ def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
             f"{op}: q, k, v must all be [batch, seq, heads, head_dim] with equal shapes; got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
         )
+
+
+def _shares_query_heads(op: str, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when q [batch, seq, G, head_dim] holds fewer heads than k, G a divisor (checked here)."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[2] == k.shape[2]:
+        return False
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] == 0 or k.shape[2] % q.shape[2]:
+        raise ValueError(
+            f"{op}: q must be [batch, seq, heads, head_dim] like k {tuple(k.shape)}, or hold a divisor of its "
+            f"heads (shared query heads); got {tuple(q.shape)}."
+        )
+    return True
 
 
 def chunk_end_attention(
@@ -102,8 +115,11 @@ def block_end_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Causal attention where query i sees key j iff (j+1) % block_size == 0, i - j <= local_window,
-    or j < num_sink_tokens (see :func:`block_end_mask`). q, k, v [batch, seq, heads, head_dim]."""
-    _check_qkv("block_end_attention", q, k, v)
+    or j < num_sink_tokens (see :func:`block_end_mask`). q, k, v [batch, seq, heads, head_dim];
+    q may instead hold G heads, G dividing k's heads, shared as in RAT (head h uses q head h % G):
+    the Triton forward reads them in place."""
+    grouped = _shares_query_heads("block_end_attention", q, k)
+    _check_qkv("block_end_attention", k if grouped else q, k, v)
     if block_size < 1:
         raise ValueError(f"block_end_attention: block_size (dilation) must be >= 1, got {block_size}.")
     if local_window < 0 or num_sink_tokens < 0:
@@ -115,4 +131,6 @@ def block_end_attention(
         from .triton import block_end_attention_triton
 
         return block_end_attention_triton(q, k, v, block_size, local_window, num_sink_tokens, scale)
+    if grouped:
+        q = expand_groups(q, k.shape[2])
     return block_end_attention_reference(q, k, v, block_size, local_window, num_sink_tokens, scale)

@@ -14,6 +14,33 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# H100 sweep (512 rows x 16 heads x 256 ends, 128 dims; docs/device_runs/rat_decode_kernel_sweep_h100.json):
+# 2 warps x 16 ends 0.376 ms, 2 x 64 0.370 (but spills on sm_90 with Triton 3.9), 4 x 64 (the old
+# tile) 0.386, 8 x 64 0.454. A streaming loop wants many small resident programs.
+DECODE_WARPS, DECODE_BLOCK_N = 2, 16
+
+
+@triton.jit
+def _attend_chunk_ends(q, k_own, v_own, KE, VE, sec, sfc, n, dims, qk_scale, BLOCK_N: tl.constexpr):
+    """softmax over {q . k_ends[c] for c < n} and {q . k_own}, applied to [v_ends ; v_own]: the
+    streaming loop every decode kernel shares. q, k_own, v_own float32 [D]; KE / VE point at this
+    (row, head)'s first chunk end, sec / sfc the chunk strides. Returns the float32 output [D]."""
+    acc = v_own
+    m_i = tl.sum(q * k_own, 0) * qk_scale
+    l_i = m_i * 0.0 + 1.0
+    for c0 in range(0, n, BLOCK_N):
+        offs = c0 + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        ke = tl.load(KE + offs[:, None] * sec + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        ve = tl.load(VE + offs[:, None] * sfc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.where(ok, tl.sum(ke * q[None, :], 1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * ve, 0)
+        m_i = m_new
+    return acc / l_i
 
 
 @triton.jit
@@ -29,25 +56,10 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * sqb + h * sqh + dims).to(tl.float32)
     k_own = tl.load(KO + b * skb + h * skh + dims).to(tl.float32)
-    acc = tl.load(VO + b * svb + h * svh + dims).to(tl.float32)
-    m_i = tl.sum(q * k_own, 0) * qk_scale
-    l_i = m_i * 0.0 + 1.0
+    v_own = tl.load(VO + b * svb + h * svh + dims).to(tl.float32)
     n = tl.minimum(tl.maximum(tl.load(QC + b * sqcb).to(tl.int32), 0), C)
-    KE += b * seb + h * seh
-    VE += b * sfb + h * sfh
-    for c0 in range(0, n, BLOCK_N):
-        offs = c0 + tl.arange(0, BLOCK_N)
-        ok = offs < n
-        ke = tl.load(KE + offs[:, None] * sec + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        ve = tl.load(VE + offs[:, None] * sfc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        s = tl.where(ok, tl.sum(ke * q[None, :], 1) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * ve, 0)
-        m_i = m_new
-    tl.store(O + b * sob + h * soh + dims, (acc / l_i).to(O.dtype.element_ty))
+    out = _attend_chunk_ends(q, k_own, v_own, KE + b * seb + h * seh, VE + b * sfb + h * sfh, sec, sfc, n, dims, qk_scale, BLOCK_N)
+    tl.store(O + b * sob + h * soh + dims, out.to(O.dtype.element_ty))
 
 
 def chunk_end_decode_triton(
@@ -77,6 +89,6 @@ def chunk_end_decode_triton(
         k_ends.stride(0), k_ends.stride(1), k_ends.stride(2), v_ends.stride(0), v_ends.stride(1), v_ends.stride(2),
         out.stride(0), out.stride(2), query_chunk.stride(0),
         heads, k_ends.shape[1], scale * LOG2E,
-        BLOCK_N=64 if head_dim <= 128 else 32, HEAD_DIM=head_dim, num_warps=4,
+        BLOCK_N=DECODE_BLOCK_N, HEAD_DIM=head_dim, num_warps=DECODE_WARPS,
     )
     return out

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gated_recurrence.rat_keys_values import expand_groups
+
 LOG2E = 1.4426950408889634
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; chosen on an H100 for head_dim 128.
@@ -106,7 +108,7 @@ def _fwd_kernel(
     Q, K, V, KE, VE, QC, O, LSE,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     seb, sec, seh, sfb, sfc, sfh, sob, sot, soh, sqcb,
-    H, T, C, D, W, S, c_min, qk_scale,
+    H, QH, T, C, D, W, S, c_min, qk_scale,
     COMPACT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -119,7 +121,7 @@ def _fwd_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T
-    Q += b * sqb + h * sqh
+    Q += b * sqb + (h % QH) * sqh  # QH < H: q shared by groups of heads (RAT), read in place
     K += b * skb + h * skh
     V += b * svb + h * svh
     KE += b * seb + h * seh
@@ -514,7 +516,9 @@ class _Geometry:
 
 
 def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float):
-    batch, seq, heads, head_dim = q.shape
+    """q may have fewer heads than k / v (a divisor): head h reads q head h % q_heads."""
+    batch, seq, q_heads, head_dim = q.shape
+    heads = k.shape[2]
     out = torch.empty(batch, seq, heads, head_dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, seq, device=q.device, dtype=torch.float32)
     (block_m, block_n, warps, stages), _, _ = _configs(q.device, q.dtype)
@@ -522,7 +526,7 @@ def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float):
     _fwd_kernel[grid](
         q, k, v, ke, ve, qc, out, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0),
-        heads, seq, *geo.scalars(), scale * LOG2E,
+        heads, q_heads, seq, *geo.scalars(), scale * LOG2E,
         COMPACT=geo.compact, HAS_WINDOW=geo.window > 0, HAS_SINKS=geo.sinks > 0 and not geo.compact,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=geo.block_s(block_n), HEAD_DIM=head_dim,
         DOT_PREC=_dot_precision(q.dtype, q.device), num_warps=warps, num_stages=stages,
@@ -640,11 +644,15 @@ def block_end_attention_triton(
     num_sink_tokens: int = 0,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Triton path of :func:`hf_hybrid.kernels.chunk_attention.block_end_attention`; differentiable in q, k, v."""
+    """Triton path of :func:`hf_hybrid.kernels.chunk_attention.block_end_attention`; differentiable in q, k, v.
+    q with fewer heads than k (a divisor G; head h reads q head h % G) is read in place when no
+    gradient is needed, else expanded first (the backward kernels take one q per head)."""
     _check_head_dim("block_end_attention", q.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.shape[2] != k.shape[2] and torch.is_grad_enabled() and q.requires_grad:
+        q = expand_groups(q, k.shape[2])
     if q.shape[1] == 0:
-        return q.clone()
+        return q.new_empty(k.shape)
     return _BlockEndAttention.apply(q, k, v, int(block_size), int(local_window), int(num_sink_tokens), scale)
 
 

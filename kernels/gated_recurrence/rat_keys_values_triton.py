@@ -1,11 +1,16 @@
 """Triton forward and backward of :func:`rat_keys_values` (math: rat_keys_values.py).
 
-A program owns one chunk of L tokens of one batch row and one key group, and loops over the heads
+Forward: a program owns one chunk of L tokens of one batch row for a few heads and walks its
+tokens: h_t = g_t h_{t-1} + (1 - g_t) x_t on [heads, D/2] float32 tiles (the two halves of
+head_dim, which makes rotate-half RoPE elementwise), RoPE'd and stored per token. The state
+starts at zero in every chunk, so chunks are independent programs; the small state keeps many
+programs resident, which a memory-bound pass needs (the earlier one-program-per-group layout
+scanned [L, D/2] tiles at 134 registers, one program per SM).
+
+Backward: a program owns one chunk of one batch row and one key group, and loops over the heads
 reading that group (head h = group + j * G), so the group's keys are loaded once. A chunk is held
-as [L, D/2] float32 tiles (the two halves of head_dim, which makes rotate-half RoPE elementwise)
-and its recurrence h_t = a_t h_{t-1} + b_t, (a, b) = (g, (1 - g) x), is an associative scan down
-the tile: (a1, b1) then (a2, b2) composes to (a1 a2, a2 b1 + b2). The state starts at zero in
-every chunk, so chunks are independent programs.
+as [L, D/2] tiles and the recurrence h_t = a_t h_{t-1} + b_t, (a, b) = (g, (1 - g) x), is an
+associative scan down the tile: (a1, b1) then (a2, b2) composes to (a1 a2, a2 b1 + b2).
 
 Backward, per head, with c_t = dL/dh_t in total (the adjoint):
 
@@ -89,23 +94,48 @@ def _fwd_kernel(
     K, V, LOGIT, BIAS, COS, SIN, KROT, VT,
     T, n_chunks, sk_b, sk_t, sc_b, sc_t,
     GROUPS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    L: tl.constexpr, HAS_ROPE: tl.constexpr,
+    L: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    group, b, step, t, ok, cols, k_rows, k1, k2, cos1, cos2, sin1, sin2 = _chunk(
-        K, COS, SIN, T, n_chunks, sk_b, sk_t, sc_b, sc_t, D, HALF, L, HAS_ROPE)
-    tok = (b * T + t)[:, None]  # token index into the [B*T, ...] outputs and v / logits
-    for j in range(HEADS // GROUPS):
-        h = group + j * GROUPS
-        rows = tok * (HEADS * D) + h * D
-        g1, g2 = _gate(LOGIT, BIAS, rows, cols, h, D, HALF, ok)
-        hk1, hk2 = _scan(g1, (1.0 - g1) * k1), _scan(g2, (1.0 - g2) * k2)
-        v1, v2 = _halves(V, rows, cols, HALF, ok)
-        hv1, hv2 = _scan(g1, (1.0 - g1) * v1), _scan(g2, (1.0 - g2) * v2)
-        hk1, hk2 = hk1 * cos1 - hk2 * sin1, hk2 * cos2 + hk1 * sin2
-        tl.store(KROT + rows + cols, hk1.to(KROT.dtype.element_ty), mask=ok)
-        tl.store(KROT + rows + HALF + cols, hk2.to(KROT.dtype.element_ty), mask=ok)
-        tl.store(VT + rows + cols, hv1.to(VT.dtype.element_ty), mask=ok)
-        tl.store(VT + rows + HALF + cols, hv2.to(VT.dtype.element_ty), mask=ok)
+    """One chunk of one batch row for BLOCK_H heads, token by token: the state is a few [BLOCK_H,
+    D/2] float32 tiles, so many programs fit on an SM and the loads of later tokens do not wait
+    for the recurrence (the forward needs no scan; the backward's reverse adjoint keeps one)."""
+    b = (tl.program_id(0) // n_chunks).to(tl.int64)
+    t0 = (tl.program_id(0) % n_chunks) * L
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, HALF)[None, :]
+    head_ok = (heads < HEADS)[:, None] & (cols >= 0)
+    first = heads[:, None] * D + cols  # first-half element offsets of these heads within a token row
+    k_first = (heads % GROUPS)[:, None] * D + cols
+    bias1 = tl.load(BIAS + first, mask=head_ok, other=0.0).to(tl.float32)
+    bias2 = tl.load(BIAS + first + HALF, mask=head_ok, other=0.0).to(tl.float32)
+    hk1 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    hk2 = hk1
+    hv1 = hk1
+    hv2 = hk1
+    for step in tl.static_range(L):
+        t = t0 + step
+        in_seq = (cols * 0 + t) < T  # a [1, D/2] row mask: the interpreter rejects scalar masks
+        ok = head_ok & in_seq
+        row = (b * T + t) * (HEADS * D)
+        k_row = b * sk_b + t * sk_t
+        g1 = tl.sigmoid(tl.load(LOGIT + row + first, mask=ok, other=0.0).to(tl.float32) + bias1)
+        g2 = tl.sigmoid(tl.load(LOGIT + row + first + HALF, mask=ok, other=0.0).to(tl.float32) + bias2)
+        hk1 = g1 * hk1 + (1.0 - g1) * tl.load(K + k_row + k_first, mask=ok, other=0.0).to(tl.float32)
+        hk2 = g2 * hk2 + (1.0 - g2) * tl.load(K + k_row + k_first + HALF, mask=ok, other=0.0).to(tl.float32)
+        hv1 = g1 * hv1 + (1.0 - g1) * tl.load(V + row + first, mask=ok, other=0.0).to(tl.float32)
+        hv2 = g2 * hv2 + (1.0 - g2) * tl.load(V + row + first + HALF, mask=ok, other=0.0).to(tl.float32)
+        r1, r2 = hk1, hk2
+        if HAS_ROPE:
+            table = b * sc_b + t * sc_t + cols
+            cos1 = tl.load(COS + table, mask=in_seq, other=1.0)
+            cos2 = tl.load(COS + table + HALF, mask=in_seq, other=1.0)
+            sin1 = tl.load(SIN + table, mask=in_seq, other=0.0)
+            sin2 = tl.load(SIN + table + HALF, mask=in_seq, other=0.0)
+            r1, r2 = hk1 * cos1 - hk2 * sin1, hk2 * cos2 + hk1 * sin2
+        tl.store(KROT + row + first, r1.to(KROT.dtype.element_ty), mask=ok)
+        tl.store(KROT + row + first + HALF, r2.to(KROT.dtype.element_ty), mask=ok)
+        tl.store(VT + row + first, hv1.to(VT.dtype.element_ty), mask=ok)
+        tl.store(VT + row + first + HALF, hv2.to(VT.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -157,23 +187,32 @@ def _bwd_kernel(
     tl.store(DK + k_rows + HALF + cols, dk2.to(DK.dtype.element_ty), mask=ok)
 
 
-# Warps for a [16, 64] chunk tile (RAT L=16, head_dim 128), from an sm_90 compile of both kernels
-# (`python -m hf_hybrid.bench.sm90`: registers / spills per thread, not a timing): forward 8 warps
-# = 134 registers, no spills (4 warps: 255 + spills); backward 16 warps = 128 registers (8: 255).
+# Warps for a [16, 64] chunk tile (RAT L=16, head_dim 128), from an sm_90 compile
+# (`python -m hf_hybrid.bench.sm90`: registers / spills per thread, not a timing): backward 16 warps
+# = 128 registers (8: 255). The forward walks tokens with [FWD_HEADS, D/2] tiles per program.
 BIG_TILE = 1024
-FWD_WARPS, BWD_WARPS, SMALL_TILE_WARPS = 8, 16, 4
+BWD_WARPS, SMALL_TILE_WARPS = 16, 4
+FWD_HEADS, FWD_WARPS = 4, 4
 
 
-def _launch(kernel, tensors, k_groups, v, chunk_size, cos_sin, num_warps):
+def _launch(kernel, tensors, k_groups, v, chunk_size, cos_sin, num_warps, heads_per_program=None):
+    """Grid (batch x chunk, key group) for the backward; (batch x chunk, head block) for the forward
+    when ``heads_per_program`` is given."""
     batch, seq, heads, dim = v.shape
     n_chunks = triton.cdiv(seq, chunk_size)
     cos, sin = cos_sin if cos_sin is not None else (v, v)  # never read without RoPE
     sc_b = 0 if cos.shape[0] == 1 else cos.stride(0)
-    kernel[(batch * n_chunks, k_groups.shape[2])](
+    if heads_per_program is None:
+        grid, extra = (batch * n_chunks, k_groups.shape[2]), {}
+        num_warps = num_warps if chunk_size * dim // 2 >= BIG_TILE else SMALL_TILE_WARPS
+    else:
+        block_h = min(heads_per_program, triton.next_power_of_2(heads))
+        grid, extra = (batch * n_chunks, triton.cdiv(heads, block_h)), {"BLOCK_H": block_h}
+    kernel[grid](
         *tensors[:4], cos, sin, *tensors[4:],
         seq, n_chunks, k_groups.stride(0), k_groups.stride(1), sc_b, cos.stride(1),
         GROUPS=k_groups.shape[2], HEADS=heads, D=dim, HALF=dim // 2, L=chunk_size, HAS_ROPE=cos_sin is not None,
-        num_warps=num_warps if chunk_size * dim // 2 >= BIG_TILE else SMALL_TILE_WARPS,
+        num_warps=num_warps, **extra,
     )
     return n_chunks
 
@@ -184,7 +223,8 @@ class _RatKeysValues(torch.autograd.Function):
         cos_sin = (cos, sin) if has_rope else None
         k_rot = torch.empty(v.shape, device=v.device, dtype=k_groups.dtype)
         v_tilde = torch.empty_like(v)
-        _launch(_fwd_kernel, (k_groups, v, gate_logits, gate_bias, k_rot, v_tilde), k_groups, v, chunk_size, cos_sin, FWD_WARPS)
+        _launch(_fwd_kernel, (k_groups, v, gate_logits, gate_bias, k_rot, v_tilde), k_groups, v, chunk_size, cos_sin,
+                FWD_WARPS, heads_per_program=FWD_HEADS)
         ctx.save_for_backward(k_groups, v, gate_logits, gate_bias, cos, sin)
         ctx.meta = (chunk_size, has_rope)
         return k_rot, v_tilde

@@ -311,6 +311,21 @@ def test_decode_steps_keep_the_cache_buffers_in_place():
     assert layer_cache.num_entries == 19 // 4  # completed chunks only
 
 
+@pytest.mark.parametrize("overrides", [{}, {"use_rope": False, "num_qk_groups": 1}])
+def test_one_kernel_decode_step_decodes_like_the_full_forward(monkeypatch, overrides):
+    """kernel_backend='triton' (Triton's interpreter on CPU): every decode step runs the one-kernel
+    path (kernels/chunk_attention/rat_decode_triton.py), and its logits equal the full forward's."""
+    from hf_hybrid.kernels.chunk_attention import rat_decode_triton
+
+    calls = []
+    original = rat_decode_triton.rat_decode_step_triton
+    monkeypatch.setattr(rat_decode_triton, "rat_decode_step_triton", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    model = tiny_model(hidden_size=64, num_attention_heads=4, kernel_backend="triton", **overrides)
+    ids = torch.randint(1, VOCAB, (2, 13))
+    assert_prefill_decode_matches(model, ids, 6)
+    assert len(calls) == 7 * 2  # 7 decode steps x 2 RAT layers
+
+
 @pytest.mark.gpu
 def test_gpu_decode_step_replays_in_a_cuda_graph():
     """A RAT layer's decode step captured once in a CUDA graph advances the recurrent state and

@@ -80,21 +80,35 @@ class RatLayerCache(TensorMapLayer):
         only read the slots of earlier chunks, so writing the open chunk's slot every step is
         harmless and needs no host decision. Returns the whole buffers (the attention masks by
         each query's chunk index), which stay put between steps unless they have to grow."""
-        position = self.cumulative_length
-        self._grow(position // chunk_size + 1)
+        self._advance_one_token(chunk_size)
         self._key_buffer.index_copy_(1, slot, key_states.to(self._key_buffer.dtype))
         self._value_buffer.index_copy_(1, slot, value_states.to(self._value_buffer.dtype))
-        if (position + 1) % chunk_size == 0:
-            self.num_slots = max(self.num_slots, position // chunk_size + 1)
-        self._refresh_views()
         in_place = not torch.is_grad_enabled() and self.state_key is not None and self.state_key.shape == state_key.shape
         if in_place:
             self.state_key.copy_(state_key)
             self.state_value.copy_(state_value)
         else:
-            self.state_key, self.state_value = state_key, state_value
-        self.cumulative_length += 1
+            # Own contiguous copies (not views of the segment's last token): the fused decode kernel
+        # updates them in place, and a CUDA graph captured over it must not re-copy them.
+        self.state_key, self.state_value = state_key.contiguous(), state_value.contiguous()
         return self._key_buffer, self._value_buffer
+
+    def _advance_one_token(self, chunk_size: int) -> None:
+        """Bookkeeping of one decoded token (all rows at the same position): room for its chunk's
+        slot, the slot counted once the token closes the chunk, the length advanced."""
+        position = self.cumulative_length
+        self._grow(position // chunk_size + 1)
+        if (position + 1) % chunk_size == 0:
+            self.num_slots = max(self.num_slots, position // chunk_size + 1)
+        self._refresh_views()
+        self.cumulative_length += 1
+
+    def fused_decode_buffers(self, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a kernel that does :meth:`decode_step`'s writes itself (kernels/chunk_attention/rat_decode.py):
+        advance the bookkeeping by one token and return (key_buffer, value_buffer, state_key,
+        state_value), which it updates in place."""
+        self._advance_one_token(chunk_size)
+        return self._key_buffer, self._value_buffer, self.state_key, self.state_value
 
     def recurrent_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """k~, v~ after the last cached token (None before the first update)."""
@@ -124,7 +138,9 @@ class RatLayerCache(TensorMapLayer):
             self.lazy_initialization(key_states, value_states)
         seq = key_states.shape[1]
         self.cumulative_length += seq
-        self.state_key, self.state_value = state_key, state_value
+        # Own contiguous copies, not views of the segment's last token: the one-kernel decode step
+        # updates them in place (a CUDA graph captured over it then replays on fixed tensors).
+        self.state_key, self.state_value = state_key.contiguous(), state_value.contiguous()
         if start_position is not None:
             first = (chunk_size - 1 - start_position) % chunk_size  # offset of the first token closing a chunk
             if first < seq:

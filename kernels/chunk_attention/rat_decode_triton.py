@@ -1,0 +1,118 @@
+"""Triton kernel of :mod:`.rat_decode` (the math and the reference are stated there)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode import DECODE_BLOCK_N, DECODE_WARPS, LOG2E, _attend_chunk_ends
+from .rat_decode import CosSin, rat_decode_supported
+
+
+@triton.jit
+def _recurrence_step(GL, BIAS, SK, K, keep, gl_off, bias_off, sk_off, k_off, dims):
+    """k~ (or v~) at the dims given, float32 math rounded to K's dtype, returned as float32."""
+    g = tl.sigmoid(tl.load(GL + gl_off + dims).to(tl.float32) + tl.load(BIAS + bias_off + dims).to(tl.float32))
+    prev = tl.load(SK + sk_off + dims).to(tl.float32) * keep
+    x = tl.load(K + k_off + dims).to(tl.float32)
+    return (g * prev + (1.0 - g) * x).to(K.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x, x_swapped, COS, SIN, dims, HALF: tl.constexpr, HAS_ROPE: tl.constexpr):
+    """RoPE with rotate_half: x * cos + [-x2, x1] * sin; x_swapped = x at dims (d + D/2) % D."""
+    if HAS_ROPE:
+        sign = tl.where(dims < HALF, -1.0, 1.0)
+        x = x * tl.load(COS + dims) + sign * x_swapped * tl.load(SIN + dims)
+    return x
+
+
+@triton.jit
+def _rat_decode_kernel(
+    Q, K, V, GL, BIAS, SK, SV, POS, COS, SIN, KB, VB, O,
+    sqb, skb, svb, sgb, ssb, sbb, sbc, sob,
+    H, C, L, qk_scale,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    grp = h % GROUPS
+    dims = tl.arange(0, HEAD_DIM)
+    swapped = (dims + HEAD_DIM // 2) % HEAD_DIM
+    position = tl.load(POS)
+    chunk = (position // L).to(tl.int32)
+    keep = (position % L != 0).to(tl.float32)
+    head_off = h * HEAD_DIM
+    gl_off, sk_off = b * sgb + head_off, b * ssb + head_off
+    k_off, v_off = b * skb + grp * HEAD_DIM, b * svb + head_off
+
+    k_tilde = _recurrence_step(GL, BIAS, SK, K, keep, gl_off, head_off, sk_off, k_off, dims)
+    v_tilde = _recurrence_step(GL, BIAS, SV, V, keep, gl_off, head_off, sk_off, v_off, dims)
+    k_rot = k_tilde
+    if HAS_ROPE:  # rotate_half needs k~ at the swapped dims too: recompute it there (D numbers)
+        k_tilde_swapped = _recurrence_step(GL, BIAS, SK, K, keep, gl_off, head_off, sk_off, k_off, swapped)
+        k_rot = _rotate(k_tilde, k_tilde_swapped, COS, SIN, dims, HEAD_DIM // 2, HAS_ROPE)
+    k_rot = k_rot.to(KB.dtype.element_ty)
+    q_off = b * sqb + grp * HEAD_DIM
+    q = _rotate(tl.load(Q + q_off + dims).to(tl.float32), tl.load(Q + q_off + swapped).to(tl.float32),
+                COS, SIN, dims, HEAD_DIM // 2, HAS_ROPE)
+    q = q.to(Q.dtype.element_ty).to(tl.float32)
+
+    tl.store(SK + sk_off + dims, k_tilde.to(SK.dtype.element_ty))
+    tl.store(SV + sk_off + dims, v_tilde.to(SV.dtype.element_ty))
+    slot = b * sbb + chunk.to(tl.int64) * sbc + head_off
+    tl.store(KB + slot + dims, k_rot)
+    tl.store(VB + slot + dims, v_tilde.to(VB.dtype.element_ty))
+
+    n = tl.minimum(chunk, C)
+    out = _attend_chunk_ends(q, k_rot.to(tl.float32), v_tilde, KB + b * sbb + head_off, VB + b * sbb + head_off,
+                             sbc, sbc, n, dims, qk_scale, BLOCK_N)
+    tl.store(O + b * sob + head_off + dims, out.to(O.dtype.element_ty))
+
+
+def rat_decode_step_triton(
+    q_groups: torch.Tensor,
+    k_groups: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: torch.Tensor,
+    gate_bias: torch.Tensor,
+    state_key: torch.Tensor,
+    state_value: torch.Tensor,
+    position: torch.Tensor,
+    chunk_size: int,
+    cos_sin: CosSin | None,
+    key_buffer: torch.Tensor,
+    value_buffer: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The whole step above (shapes as :func:`rat_decode_inputs_reference`; key_buffer / value_buffer
+    [B, slots, H, D] with slot position // L present). Writes the new state and the token's slot in
+    place; returns y [B, 1, H, D]. Not differentiable (decoding)."""
+    batch, _, heads, dim = v.shape
+    groups = q_groups.shape[2]
+    if not rat_decode_supported(v):
+        raise ValueError(f"rat_decode_step_triton: head_dim must be a power of two in [16, 256], got {dim}.")
+    if heads % groups or k_groups.shape[2] != groups:
+        raise ValueError(f"rat_decode_step_triton: q/k groups ({groups}, {k_groups.shape[2]}) must be equal and divide the {heads} heads.")
+    for name, t in (("state_key", state_key), ("state_value", state_value)):
+        if t.shape != (batch, heads, dim) or not t.is_contiguous():
+            raise ValueError(f"rat_decode_step_triton: {name} must be a contiguous [{batch}, {heads}, {dim}] tensor, got {tuple(t.shape)}.")
+    for name, t in (("key_buffer", key_buffer), ("value_buffer", value_buffer)):
+        if t.shape[0] != batch or t.shape[2:] != (heads, dim) or t.stride()[1:] != key_buffer.stride()[1:] or t.stride(-1) != 1:
+            raise ValueError(f"rat_decode_step_triton: {name} must be [{batch}, slots, {heads}, {dim}] with key_buffer's strides.")
+    q_groups, k_groups, v, gate_logits = (x.contiguous() for x in (q_groups, k_groups, v, gate_logits))
+    cos, sin = cos_sin if cos_sin is not None else (q_groups, q_groups)  # unread without RoPE
+    cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
+    out = torch.empty_like(v)
+    scale = dim**-0.5 if scale is None else float(scale)
+    _rat_decode_kernel[(batch * heads,)](
+        q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, cos, sin,
+        key_buffer, value_buffer, out,
+        q_groups.stride(0), k_groups.stride(0), v.stride(0), gate_logits.stride(0), state_key.stride(0),
+        key_buffer.stride(0), key_buffer.stride(1), out.stride(0),
+        heads, key_buffer.shape[1], chunk_size, scale * LOG2E,
+        GROUPS=groups, HEAD_DIM=dim, BLOCK_N=DECODE_BLOCK_N, HAS_ROPE=cos_sin is not None,
+        num_warps=DECODE_WARPS,
+    )
+    return out
