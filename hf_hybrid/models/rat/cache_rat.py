@@ -88,9 +88,7 @@ class RatLayerCache(TensorMapLayer):
             self.state_key.copy_(state_key)
             self.state_value.copy_(state_value)
         else:
-            # Own contiguous copies (not views of the segment's last token): the fused decode kernel
-        # updates them in place, and a CUDA graph captured over it must not re-copy them.
-        self.state_key, self.state_value = state_key.contiguous(), state_value.contiguous()
+            self.state_key, self.state_value = state_key, state_value
         return self._key_buffer, self._value_buffer
 
     def _advance_one_token(self, chunk_size: int) -> None:
