@@ -113,6 +113,23 @@ def rat_decode_report() -> list[dict]:
     return rows
 
 
+def output_gate_report() -> list[dict]:
+    """The sigmoid output gate's forward and backward (bf16)."""
+    from ..kernels.output_gate import triton as og
+
+    bf = "*bf16"
+    kernels = {"_fwd_kernel": dict(Z=bf, Y=bf, O=bf), "_bwd_kernel": dict(Z=bf, Y=bf, DO=bf, DZ=bf, DY=bf)}
+    rows = []
+    for name, types in kernels.items():
+        row = {"kernel": name, "num_warps": 8}
+        try:
+            row.update(compile_for_sm90(getattr(og, name), types, dict(BLOCK=og.BLOCK), 8))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+    return rows
+
+
 if __name__ == "__main__":
-    for row in rat_keys_values_report() + fused_norm_report() + rat_decode_report():
+    for row in rat_keys_values_report() + fused_norm_report() + rat_decode_report() + output_gate_report():
         print(row)

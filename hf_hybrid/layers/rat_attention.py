@@ -27,6 +27,7 @@ from ..kernels.chunk_attention import block_end_attention, chunk_end_attention, 
 from ..kernels.chunk_attention.rat_decode import rat_decode_inputs_reference, rat_decode_supported
 from ..kernels.gated_recurrence import gated_recurrence, rat_keys_values
 from ..kernels.gated_recurrence.rat_keys_values import expand_groups
+from ..kernels.output_gate import sigmoid_gate
 from .context import SequenceContext
 from .rotary import apply_rotary, build_rotary
 
@@ -103,13 +104,17 @@ class RatAttention(nn.Module):
         return (gated_recurrence(k_in, gate_rows, 0, 0, state_k, backend=self.backend).to(k.dtype),
                 gated_recurrence(v_in, gate_rows, 0, 0, state_v, backend=self.backend).to(v.dtype))
 
+    def _output(self, gate_z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """W_o (sigmoid(gate_z) * y), the gate and product in one pass (kernels/output_gate)."""
+        return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
+
     def _fused_decode(self, v: torch.Tensor) -> bool:
         """One kernel for the whole decode step: decoding without gradients (it writes the cache in
         place), on the Triton backend, at a head_dim it takes."""
         return (not torch.is_grad_enabled() and rat_decode_supported(v)
                 and resolve_backend(self.backend, v.device, "rat_decode_step") == "triton")
 
-    def _decode_step(self, q, k, v, gate_logits, out_gate, positions, chunk_index, cos_sin, cache_layer):
+    def _decode_step(self, q, k, v, gate_logits, gate_z, positions, chunk_index, cos_sin, cache_layer):
         """One new token per row, no padding. Fixed shapes on the cache's buffers, and the chunk
         restart and slot come from the positions on the device, not from host values, so the
         step can be captured in a CUDA graph and replayed at every position."""
@@ -131,7 +136,7 @@ class RatAttention(nn.Module):
             y = chunk_end_attention(
                 q_rot, k_rot, v_new, k_ends, v_ends, query_chunk=chunk_index.expand(batch, 1), backend=self.backend
             )
-        return self.o_proj(out_gate * y.reshape(batch, 1, -1))
+        return self._output(gate_z, y)
 
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
@@ -140,7 +145,7 @@ class RatAttention(nn.Module):
         k = self.k_proj(hidden_states).view(batch, seq, groups, dim)
         v = self.v_proj(hidden_states).view(batch, seq, heads, dim)
         gate_logits = self.g_proj(hidden_states).view(batch, seq, heads, dim)
-        out_gate = torch.sigmoid(self.z_proj(hidden_states))
+        gate_z = self.z_proj(hidden_states)  # the output gate, sigmoid(gate_z), is applied in _output
 
         start = context.uniform_start
         # Unpadded rows share their positions: compute per-position tables once, not per row.
@@ -148,7 +153,7 @@ class RatAttention(nn.Module):
         chunk_index = torch.div(positions, L, rounding_mode="floor")
         cos_sin = self.rotary(chunk_index) if self.rotary is not None else None
         if cache_layer is not None and seq == 1 and start is not None and cache_layer.get_seq_length() > 0:
-            return self._decode_step(q, k, v, gate_logits, out_gate, positions, chunk_index, cos_sin, cache_layer)
+            return self._decode_step(q, k, v, gate_logits, gate_z, positions, chunk_index, cos_sin, cache_layer)
         if self.fused_gates and cache_layer is None and start == 0:
             k_rot, v_tilde = rat_keys_values(k, v, gate_logits, self.gate_bias, L, cos_sin, backend=self.backend)
             k_tilde = None  # only a cache needs the un-rotated states
@@ -162,7 +167,7 @@ class RatAttention(nn.Module):
             # Whole sequence from position 0: the fused kernel reads the chunk ends (and, without
             # gradients, the shared q heads) in place.
             y = block_end_attention(q, k_rot, v_tilde, L, backend=self.backend)
-            return self.o_proj(out_gate * y.reshape(batch, seq, heads * dim))
+            return self._output(gate_z, y)
         q = self._expand_groups(q)
 
         closes_chunk = (positions + 1) % L == 0
@@ -181,4 +186,4 @@ class RatAttention(nn.Module):
             v_ends = scatter_chunk_ends(v_tilde, chunk_index, closes_chunk, num_chunks)
 
         y = chunk_end_attention(q, k_rot, v_tilde, k_ends, v_ends, query_chunk=chunk_index.expand(batch, seq), backend=self.backend)
-        return self.o_proj(out_gate * y.reshape(batch, seq, heads * dim))
+        return self._output(gate_z, y)

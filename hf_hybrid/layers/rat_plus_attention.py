@@ -30,6 +30,7 @@ from torch.nn import functional as F
 from ..kernels._backend import resolve_backend
 from ..kernels.chunk_attention import block_end_attention
 from ..kernels.gated_recurrence import gated_recurrence
+from ..kernels.output_gate import sigmoid_gate
 from ..kernels.topk_block_attention import (
     block_scores,
     block_summaries,
@@ -190,5 +191,5 @@ class RatPlusAttention(nn.Module):
                 y = out
             else:
                 y[:, :, list(group_heads)] = out
-        gate = torch.sigmoid(self.z_proj(hidden_states))
-        return self.o_proj(gate * y.reshape(batch, seq, heads * dim))
+        gate_z = self.z_proj(hidden_states)
+        return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
