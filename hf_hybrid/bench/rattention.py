@@ -40,9 +40,10 @@ from ..models.rattention.cache_rattention import RattentionLocalLayerCache
 from .timing import free_memory, time_cuda_graph, time_fn
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 4, 128
-# (chunk_size, block_v, state_every, fuse_halves); state_every None = enough segments to fill the
-# GPU, 0 = one sequential segment. The first row is the kernel's default.
-RLA_VARIANTS = [(32, 64, None, False), (32, 64, 0, False), (64, 64, None, False), (32, 64, None, True), (32, 128, None, False)]
+# (chunk_size, block_v, state_every, fuse_halves); state_every None = the kernel's default (8
+# chunks per segment on CUDA), 0 = one sequential segment. The first row is the kernel's default.
+RLA_VARIANTS = [(32, 64, None, False), (32, 128, None, False), (32, 128, 4, False), (32, 128, 16, False),
+                (64, 128, None, False), (32, 64, None, True)]
 
 
 def build_layers(device, dtype):
@@ -245,7 +246,7 @@ def compile_report(variants=None):
 
     bf, f32 = "*bf16", "*fp32"
     specs = {  # kernel -> (pointer dtypes, extra constexprs, takes NH, used when fused)
-        "_state_pass_kernel": (dict(K=bf, V=bf, S0=f32, STATES=f32, S_OUT=f32), dict(HAS_S0=False), True, None),
+        "_state_pass_kernel": (dict(K=bf, V=bf, S0=f32, STATES=f32), dict(HAS_S0=False), True, None),
         "_fwd_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=f32, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), True, False),
         "_fwd_fused_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=bf, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), False, True),
         "_dq_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), True, False),

@@ -13,18 +13,28 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
 * Grid = (feature half x value block, batch x key/value head, segment). phi = [phi+(x), phi-(x)]
   splits the F = 2D state rows into two halves that need no communication (each half only
   needs the whole row of x, e.g. for its softmax); the value columns split into blocks of BV.
-  Outputs of the halves (and, for dq / dk, of the value blocks) are partial sums added on the
-  host in float32 (deterministic, no atomics). ``fuse_halves=True`` instead keeps both halves'
-  states in one program for the forward and dq kernels: the intra-chunk score matrix
-  sum_f phi_f(q) phi_f(k)^T is formed once and no output partials exist, at the price of two
-  [D, BV] float32 states in registers (it spills more on sm_90, so it is off by default).
+  Outputs of the halves (and, for dq / dk, of the value blocks) are partial sums. Exactly two
+  partials are added with float32 atomics into one zeroed buffer: two addends onto zero give the
+  same bits in either order, so the result stays deterministic. More partials (dq / dk with
+  BV < D) are stored apart and added on the host in float32, where atomics would make the
+  rounding depend on the order. ``fuse_halves=True`` instead keeps both halves' states in one
+  program for the forward and dq kernels: the intra-chunk score matrix sum_f phi_f(q) phi_f(k)^T
+  is formed once and no output partials exist, at the price of two [D, BV] float32 states in
+  registers (it spills more on sm_90, so it is off by default).
 * Interleaved state saving (Sec. 3.2, Fig. 2): the sequence is cut into segments of m chunks.
-  A light state pass (phi(k) and one product per chunk) stores S only at segment starts; the
-  output / dq kernels then run one program per segment and recompute the states of the chunks
-  in between on chip. m = whole sequence stores nothing and runs one sequential program per
-  (half, block, kv head); smaller m buys parallelism with one extra pass over K, V. The backward
-  dk / dv pass runs in reverse with the adjoint state G = sum_{later i} phi(q_i)^T do_i, stored
-  at segment ends by a reverse state pass over Q, dO.
+  A light state pass (phi(k) and one product per chunk, one program per segment) sums each
+  segment's phi(K')^T V'; a float32 prefix sum over the segments on the host (torch.cumsum,
+  S_0 in front) turns these sums into S at every segment start and the final state. The output /
+  dq kernels then run one program per segment and recompute the states of the chunks in between
+  on chip. m = whole sequence stores nothing and runs one sequential program per (half, block,
+  kv head); smaller m buys parallelism with one extra pass over K, V. The backward dk / dv pass
+  runs in reverse with the adjoint state G = sum_{later i} phi(q_i)^T do_i, formed the same way
+  at segment ends (per-segment sums over Q, dO, then a prefix sum from the end, dS_final first).
+  Default m on CUDA: 8 chunks, the fastest measured (H100, bf16, B = 8, T = 4096, 16 / 4 heads
+  x 128, w = 512, C = 32, BV = 128, forward + backward, still with sequential state passes:
+  m = 8 4.97 ms, m = 4 5.13 ms, the former "two programs per SM" rule 5.43 ms, its 26-chunk
+  segments nearly doubling the dq kernel's time). Longer segments leave the output / gradient
+  kernels too few programs and long serial chunk loops; shorter ones store and sum more states.
 * GQA: k, v have H_kv heads; query head h reads head h // (H / H_kv). phi(k) v^T does not depend
   on the query head, so programs run per key/value head and loop over the query heads of the
   group: the state is updated once per chunk, kept per key/value head ([B, H_kv, F, D]), and the
@@ -104,17 +114,40 @@ def _program(NV: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.conste
 
 
 @triton.jit
-def _segment_state(S_IN, pid_bk, seg, NSEG, rows, F: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
-                   MODE: tl.constexpr):
+def _state_slot(STATES, slot, B, pid_bk, rows, HKV: tl.constexpr, F: tl.constexpr, D: tl.constexpr):
+    """Pointers to this program's [D, BV] block in slot `slot` of segment-major states
+    [slots, B, HKV, F, D] (a single state [B, HKV, F, D] is slot 0)."""
+    return STATES + (slot * B * HKV + pid_bk).to(tl.int64) * F * D + rows
+
+
+@triton.jit
+def _segment_state(S_IN, slot, B, pid_bk, rows, HKV: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
+                   BV: tl.constexpr, MODE: tl.constexpr):
     """The [D, BV] state block a segment starts from. MODE 0: zeros; 1: the one given state
-    [B, HKV, F, D] (single segment); 2: the stored per-segment states [B, HKV, NSEG, F, D]."""
-    if MODE == 1:
-        state = tl.load(S_IN + pid_bk.to(tl.int64) * F * D + rows)
-    elif MODE == 2:
-        state = tl.load(S_IN + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows)
-    else:
+    [B, HKV, F, D] (single segment, slot 0); 2: slot `slot` of the stored states [slots, B, HKV, F, D]."""
+    if MODE == 0:
         state = tl.zeros([D, BV], dtype=tl.float32)
+    else:
+        state = tl.load(_state_slot(S_IN, slot, B, pid_bk, rows, HKV, F, D))
     return state
+
+
+@triton.jit
+def _write_partial(PTR, part, B, T, b, pos, head, cols, x, mask, HEADS: tl.constexpr, D: tl.constexpr,
+                   PARTS: tl.constexpr):
+    """Adds float32 x (rows: tokens pos of batch b at head `head`, columns cols) into a [B, T, HEADS, D]
+    result that is the sum of PARTS partials. PARTS == 2: atomics into one zeroed float32 buffer.
+    Otherwise PTR holds PARTS slices [PARTS, B, T, HEADS, D] and x is stored in its own slice `part`
+    (PARTS == 1: the result itself, in its dtype; more: float32 slices summed on the host)."""
+    if PARTS == 2:
+        off = ((b * T + pos).to(tl.int64) * HEADS + head) * D
+        # Deterministic although the order is not: each element gets exactly two addends x, y onto
+        # a zero, and (0 + x) + y == (0 + y) + x bit for bit in IEEE arithmetic (0 + x is x, or +0
+        # for x = -0, and addition commutes). A third addend would make the rounding order-dependent.
+        tl.atomic_add(PTR + off[:, None] + cols[None, :], x, mask=mask, sem="relaxed")
+    else:
+        off = (((part * B + b) * T + pos).to(tl.int64) * HEADS + head) * D
+        tl.store(PTR + off[:, None] + cols[None, :], x.to(PTR.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -131,35 +164,38 @@ def _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV: tl.constexpr, D: tl.constexp
 
 @triton.jit
 def _state_pass_kernel(
-    K, V, S0, STATES, S_OUT,
-    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    K, V, S0, STATES,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
     HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, NH: tl.constexpr,
     FEATURE: tl.constexpr, HAS_S0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Per (half, value block, batch x kv head): S at every segment start, and the final S."""
+    """Per (half, value block, batch x kv head, segment): the segment's sum of phi(k'_j) v'_j^T into
+    slot seg + 1 of STATES [NSEG + 1, B, HKV, F, D]; segment 0 also writes S_0 (zeros without
+    HAS_S0) into slot 0. An inclusive cumsum over the slots then leaves S at the start of segment s
+    in slot s and the final S in slot NSEG."""
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
-    pid_fv, pid_bk, _, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
-    state_base = pid_bk.to(tl.int64) * F * D
-    if HAS_S0:
-        S = tl.load(S0 + state_base + rows)
-    else:
-        S = tl.zeros([D, BV], dtype=tl.float32)
-    for seg in range(0, NSEG):
-        tl.store(STATES + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows, S)
-        c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
-        for c in range(seg * SEG_CHUNKS, c_stop):
-            p = c * C + offs_c
-            j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
-            kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
-            S = _mm(tl.trans(kf), v, S, DOT_PREC)
-    tl.store(S_OUT + state_base + rows, S)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    S = tl.zeros([D, BV], dtype=tl.float32)
+    c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
+    for c in range(seg * SEG_CHUNKS, c_stop):
+        p = c * C + offs_c
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
+        kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
+        S = _mm(tl.trans(kf), v, S, DOT_PREC)
+    tl.store(_state_slot(STATES, seg + 1, B, pid_bk, rows, HKV, F, D), S)
+    if seg == 0:
+        if HAS_S0:
+            start = tl.load(_state_slot(S0, 0, B, pid_bk, rows, HKV, F, D))
+        else:
+            start = tl.zeros([D, BV], dtype=tl.float32)
+        tl.store(_state_slot(STATES, 0, B, pid_bk, rows, HKV, F, D), start)
 
 
 @triton.jit
 def _fwd_kernel(
     Q, K, V, S_IN, O, S_OUT,
-    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, STORE_FINAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -168,14 +204,15 @@ def _fwd_kernel(
     of the group in turn against the group's one state.
 
     S_IN_MODE: 0 = start from zeros, 1 = from the initial state [B, HKV, F, D] (single segment),
-    2 = from the stored segment states [B, HKV, NSEG, F, D]. O: [NH, B, T, H, D] partial outputs
-    (one per feature half). STORE_FINAL (single segment): write the final state.
+    2 = from the stored segment states [NSEG + 1, B, HKV, F, D]. O: the sum of one partial output
+    per feature half (see ``_write_partial``), [B, T, H, D]. STORE_FINAL (single segment): write
+    the final state.
     """
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
-    S = _segment_state(S_IN, pid_bk, seg, NSEG, rows, F, D, BV, S_IN_MODE)
+    S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
@@ -193,17 +230,16 @@ def _fwd_kernel(
             a = _mm(qf, tl.trans(kf), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
             a = tl.where(causal, a, 0.0).to(v.dtype)
             o = _mm(a, v, o, DOT_PREC)
-            o_off = (((half * B + b) * T + p).to(tl.int64) * H + h) * D
-            tl.store(O + o_off[:, None] + offs_v[None, :], o.to(O.dtype.element_ty), mask=q_ok[:, None])
+            _write_partial(O, half, B, T, b, p, h, offs_v, o, q_ok[:, None], H, D, NH)
         S = _mm(tl.trans(kf), v, S, DOT_PREC)
     if STORE_FINAL:
-        tl.store(S_OUT + pid_bk.to(tl.int64) * F * D + rows, S)
+        tl.store(_state_slot(S_OUT, 0, B, pid_bk, rows, HKV, F, D), S)
 
 
 @triton.jit
 def _fwd_fused_kernel(
     Q, K, V, S_IN, O, S_OUT,
-    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -221,8 +257,8 @@ def _fwd_fused_kernel(
     offs_v = vb * BV + tl.arange(0, BV)
     rows1 = offs_d[:, None] * D + offs_v[None, :]
     rows2 = rows1 + D * D
-    S1 = _segment_state(S_IN, pid_bk, seg, NSEG, rows1, F, D, BV, S_IN_MODE)
-    S2 = _segment_state(S_IN, pid_bk, seg, NSEG, rows2, F, D, BV, S_IN_MODE)
+    S1 = _segment_state(S_IN, seg, B, pid_bk, rows1, HKV, F, D, BV, S_IN_MODE)
+    S2 = _segment_state(S_IN, seg, B, pid_bk, rows2, HKV, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
@@ -250,19 +286,19 @@ def _fwd_fused_kernel(
         S1 = _mm(tl.trans(kf1), v, S1, DOT_PREC)
         S2 = _mm(tl.trans(kf2), v, S2, DOT_PREC)
     if STORE_FINAL:
-        tl.store(S_OUT + pid_bk.to(tl.int64) * F * D + rows1, S1)
-        tl.store(S_OUT + pid_bk.to(tl.int64) * F * D + rows2, S2)
+        tl.store(_state_slot(S_OUT, 0, B, pid_bk, rows1, HKV, F, D), S1)
+        tl.store(_state_slot(S_OUT, 0, B, pid_bk, rows2, HKV, F, D), S2)
 
 
 @triton.jit
 def _dq_fused_kernel(
     Q, K, V, DO, S_IN, DQ,
-    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """``_dq_kernel`` with both feature halves in one program: dO v^T is formed once and dq is
-    summed over the halves on chip. DQ: [NV, B, T, H, D] partials (value blocks)."""
+    summed over the halves on chip. DQ: the sum of one partial per value block (see ``_write_partial``)."""
     F: tl.constexpr = 2 * D
     GROUP: tl.constexpr = H // HKV
     vb = tl.program_id(0)
@@ -275,8 +311,8 @@ def _dq_fused_kernel(
     offs_v = vb * BV + tl.arange(0, BV)
     rows1 = offs_d[:, None] * D + offs_v[None, :]
     rows2 = rows1 + D * D
-    S1 = _segment_state(S_IN, pid_bk, seg, NSEG, rows1, F, D, BV, S_IN_MODE)
-    S2 = _segment_state(S_IN, pid_bk, seg, NSEG, rows2, F, D, BV, S_IN_MODE)
+    S1 = _segment_state(S_IN, seg, B, pid_bk, rows1, HKV, F, D, BV, S_IN_MODE)
+    S2 = _segment_state(S_IN, seg, B, pid_bk, rows2, HKV, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
@@ -301,8 +337,7 @@ def _dq_fused_kernel(
             dqf = _mm(do, s2_t, tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
             dqf = _mm(da, kf2, dqf, DOT_PREC)
             dq += _phi_bwd(q, _phi(q, -1.0, FEATURE), dqf, -1.0, FEATURE)
-            dq_off = (((vb * B + b) * T + p).to(tl.int64) * H + h) * D
-            tl.store(DQ + dq_off[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
+            _write_partial(DQ, vb, B, T, b, p, h, offs_d, dq, q_ok[:, None], H, D, D // BV)
         S1 = _mm(tl.trans(kf1), v, S1, DOT_PREC)
         S2 = _mm(tl.trans(kf2), v, S2, DOT_PREC)
 
@@ -315,17 +350,18 @@ def _dq_fused_kernel(
 @triton.jit
 def _dq_kernel(
     Q, K, V, DO, S_IN, DQ,
-    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
+    B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dq of one segment: dphi(q)_i = dO_i S_i^T + sum_{j in chunk, causal} (dO_i . v'_j) phi(k'_j),
-    then through the feature map. DQ: [NH * NV, B, T, H, D] partials (half, value block)."""
+    then through the feature map. DQ: the sum of one partial per (half, value block), see
+    ``_write_partial``."""
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
-    S = _segment_state(S_IN, pid_bk, seg, NSEG, rows, F, D, BV, S_IN_MODE)
+    S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
@@ -345,8 +381,7 @@ def _dq_kernel(
             da = tl.where(causal, da, 0.0).to(v.dtype)
             dqf = _mm(da, kf, dqf, DOT_PREC)
             dq = _phi_bwd(q, qf, dqf, sign, FEATURE)
-            dq_off = (((pid_fv * B + b) * T + p).to(tl.int64) * H + h) * D
-            tl.store(DQ + dq_off[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
+            _write_partial(DQ, pid_fv, B, T, b, p, h, offs_d, dq, q_ok[:, None], H, D, NH * NV)
         S = _mm(tl.trans(kf), v, S, DOT_PREC)
 
 
@@ -357,30 +392,36 @@ def _adjoint_pass_kernel(
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, HAS_DSF: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Reverse state pass per kv head: G at every segment end,
-    G = dS_final + sum over the group's query heads and the queries after the segment of phi(q)^T dO."""
+    """Per (half, value block, batch x kv head, segment 1 .. NSEG - 1): the segment's sum over its
+    queries and the group's query heads of phi(q)^T dO into slot NSEG - seg of GSTATES
+    [NSEG, B, HKV, F, D]; segment NSEG - 1 also writes dS_final (zeros without HAS_DSF) into slot
+    0. An inclusive cumsum over the slots then leaves G at the end of segment s (dS_final plus
+    every later segment's sum) in slot NSEG - 1 - s. Segment 0's own sum is not needed: it only
+    adds up to dS_0, which ``_dkv_kernel`` forms itself."""
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv, pid_bk, _, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
-    if HAS_DSF:
-        G = tl.load(DSF + pid_bk.to(tl.int64) * F * D + rows)
-    else:
-        G = tl.zeros([D, BV], dtype=tl.float32)
-    for seg_r in range(0, NSEG):
-        seg = NSEG - 1 - seg_r
-        tl.store(GSTATES + (pid_bk.to(tl.int64) * NSEG + seg) * F * D + rows, G)
-        c_start = seg * SEG_CHUNKS
-        c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
-        for c in range(c_start, c_stop):  # a sum: the order within the segment is free
-            p = c * C + offs_c
-            q_ok = p < T
-            for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
-                q_off = ((b * T + p).to(tl.int64) * H + hk * GROUP + g) * D
-                q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
-                do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(q.dtype)
-                qf = tl.where(q_ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(q.dtype)
-                G = _mm(tl.trans(qf), do, G, DOT_PREC)
+    pid_fv, pid_bk, grid_seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    seg = grid_seg + 1
+    G = tl.zeros([D, BV], dtype=tl.float32)
+    c_start = seg * SEG_CHUNKS
+    c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
+    for c in range(c_start, c_stop):
+        p = c * C + offs_c
+        q_ok = p < T
+        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
+            q_off = ((b * T + p).to(tl.int64) * H + hk * GROUP + g) * D
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(q.dtype)
+            qf = tl.where(q_ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(q.dtype)
+            G = _mm(tl.trans(qf), do, G, DOT_PREC)
+    tl.store(_state_slot(GSTATES, NSEG - seg, B, pid_bk, rows, HKV, F, D), G)
+    if seg == NSEG - 1:
+        if HAS_DSF:
+            end = tl.load(_state_slot(DSF, 0, B, pid_bk, rows, HKV, F, D))
+        else:
+            end = tl.zeros([D, BV], dtype=tl.float32)
+        tl.store(_state_slot(GSTATES, 0, B, pid_bk, rows, HKV, F, D), end)
 
 
 @triton.jit
@@ -396,15 +437,16 @@ def _dkv_kernel(
     With G = sum over later queries (all heads of the group) of phi(q_i)^T dO_i (the adjoint state):
         dv'_j    = phi(k'_j)^T G + sum_h sum_{i in chunk, i >= j} (phi(q_ih) . phi(k'_j)) dO_ih
         dphi(k') = v'_j G^T       + sum_h sum_{i in chunk, i >= j} (dO_ih . v'_j) phi(q_ih)
-    G_IN_MODE: 0 zeros, 1 dS_final [B, HKV, F, D], 2 stored [B, HKV, NSEG, F, D]. DK: [NH * NV,
-    B, T, HKV, D], DV: [NH, B, T, HKV, D] partials; rows of keys that never leave the window are
-    not written. STORE_DS0: G after segment 0 is dS_0.
+    G_IN_MODE: 0 zeros, 1 dS_final [B, HKV, F, D], 2 stored [NSEG, B, HKV, F, D] (G at the end of
+    segment s in slot NSEG - 1 - s, see ``_adjoint_pass_kernel``). DK, DV: [B, T, HKV, D] sums of
+    one partial per (half, value block) and per half (see ``_write_partial``); rows of keys that
+    never leave the window are not written. STORE_DS0: G after segment 0 is dS_0.
     """
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
-    G = _segment_state(G_IN, pid_bk, seg, NSEG, rows, F, D, BV, G_IN_MODE)
+    G = _segment_state(G_IN, NSEG - 1 - seg, B, pid_bk, rows, HKV, F, D, BV, G_IN_MODE)
     later = offs_c[:, None] <= offs_c[None, :]  # [key row, query column]
     c_start = seg * SEG_CHUNKS
     c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
@@ -432,13 +474,11 @@ def _dkv_kernel(
         # phi(k) again in float32 for its Jacobian (cheaper than keeping the float32 tile live).
         k32 = k.to(tl.float32)
         dk = _phi_bwd(k32, _phi(k32, sign, FEATURE), dkf, sign, FEATURE)
-        dk_off = (((pid_fv * B + b) * T + j).to(tl.int64) * HKV + hk) * D
-        tl.store(DK + dk_off[:, None] + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
-        dv_off = (((half * B + b) * T + j).to(tl.int64) * HKV + hk) * D
-        tl.store(DV + dv_off[:, None] + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+        _write_partial(DK, pid_fv, B, T, b, j, hk, offs_d, dk, k_ok[:, None], HKV, D, NH * NV)
+        _write_partial(DV, half, B, T, b, j, hk, offs_v, dv, k_ok[:, None], HKV, D, NH)
     if STORE_DS0:
         if seg == 0:
-            tl.store(DS0 + pid_bk.to(tl.int64) * F * D + rows, G)
+            tl.store(_state_slot(DS0, 0, B, pid_bk, rows, HKV, F, D), G)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,19 +491,22 @@ def _default_tiling(dim: int) -> tuple[int, int]:
     several chunks, and BV = D / 2 so the value-block partial sums are exercised."""
     if triton_interpreting():
         return 16, max(16, dim // 2)
-    # Compiled for sm_90 (head_dim 128), C = 32 / BV = 64 / 8 warps is the largest tiling whose
-    # forward and state passes do not spill registers (docs/benchmarks_rattention.md).
-    return 32, min(dim, 64)
+    # H100, head_dim 128 (docs/device_runs/rattention_h100.json): BV = 128 (whole value rows, two
+    # feature-half partials) was the fastest fwd+bwd at T = 4K and 8K (5.40 / 6.56 ms against
+    # 7.15 / 8.86 at BV = 64), despite a few spilled registers in the forward / dq kernels.
+    return 32, min(dim, 128)
 
 
-def _num_segments(num_chunks: int, programs: int, state_every: int | None, device: torch.device) -> int:
-    """Segments of ``state_every`` chunks; by default enough to give every SM two programs."""
-    if state_every is not None:
-        return 1 if state_every <= 0 else max(1, math.ceil(num_chunks / state_every))
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(num_chunks, math.ceil(2 * sms / max(programs, 1)), num_chunks // 4 or 1))
+# Chunks per stored state on CUDA when state_every is None (the fastest measured, module docstring).
+DEFAULT_STATE_EVERY = 8
+
+
+def _num_segments(num_chunks: int, state_every: int | None, device: torch.device) -> int:
+    """Segments of ``state_every`` chunks; by default DEFAULT_STATE_EVERY on CUDA and one segment
+    elsewhere (the interpreter gains nothing from segments)."""
+    if state_every is None:
+        state_every = DEFAULT_STATE_EVERY if device.type == "cuda" else 0
+    return 1 if state_every <= 0 else max(1, math.ceil(num_chunks / state_every))
 
 
 class _Plan:
@@ -482,8 +525,7 @@ class _Plan:
         self.lag = window_size + 1
         self.num_chunks = max(1, math.ceil(self.seq / self.chunk))
         self.nv = self.dim // self.block_v
-        programs = (1 if self.fuse else self.halves) * self.nv * self.batch * self.kv_heads
-        self.nseg = _num_segments(self.num_chunks, programs, state_every, q.device)
+        self.nseg = _num_segments(self.num_chunks, state_every, q.device)
         self.seg_chunks = math.ceil(self.num_chunks / self.nseg)
         self.nseg = math.ceil(self.num_chunks / self.seg_chunks)
         self.dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -501,7 +543,7 @@ class _Plan:
         return args
 
     def runtime(self):
-        return (self.batch, self.seq, self.lag, self.seg_chunks, self.num_chunks, self.nseg)
+        return (self.batch, self.seq, self.lag, self.seg_chunks, self.num_chunks)
 
 
 def _check_tiling(plan: _Plan) -> None:
@@ -513,21 +555,46 @@ def _check_tiling(plan: _Plan) -> None:
         raise ValueError(f"residual_linear_attention: chunk_size must be 16, 32, 64 or 128; got {plan.chunk}.")
 
 
+def _partials_buffer(parts: int, shape, dtype, device, unwritten_rows: int = 0) -> torch.Tensor:
+    """Where ``_write_partial`` puts `parts` partial sums of a [B, T, heads, D] result: one part is
+    the result itself (dtype), two are added with atomics into one zeroed float32 buffer, more get a
+    float32 slice each. The last `unwritten_rows` tokens, which no program writes, read as zero."""
+    if parts == 2:
+        return torch.zeros(shape, device=device, dtype=torch.float32)
+    if parts == 1:
+        buf = torch.empty(shape, device=device, dtype=dtype)
+    else:
+        buf = torch.empty((parts, *shape), device=device, dtype=torch.float32)
+    if unwritten_rows:
+        buf.narrow(-3, shape[1] - unwritten_rows, unwritten_rows).zero_()
+    return buf
+
+
+def _sum_partials(buf: torch.Tensor, parts: int, dtype) -> torch.Tensor:
+    """The result of a ``_partials_buffer`` in dtype: only more than two parts are summed here (float32)."""
+    return (buf.sum(0) if parts > 2 else buf).to(dtype)
+
+
 def _forward(q, k, v, initial_state, plan: _Plan):
     B, T, H, D = q.shape
     HKV, F = plan.kv_heads, plan.features
     dev = q.device
-    final = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32)
     s0 = initial_state.float().contiguous() if initial_state is not None else None
     states = None
     if plan.nseg > 1:
-        states = torch.empty((B, HKV, plan.nseg, F, D), device=dev, dtype=torch.float32)
-        _state_pass_kernel[(plan.halves * plan.nv, B * HKV)](
-            k, v, s0 if s0 is not None else final, states, final, *plan.runtime(),
+        # Slot 0: S_0, slot s + 1: segment s's sum; the float32 prefix sum over the slots leaves the
+        # state at the start of segment s in slot s and the final state in slot NSEG.
+        slots = torch.empty((plan.nseg + 1, B, HKV, F, D), device=dev, dtype=torch.float32)
+        _state_pass_kernel[(plan.halves * plan.nv, B * HKV, plan.nseg)](
+            k, v, s0 if s0 is not None else slots, slots, *plan.runtime(),
             HKV=HKV, HAS_S0=s0 is not None, **plan.common(),
         )
+        slots.cumsum_(0)
+        states = slots[: plan.nseg]
+        final = slots[plan.nseg].clone()  # its own storage: `states` is saved for the backward
         mode, s_in, store_final = 2, states, False
     else:
+        final = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32)
         mode, s_in, store_final = (1, s0, True) if s0 is not None else (0, final, True)
     if plan.fuse:
         out = torch.empty_like(q)
@@ -536,14 +603,13 @@ def _forward(q, k, v, initial_state, plan: _Plan):
             H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(halves=False),
         )
         return out, final, states
-    # One partial output per feature half, added in float32.
-    partial = plan.halves > 1
-    o_buf = torch.empty((plan.halves, B, T, H, D), device=dev, dtype=torch.float32 if partial else q.dtype)
+    # One partial output per feature half.
+    o_buf = _partials_buffer(plan.halves, q.shape, q.dtype, dev)
     _fwd_kernel[(plan.halves * plan.nv, B * HKV, plan.nseg)](
         q, k, v, s_in, o_buf, final, *plan.runtime(),
         H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(),
     )
-    return (o_buf.sum(0).to(q.dtype) if partial else o_buf[0]), final, states
+    return _sum_partials(o_buf, plan.halves, q.dtype), final, states
 
 
 def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0: bool):
@@ -554,14 +620,11 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
     grid = (plan.halves * plan.nv, B * HKV, plan.nseg)
     nq = plan.halves * plan.nv
     nq_dq = plan.nv if plan.fuse else nq
-    dq_buf = torch.empty((nq_dq, B, T, H, D), device=dev, dtype=torch.float32 if nq_dq > 1 else q.dtype)
-    dk_buf = torch.empty((nq, B, T, HKV, D), device=dev, dtype=torch.float32)
-    dv_buf = torch.empty((plan.halves, B, T, HKV, D), device=dev, dtype=torch.float32)
+    dq_buf = _partials_buffer(nq_dq, q.shape, q.dtype, dev)
     # Keys j > T - 1 - lag never leave the window: the kernel writes no row for them.
     unread = min(plan.lag, T)
-    if unread > 0:
-        dk_buf[:, :, T - unread :] = 0
-        dv_buf[:, :, T - unread :] = 0
+    dk_buf = _partials_buffer(nq, k.shape, k.dtype, dev, unread)
+    dv_buf = _partials_buffer(plan.halves, v.shape, v.dtype, dev, unread)
     ds0 = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32) if need_ds0 else dk_buf
     s0 = initial_state.float().contiguous() if initial_state is not None else None
     dsf = dfinal.float().contiguous() if dfinal is not None else None
@@ -580,22 +643,25 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
             H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(),
         )
     if plan.nseg > 1:
-        gstates = torch.empty((B, HKV, plan.nseg, F, D), device=dev, dtype=torch.float32)
-        _adjoint_pass_kernel[(plan.halves * plan.nv, B * HKV)](
+        # Slot 0: dS_final, slot NSEG - s: segment s's sum (s >= 1); the float32 prefix sum over the
+        # slots leaves the adjoint at the end of segment s in slot NSEG - 1 - s.
+        gstates = torch.empty((plan.nseg, B, HKV, F, D), device=dev, dtype=torch.float32)
+        _adjoint_pass_kernel[(plan.halves * plan.nv, B * HKV, plan.nseg - 1)](
             q, do, dsf if dsf is not None else gstates, gstates,
             B, T, plan.seg_chunks, plan.num_chunks, plan.nseg,
             H=H, HKV=HKV, HAS_DSF=dsf is not None, **plan.common(),
         )
+        gstates.cumsum_(0)
         g_mode, g_in = 2, gstates
     else:
         g_mode, g_in = (1, dsf) if dsf is not None else (0, dk_buf)
     _dkv_kernel[grid](
-        q, k, v, do, g_in, dk_buf, dv_buf, ds0, *plan.runtime(),
+        q, k, v, do, g_in, dk_buf, dv_buf, ds0, *plan.runtime(), plan.nseg,
         H=H, HKV=HKV, G_IN_MODE=g_mode, STORE_DS0=need_ds0, **plan.common(),
     )
-    dq = dq_buf.sum(0).to(q.dtype) if nq_dq > 1 else dq_buf[0]
-    dk = dk_buf.sum(0).to(k.dtype)
-    dv = dv_buf.sum(0).to(v.dtype)
+    dq = _sum_partials(dq_buf, nq_dq, q.dtype)
+    dk = _sum_partials(dk_buf, nq, k.dtype)
+    dv = _sum_partials(dv_buf, plan.halves, v.dtype)
     return dq, dk, dv, ds0 if need_ds0 else None
 
 
@@ -636,8 +702,8 @@ def residual_linear_attention_triton(
     """Chunked Triton RLA, differentiable in q, k, v and initial_state (and through final_state).
 
     chunk_size C (16-128; 32 on GPU), block_v BV (value columns per program; 64 on GPU),
-    state_every m (chunks per stored state; None = enough segments to fill the GPU,
-    0 = one sequential segment, nothing stored), num_warps, fuse_halves (both feature halves in
+    state_every m (chunks per stored state; None = DEFAULT_STATE_EVERY on CUDA and one segment
+    elsewhere, 0 = one sequential segment, nothing stored), num_warps, fuse_halves (both feature halves in
     one forward / dq program; off by default): tuning knobs, same result.
     """
     plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves)

@@ -160,6 +160,41 @@ def test_triton_matches_reference_fp32(batch, seq, heads, kv_heads, dim, w, feat
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "feature_map,block_v,state_every,fuse,dtype,tol",
+    [("softmax", 32, 2, False, torch.float32, 1e-5), ("relu", 32, 3, True, torch.float32, 1e-5),
+     ("identity", 32, 2, None, torch.float32, 1e-5), ("softmax", 32, 1, False, torch.bfloat16, 2e-2)],
+)
+def test_triton_two_partials_and_segment_prefix_sums(feature_map, block_v, state_every, fuse, dtype, tol):
+    """block_v = head_dim: each output is the sum of two partials (float32 atomics), or of one
+    (identity: stored directly); five chunks in segments with an uneven last one, whose states
+    and adjoints come from per-segment sums and prefix sums; an initial state."""
+    torch.manual_seed(11)
+    q, k, v, s0 = inputs(2, 75, 4, 2, 32, dtype=dtype, device=DEVICE, state=True, feature_map=feature_map)
+
+    def triton_fn(q, k, v, s0):
+        return residual_linear_attention(
+            q, k, v, 6, feature_map, s0, backend="triton", block_v=block_v, state_every=state_every, fuse_halves=fuse
+        )
+
+    o, f, g = grads(triton_fn, q, k, v, s0)
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)] + [s0.detach().clone().requires_grad_()]
+    o2, f2, g2 = grads(lambda *a: residual_linear_attention_reference(*a[:3], 6, feature_map, a[3]), *ref)
+    assert o.dtype == dtype and rel(o, o2) < tol and rel(f, f2) < tol
+    for name, a, b in zip("q k v s0".split(), g, g2):
+        assert rel(a, b) < tol, name
+
+
+def test_default_segments_are_eight_chunks_on_cuda():
+    from hf_hybrid.kernels.residual_linear_attention.triton import _num_segments
+
+    assert _num_segments(128, None, torch.device("cuda")) == 16
+    assert _num_segments(13, None, torch.device("cuda")) == 2
+    assert _num_segments(128, None, torch.device("cpu")) == 1
+    assert _num_segments(128, 3, torch.device("cpu")) == 43 and _num_segments(128, 0, torch.device("cuda")) == 1
+
+
+@needs_triton
 def test_triton_bf16_matches_fp32_reference():
     torch.manual_seed(3)
     q, k, v, _ = inputs(1, 39, 2, 1, 32, dtype=torch.bfloat16, device=DEVICE)
