@@ -17,9 +17,14 @@ Work per mode (T tokens, chunks of M, k retrieved blocks of S tokens, groups of 
   Retrieval itself costs T/S block summaries (S x S each) and a [groups x blocks] score matrix.
 
 Memory traffic around the fused calls, per K and V (X = one [b, T, h, d] tensor; the gathered
-keys are about kS/G X): the retrieved keys are whole head_dim rows of K, copied once with
-``index_select`` into exactly the layout the retrieval call reads; their gradients are added
-straight into the chunk call's dK with ``index_add_`` (no zero-filled buffer, no second copy).
+keys are about kS/G X): the retrieved blocks are copied once into exactly the layout the retrieval
+call reads, and their gradients are added straight into the chunk call's dK (no zero-filled
+buffer, no second copy). On CUDA both run as the Triton kernels of block_rows.py, which move
+whole [S, d] block tiles: the gather reads the retrieved tiles and writes the gathered keys once
+(a [b, h, blocks, S d] view for a row-wise index_select would first need a transposed copy of
+K, 2X more), and the backward sums each block's contributors in float32 in a fixed order and
+writes each retrieved block of dK once (deterministic; no atomics). Elsewhere (CPU, no Triton)
+the same moves are ``index_select`` / ``index_add_`` over head_dim rows.
 
 Selection is shared with the reference (:func:`reference.selection_for_sequence`), so both paths
 retrieve the same blocks and differ only by floating-point rounding.
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from .._backend import triton_available
 from .lse_attention import attention_with_lse, attention_with_lse_backward
 from .reference import RETRIEVAL_MODES, expand_kv_heads, selection_for_sequence
 
@@ -93,13 +99,18 @@ def _retrieval_parts(num_chunks: int, chunk_size: int, block_size: int, slots: i
     return tuple(tuple(p) for p in parts)
 
 
-def _block_rows(indices: torch.Tensor, first_group: int, length: int, block_size: int) -> torch.Tensor:
-    """Row numbers, in x.view(-1, head_dim) for x [b, length, h, d] contiguous, of the keys that
-    groups ``first_group``.. retrieve: indices [b, h, groups, k'] -> [b * groups' * h * k' * S] in
-    the order the retrieval call reads them ([b * groups', h, k' * S, d])."""
-    batch, heads = indices.shape[:2]
-    device = indices.device
-    blocks = indices[:, :, first_group:].transpose(1, 2).contiguous()  # [b, groups', h, k'], so the rows come out in order
+def _retrieved_blocks(indices: torch.Tensor, first_group: int) -> torch.Tensor:
+    """The block each gathered item reads: indices [b, h, groups, k'] -> [b, groups', h, k']
+    contiguous for groups ``first_group``.., items in the order the retrieval call reads them."""
+    return indices[:, :, first_group:].transpose(1, 2).contiguous()
+
+
+def _block_rows(blocks: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Row numbers, in x.view(-1, head_dim) for x [b, length, h, d] contiguous, of the keys of the
+    items blocks [b, groups, h, n] -> [b * groups * h * n * S] in the order the retrieval call reads
+    them ([b * groups, h, n * S, d])."""
+    batch, _, heads = blocks.shape[:3]
+    device = blocks.device
     first_position = blocks * block_size + (torch.arange(batch, device=device) * length)[:, None, None, None]
     first_row = first_position * heads + torch.arange(heads, device=device)[:, None]
     return (first_row[..., None] + torch.arange(block_size, device=device) * heads).reshape(-1)
@@ -117,9 +128,40 @@ def _add_rows_(x: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> Non
 
     On CUDA, index_add_ accumulates repeated rows with atomics, so dK/dV can differ in the last
     bits from run to run; under torch.use_deterministic_algorithms(True) PyTorch takes its
-    deterministic (slower) path instead."""
+    deterministic (slower) path. The fallback only: with Triton, CUDA runs block_rows.add_blocks_."""
     dim = x.shape[-1]
     x.view(-1, dim).index_add_(0, rows, values.reshape(-1, dim))
+
+
+def _use_block_kernels(device: torch.device) -> bool:
+    """Whether retrieved blocks move through block_rows.py's Triton kernels (CUDA with Triton) or
+    through index_select / index_add_ (CPU, meta, no Triton). Tests force the kernels on CPU under
+    the Triton interpreter by patching this."""
+    return device.type == "cuda" and triton_available()
+
+
+def _gather_blocks(k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [b, T', h, d] contiguous, blocks from :func:`_retrieved_blocks` -> (kr, vr), each
+    [b * groups', h, k' S, d]: the retrieval call's keys and values."""
+    if plan.block_kernels:
+        from .block_rows import gather_blocks
+
+        return gather_blocks(k, v, blocks, plan.block_size)
+    rows = _block_rows(blocks, k.shape[1], plan.block_size)
+    return tuple(_gather_rows(x, rows, plan.slots * plan.block_size) for x in (k, v))
+
+
+def _add_block_gradients_(dk, dv, dk_items, dv_items, blocks: torch.Tensor, plan: _Plan) -> None:
+    """dk, dv [b, T', h, d] contiguous += the retrieval call's dK / dV (dk_items, dv_items
+    [b * groups, h, n S, d]) at the blocks [b, groups, h, n] the items read."""
+    if plan.block_kernels:
+        from .block_rows import add_blocks_
+
+        add_blocks_(dk, dv, dk_items, dv_items, blocks, plan.block_size)
+        return
+    rows = _block_rows(blocks, dk.shape[1], plan.block_size)
+    _add_rows_(dk, rows, dk_items)
+    _add_rows_(dv, rows, dv_items)
 
 
 @dataclass(frozen=True)
@@ -132,6 +174,7 @@ class _Plan:
     slots: int  # k': retrieval slots per group, valid or not
     parts: tuple  # ((valid slots, first chunk, last chunk), ...), from _retrieval_parts
     scale: float
+    block_kernels: bool  # gather / add gradients with block_rows.py's kernels, from _use_block_kernels
 
     @property
     def groups_per_chunk(self) -> int:
@@ -152,6 +195,12 @@ class _Plan:
         per_row = gathered.unflatten(0, (batch, -1))[:, first:last, :, : part[0] * self.block_size]
         return per_row.flatten(0, 1)
 
+    def select_blocks(self, blocks: torch.Tensor, part) -> torch.Tensor:
+        """Blocks [b, groups', h, k'] from :func:`_retrieved_blocks` -> the part's valid items
+        [b, groups, h, slots], in the order of :meth:`select`'s keys (a view)."""
+        first, last = (g - self.first_group for g in self.groups(part))
+        return blocks[:, first:last, :, : part[0]]
+
 
 def _lse_by_group(lse: torch.Tensor, batch: int, plan: _Plan, part) -> torch.Tensor:
     """Chunk-call lse [b * n, h, M] -> the part's chunks as [b, chunks, M / G, h, G], the
@@ -163,20 +212,20 @@ def _lse_by_group(lse: torch.Tensor, batch: int, plan: _Plan, part) -> torch.Ten
 class _MergedChunkAttention(torch.autograd.Function):
     """One softmax over [retrieved blocks of the query's group ; own chunk causally].
 
-    q, k, v [b, T', h, d] contiguous (T' a multiple of M, heads already expanded); rows from
-    :func:`_block_rows` for the groups from ``plan.first_group`` on. The retrieved keys are
+    q, k, v [b, T', h, d] contiguous (T' a multiple of M, heads already expanded); blocks from
+    :func:`_retrieved_blocks` for the groups from ``plan.first_group`` on. The retrieved keys are
     gathered here and their gradients added into dK/dV here, so K and V are the only key inputs.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, rows, plan: _Plan):
+    def forward(ctx, q, k, v, blocks, plan: _Plan):
         batch, _, heads, dim = q.shape
         M, G = plan.chunk_size, plan.select_every
         with _stage("chunk_attention"):
             out1, lse, saved1 = attention_with_lse(*(_to_runs(x, M) for x in (q, k, v)), True, plan.scale)
         out = _from_runs(out1, batch)  # [b, T', h, d]; merged into in place below
         with _stage("gather"):
-            kr, vr = (_gather_rows(x, rows, plan.slots * plan.block_size) for x in (k, v))
+            kr, vr = _gather_blocks(k, v, blocks, plan)
         saved2, merged_lse = [], []
         for part in plan.parts:
             first, last = plan.groups(part)
@@ -196,13 +245,13 @@ class _MergedChunkAttention(torch.autograd.Function):
                 lse1.copy_(total)  # the chunk call's backward reads the merged lse from its own buffer
             saved2.append(saved)
             merged_lse.append(total.view(-1, heads, G))
-        ctx.save_for_backward(q, k, v, rows, kr, vr, out, lse, *merged_lse)
+        ctx.save_for_backward(q, k, v, blocks, kr, vr, out, lse, *merged_lse)
         ctx.meta = (plan, saved1, saved2)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, rows, kr, vr, out, lse, *merged_lse = ctx.saved_tensors
+        q, k, v, blocks, kr, vr, out, lse, *merged_lse = ctx.saved_tensors
         plan, saved1, saved2 = ctx.meta
         batch, _, heads, dim = q.shape
         M, G = plan.chunk_size, plan.select_every
@@ -211,7 +260,6 @@ class _MergedChunkAttention(torch.autograd.Function):
             grads = attention_with_lse_backward(*(_to_runs(x, M) for x in (grad_out, q, k, v, out)), lse, saved1, True, plan.scale)
         # [b, T', h, d] contiguous (a view for the fused kernels): the retrieval gradients are added in place.
         dq, dk, dv = (_from_runs(x, batch).contiguous() for x in grads)
-        rows = rows.view(kr.shape[:3])  # [b * groups', h, k' S], like kr
         for part, saved, total in zip(plan.parts, saved2, merged_lse):
             first, last = plan.groups(part)
             with _stage("retrieval_attention_backward"):
@@ -222,9 +270,7 @@ class _MergedChunkAttention(torch.autograd.Function):
                 )
             with _stage("add_retrieval_gradients"):
                 _rows(dq, first, last, G).add_(dq2.view(batch, last - first, heads, G, dim).transpose(2, 3))
-                part_rows = plan.select(rows, batch, part).reshape(-1)
-                _add_rows_(dk, part_rows, dk2)
-                _add_rows_(dv, part_rows, dv2)
+                _add_block_gradients_(dk, dv, dk2, dv2, plan.select_blocks(blocks, part), plan)
         return dq, dk, dv, None, None
 
 
@@ -264,10 +310,10 @@ def span_expanded_attention_chunked(
     if not parts:  # se_nomem, or nothing to retrieve yet
         out = F.scaled_dot_product_attention(*(_to_runs(x, chunk_size) for x in (qp, kp, vp)), is_causal=True, scale=scale)
         return _from_runs(out, batch)[:, :seq]
-    plan = _Plan(chunk_size, select_every, block_size, indices.shape[-1], parts, scale)
+    plan = _Plan(chunk_size, select_every, block_size, indices.shape[-1], parts, scale, _use_block_kernels(q.device))
     with _stage("select"):
-        rows = _block_rows(indices, plan.first_group, padded, block_size)
-    out = _MergedChunkAttention.apply(qp, kp, vp, rows, plan)
+        blocks = _retrieved_blocks(indices, plan.first_group)
+    out = _MergedChunkAttention.apply(qp, kp, vp, blocks, plan)
     return out[:, :seq]
 
 

@@ -14,7 +14,13 @@ from hf_hybrid.kernels.span_expanded_attention import (
     span_expanded_attention,
     span_expanded_attention_reference,
 )
-from hf_hybrid.kernels.span_expanded_attention.chunked import _add_rows_, _block_rows, _gather_rows, _retrieval_parts
+from hf_hybrid.kernels.span_expanded_attention.chunked import (
+    _add_rows_,
+    _block_rows,
+    _gather_rows,
+    _retrieval_parts,
+    _retrieved_blocks,
+)
 from hf_hybrid.kernels.span_expanded_attention.reference import _hash_uniform
 
 # Small shapes that still exercise every branch: several chunks, a partial last chunk, a partial
@@ -248,7 +254,7 @@ def test_row_gather_and_its_backward_equal_advanced_indexing(first_group):
     keys = expand_kv_heads(torch.randn(batch, seq, kv_heads, dim, generator=gen, dtype=torch.float64), heads)
     x = torch.nn.functional.pad(keys, (0, 0, 0, 0, 0, padded - seq)).contiguous()
     indices = torch.randint(0, seq // block_size, (batch, heads, groups, slots), generator=gen)
-    rows = _block_rows(indices, first_group, padded, block_size)
+    rows = _block_rows(_retrieved_blocks(indices, first_group), padded, block_size)
     assert rows.unique().numel() < rows.numel()  # the backward has to accumulate
 
     got = _gather_rows(x, rows, slots * block_size)
