@@ -37,7 +37,12 @@ from ..gated_recurrence.rat_keys_values import expand_groups
 LOG2E = 1.4426950408889634
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; chosen on an H100 for head_dim 128.
-FWD_CONFIG = (128, 64, 8, 3)
+# The forward's best tile depends on the length (RAT L=16 prefill sweep, docs/device_runs/
+# rat_sweeps_h100.log): 32K x 4 rows 64x64/4 warps 3.06 ms vs 128x64/8 3.27, 256K x 1 row
+# 128x128/8 38.9 ms vs 128x64/8 40.0 and 64x64/4 41.7.
+FWD_CONFIG = (64, 64, 4, 3)
+FWD_CONFIG_LONG = (128, 128, 8, 3)
+LONG_SEQ = 131072
 DQ_CONFIG = (128, 64, 8, 2)
 DKV_CONFIG = (64, 128, 8, 2)  # (queries per step, keys per program, warps, stages)
 INTERPRET_CONFIG = (16, 16, 4, 1)
@@ -48,12 +53,12 @@ DKV_CONFIG_FP32 = (64, 64, 8, 1)
 ROWS_BLOCK = 32  # rows per program of the row-wise backward kernel
 
 
-def _configs(device: torch.device, dtype: torch.dtype):
+def _configs(device: torch.device, dtype: torch.dtype, seq: int = 0):
     if device.type != "cuda":
         return INTERPRET_CONFIG, INTERPRET_CONFIG, INTERPRET_CONFIG
     if dtype == torch.float32:
         return FWD_CONFIG_FP32, DQ_CONFIG_FP32, DKV_CONFIG_FP32
-    return FWD_CONFIG, DQ_CONFIG, DKV_CONFIG
+    return FWD_CONFIG_LONG if seq >= LONG_SEQ else FWD_CONFIG, DQ_CONFIG, DKV_CONFIG
 
 
 # --------------------------------------------------------------------------------------------------
@@ -521,7 +526,7 @@ def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float):
     heads = k.shape[2]
     out = torch.empty(batch, seq, heads, head_dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, seq, device=q.device, dtype=torch.float32)
-    (block_m, block_n, warps, stages), _, _ = _configs(q.device, q.dtype)
+    (block_m, block_n, warps, stages), _, _ = _configs(q.device, q.dtype, seq)
     grid = (triton.cdiv(seq, block_m), batch * heads)
     _fwd_kernel[grid](
         q, k, v, ke, ve, qc, out, lse,

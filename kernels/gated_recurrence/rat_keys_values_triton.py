@@ -187,12 +187,14 @@ def _bwd_kernel(
     tl.store(DK + k_rows + HALF + cols, dk2.to(DK.dtype.element_ty), mask=ok)
 
 
-# Warps for a [16, 64] chunk tile (RAT L=16, head_dim 128), from an sm_90 compile
-# (`python -m hf_hybrid.bench.sm90`: registers / spills per thread, not a timing): backward 16 warps
-# = 128 registers (8: 255). The forward walks tokens with [FWD_HEADS, D/2] tiles per program.
+# Backward warps for a [16, 64] chunk tile (RAT L=16, head_dim 128), from an sm_90 compile
+# (`python -m hf_hybrid.bench.sm90`: registers / spills per thread, not a timing): 16 warps = 128
+# registers (8: 255). The forward walks tokens with [FWD_HEADS, D/2] tiles per program; H100 sweep
+# at 32K x 4 rows (docs/device_runs/rat_sweeps_h100.log): 8 heads x 4 warps 0.90 ms, 16 x 8 0.90,
+# 4 x 4 1.01, 2 x 2 1.48; the scan-per-group forward before it took 2.28 ms.
 BIG_TILE = 1024
 BWD_WARPS, SMALL_TILE_WARPS = 16, 4
-FWD_HEADS, FWD_WARPS = 4, 4
+FWD_HEADS, FWD_WARPS = 8, 4
 
 
 def _launch(kernel, tensors, k_groups, v, chunk_size, cos_sin, num_warps, heads_per_program=None):

@@ -30,11 +30,11 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
   kv head); smaller m buys parallelism with one extra pass over K, V. The backward dk / dv pass
   runs in reverse with the adjoint state G = sum_{later i} phi(q_i)^T do_i, formed the same way
   at segment ends (per-segment sums over Q, dO, then a prefix sum from the end, dS_final first).
-  Default m on CUDA: 8 chunks, the fastest measured (H100, bf16, B = 8, T = 4096, 16 / 4 heads
-  x 128, w = 512, C = 32, BV = 128, forward + backward, still with sequential state passes:
-  m = 8 4.97 ms, m = 4 5.13 ms, the former "two programs per SM" rule 5.43 ms, its 26-chunk
-  segments nearly doubling the dq kernel's time). Longer segments leave the output / gradient
-  kernels too few programs and long serial chunk loops; shorter ones store and sum more states.
+  Default m on CUDA: 16 chunks, the fastest measured (H100, bf16, B = 8, T = 4096, 16 / 4 heads
+  x 128, w = 512, C = 32, BV = 128, forward + backward with these parallel passes: m = 16
+  3.80 ms, m = 8 3.87, m = 4 4.07; the sequential passes before them took 4.97 ms at m = 8 and
+  5.43 ms under the former "two programs per SM" rule, whose 26-chunk segments nearly doubled
+  the dq kernel's time; docs/benchmarks_rattention.md).
 * GQA: k, v have H_kv heads; query head h reads head h // (H / H_kv). phi(k) v^T does not depend
   on the query head, so programs run per key/value head and loop over the query heads of the
   group: the state is updated once per chunk, kept per key/value head ([B, H_kv, F, D]), and the
@@ -498,7 +498,7 @@ def _default_tiling(dim: int) -> tuple[int, int]:
 
 
 # Chunks per stored state on CUDA when state_every is None (the fastest measured, module docstring).
-DEFAULT_STATE_EVERY = 8
+DEFAULT_STATE_EVERY = 16
 
 
 def _num_segments(num_chunks: int, state_every: int | None, device: torch.device) -> int:

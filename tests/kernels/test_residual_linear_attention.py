@@ -185,11 +185,11 @@ def test_triton_two_partials_and_segment_prefix_sums(feature_map, block_v, state
         assert rel(a, b) < tol, name
 
 
-def test_default_segments_are_eight_chunks_on_cuda():
-    from hf_hybrid.kernels.residual_linear_attention.triton import _num_segments
+def test_default_segments_on_cuda_and_one_segment_elsewhere():
+    from hf_hybrid.kernels.residual_linear_attention.triton import DEFAULT_STATE_EVERY, _num_segments
 
-    assert _num_segments(128, None, torch.device("cuda")) == 16
-    assert _num_segments(13, None, torch.device("cuda")) == 2
+    assert _num_segments(128, None, torch.device("cuda")) == 128 // DEFAULT_STATE_EVERY
+    assert _num_segments(DEFAULT_STATE_EVERY + 1, None, torch.device("cuda")) == 2  # a short last segment
     assert _num_segments(128, None, torch.device("cpu")) == 1
     assert _num_segments(128, 3, torch.device("cpu")) == 43 and _num_segments(128, 0, torch.device("cuda")) == 1
 
