@@ -67,11 +67,14 @@ def fused_norm_report() -> list[dict]:
 
     bf, f32 = "*bf16", "*fp32"
     block_t = fn.TILE_ELEMENTS // 128
-    norm = dict(D=128, HALF=64, BLOCK_HALF=64, BLOCK_T=block_t)
+    norm = dict(D=128, HALF=64, BLOCK_HALF=64, BLOCK_T=block_t, HAS_NORM=True)
     branch = dict(HAS_B=True, D=128, BLOCK_D=128, BLOCK_T=block_t)
+    rope_only = dict(norm, HAS_NORM=False)
     kernels = {
         "_norm_rope_fwd_kernel": (dict(X=bf, W=bf, COS=f32, SIN=f32, Y=bf, eps="fp32"), norm),
         "_norm_rope_bwd_kernel": (dict(X=bf, W=bf, COS=f32, SIN=f32, DY=bf, DX=bf, DW_PART=f32, eps="fp32"), norm),
+        "_norm_rope_fwd_kernel (rotary)": (dict(X=bf, W=bf, COS=f32, SIN=f32, Y=bf, eps="fp32"), rope_only),
+        "_norm_rope_bwd_kernel (rotary)": (dict(X=bf, W=bf, COS=f32, SIN=f32, DY=bf, DX=bf, DW_PART=f32, eps="fp32"), rope_only),
         "_branch_fwd_kernel": (dict(A=bf, WA=bf, B=bf, WB=bf, Y=bf, eps_a="fp32", eps_b="fp32"), branch),
         "_branch_bwd_kernel": (dict(A=bf, WA=bf, B=bf, WB=bf, DY=bf, DA=bf, DB=bf, DWA_PART=f32, DWB_PART=f32,
                                     eps_a="fp32", eps_b="fp32"), branch),
@@ -80,7 +83,7 @@ def fused_norm_report() -> list[dict]:
     for name, (types, constexprs) in kernels.items():
         row = {"kernel": name, "num_warps": fn.NUM_WARPS}
         try:
-            row.update(compile_for_sm90(getattr(fn, name), types, constexprs, fn.NUM_WARPS))
+            row.update(compile_for_sm90(getattr(fn, name.split()[0]), types, constexprs, fn.NUM_WARPS))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)

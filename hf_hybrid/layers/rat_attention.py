@@ -25,11 +25,12 @@ from torch import nn
 from ..kernels._backend import resolve_backend
 from ..kernels.chunk_attention import block_end_attention, chunk_end_attention, chunk_ends
 from ..kernels.chunk_attention.rat_decode import rat_decode_inputs_reference, rat_decode_supported
+from ..kernels.fused_norm import rotary as rotate
 from ..kernels.gated_recurrence import gated_recurrence, rat_keys_values
 from ..kernels.gated_recurrence.rat_keys_values import expand_groups
 from ..kernels.output_gate import sigmoid_gate
 from .context import SequenceContext
-from .rotary import apply_rotary, build_rotary
+from .rotary import build_rotary
 
 
 def scatter_chunk_ends(x: torch.Tensor, chunk_index: torch.Tensor, closes_chunk: torch.Tensor, num_chunks: int) -> torch.Tensor:
@@ -159,9 +160,9 @@ class RatAttention(nn.Module):
             k_tilde = None  # only a cache needs the un-rotated states
         else:
             k_tilde, v_tilde = self._recurrences(k, v, gate_logits, start, positions, cache_layer)
-            k_rot = apply_rotary(k_tilde, cos_sin)
+            k_rot = rotate(k_tilde, cos_sin, backend=self.backend)
         # q is shared by the heads of a group: rotate the groups, then expand.
-        q = apply_rotary(q, cos_sin)
+        q = rotate(q, cos_sin, backend=self.backend)
 
         if cache_layer is None and start == 0 and hidden_states.is_cuda:
             # Whole sequence from position 0: the fused kernel reads the chunk ends (and, without

@@ -89,6 +89,7 @@ def _norm_rope_fwd_kernel(
     n_tokens, T, eps,
     sx_b, sx_t, sx_h, sc_b, sc_t, ss_b, ss_t,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     h = tl.program_id(0)
     heads = tl.num_programs(0)
@@ -96,13 +97,12 @@ def _norm_rope_fwd_kernel(
     tokens, rows_ok, mask = _token_tile(tl.program_id(1) * BLOCK_T, n_tokens, cols, HALF, BLOCK_T)
 
     x_rows = _row_offsets(tokens, T, sx_b, sx_t, h.to(tl.int64) * sx_h)
-    x1 = _load_f32(X, x_rows + cols[None, :], mask)
-    x2 = _load_f32(X, x_rows + HALF + cols[None, :], mask)
-    r = _inv_rms(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), rows_ok, D, eps)[:, None]
-    w1 = _load_f32(W, h * D + cols, cols < HALF)[None, :]
-    w2 = _load_f32(W, h * D + HALF + cols, cols < HALF)[None, :]
-    n1 = w1 * (x1 * r)
-    n2 = w2 * (x2 * r)
+    n1 = _load_f32(X, x_rows + cols[None, :], mask)
+    n2 = _load_f32(X, x_rows + HALF + cols[None, :], mask)
+    if HAS_NORM:  # else RoPE alone
+        r = _inv_rms(tl.sum(n1 * n1, 1) + tl.sum(n2 * n2, 1), rows_ok, D, eps)[:, None]
+        n1 = _load_f32(W, h * D + cols, cols < HALF)[None, :] * (n1 * r)
+        n2 = _load_f32(W, h * D + HALF + cols, cols < HALF)[None, :] * (n2 * r)
 
     c_rows = _row_offsets(tokens, T, sc_b, sc_t, 0)
     s_rows = _row_offsets(tokens, T, ss_b, ss_t, 0)
@@ -124,27 +124,21 @@ def _norm_rope_bwd_kernel(
     n_tokens, T, eps, tokens_per_program,
     sx_b, sx_t, sx_h, sc_b, sc_t, ss_b, ss_t, sd_b, sd_t, sd_h,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     h = tl.program_id(0)
     heads = tl.num_programs(0)
     part = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)
     col_ok = cols < HALF
-    w1 = _load_f32(W, h * D + cols, col_ok)[None, :]
-    w2 = _load_f32(W, h * D + HALF + cols, col_ok)[None, :]
+    w1 = _load_f32(W, h * D + cols, col_ok & HAS_NORM)[None, :]
+    w2 = _load_f32(W, h * D + HALF + cols, col_ok & HAS_NORM)[None, :]
     dw1 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
     dw2 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
     first = part * tokens_per_program
     last = tl.minimum(first + tokens_per_program, n_tokens)
     for start in range(first, last, BLOCK_T):
         tokens, rows_ok, mask = _token_tile(start, last, cols, HALF, BLOCK_T)
-
-        x_rows = _row_offsets(tokens, T, sx_b, sx_t, h.to(tl.int64) * sx_h)
-        x1 = _load_f32(X, x_rows + cols[None, :], mask)
-        x2 = _load_f32(X, x_rows + HALF + cols[None, :], mask)
-        r = _inv_rms(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), rows_ok, D, eps)[:, None]
-        xh1 = x1 * r
-        xh2 = x2 * r
 
         d_rows = _row_offsets(tokens, T, sd_b, sd_t, h.to(tl.int64) * sd_h)
         dy1 = _load_f32(DY, d_rows + cols[None, :], mask)
@@ -157,19 +151,28 @@ def _norm_rope_bwd_kernel(
         sin2 = _load_f32(SIN, s_rows + HALF + cols[None, :], mask)
         g1 = dy1 * cos1 + dy2 * sin2  # the transposed rotation: gradient w.r.t. the normed row
         g2 = dy2 * cos2 - dy1 * sin1
-
-        dw1 += g1 * xh1
-        dw2 += g2 * xh2
-        gw1 = g1 * w1
-        gw2 = g2 * w2
-        proj = ((tl.sum(gw1 * xh1, 1) + tl.sum(gw2 * xh2, 1)) / D)[:, None]
         dx_rows = (tokens.to(tl.int64) * heads + h)[:, None] * D
-        tl.store(DX + dx_rows + cols[None, :], (r * (gw1 - xh1 * proj)).to(DX.dtype.element_ty), mask=mask)
-        tl.store(DX + dx_rows + HALF + cols[None, :], (r * (gw2 - xh2 * proj)).to(DX.dtype.element_ty), mask=mask)
+        if HAS_NORM:
+            x_rows = _row_offsets(tokens, T, sx_b, sx_t, h.to(tl.int64) * sx_h)
+            x1 = _load_f32(X, x_rows + cols[None, :], mask)
+            x2 = _load_f32(X, x_rows + HALF + cols[None, :], mask)
+            r = _inv_rms(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), rows_ok, D, eps)[:, None]
+            xh1 = x1 * r
+            xh2 = x2 * r
+            dw1 += g1 * xh1
+            dw2 += g2 * xh2
+            gw1 = g1 * w1
+            gw2 = g2 * w2
+            proj = ((tl.sum(gw1 * xh1, 1) + tl.sum(gw2 * xh2, 1)) / D)[:, None]
+            g1 = r * (gw1 - xh1 * proj)
+            g2 = r * (gw2 - xh2 * proj)
+        tl.store(DX + dx_rows + cols[None, :], g1.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + dx_rows + HALF + cols[None, :], g2.to(DX.dtype.element_ty), mask=mask)
 
-    part_row = (part * heads + h).to(tl.int64) * D
-    tl.store(DW_PART + part_row + cols, tl.sum(dw1, 0), mask=col_ok)
-    tl.store(DW_PART + part_row + HALF + cols, tl.sum(dw2, 0), mask=col_ok)
+    if HAS_NORM:
+        part_row = (part * heads + h).to(tl.int64) * D
+        tl.store(DW_PART + part_row + cols, tl.sum(dw1, 0), mask=col_ok)
+        tl.store(DW_PART + part_row + HALF + cols, tl.sum(dw2, 0), mask=col_ok)
 
 
 # ---------------------------------------------------------------- sum of two RMSNorms
@@ -287,11 +290,14 @@ def _reduce_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 class _RmsNormRotary(torch.autograd.Function):
+    """weight None: RoPE alone (no norm, no weight gradient)."""
+
     @staticmethod
     def forward(ctx, x, weight, cos, sin, eps, tune):
         batch, seq, heads, dim = x.shape
         x = _last_dim_contiguous(x)
-        weight = weight.contiguous()
+        has_norm = weight is not None
+        weight = weight.contiguous() if has_norm else x  # never read without the norm
         cos, sin = _expand_rotary(cos, batch, seq, dim), _expand_rotary(sin, batch, seq, dim)
         half = dim // 2
         block_half = triton.next_power_of_2(half)
@@ -302,10 +308,11 @@ class _RmsNormRotary(torch.autograd.Function):
         _norm_rope_fwd_kernel[grid](
             x, weight, cos, sin, y, n_tokens, seq, eps,
             *_bth_strides(x), *_bt_strides(cos), *_bt_strides(sin),
-            D=dim, HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, num_warps=tune.get("num_warps", NUM_WARPS),
+            D=dim, HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, HAS_NORM=has_norm,
+            num_warps=tune.get("num_warps", NUM_WARPS),
         )
         ctx.save_for_backward(x, weight, cos, sin)
-        ctx.eps, ctx.tune = eps, tune
+        ctx.eps, ctx.tune, ctx.has_norm = eps, tune, has_norm
         return y
 
     @staticmethod
@@ -319,13 +326,16 @@ class _RmsNormRotary(torch.autograd.Function):
         n_tokens = batch * seq
         programs, tokens_per_program = _backward_split(n_tokens, heads, block_t, ctx.tune.get("programs_per_head"))
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        partials = torch.empty(programs, heads, dim, dtype=torch.float32, device=x.device)
+        partial_rows = programs if ctx.has_norm else 0
+        partials = torch.empty(partial_rows, heads, dim, dtype=torch.float32, device=x.device)
         _norm_rope_bwd_kernel[(heads, programs)](
             x, weight, cos, sin, dy, dx, partials, n_tokens, seq, ctx.eps, tokens_per_program,
             *_bth_strides(x), *_bt_strides(cos), *_bt_strides(sin), *_bth_strides(dy),
-            D=dim, HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, num_warps=ctx.tune.get("num_warps", NUM_WARPS),
+            D=dim, HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, HAS_NORM=ctx.has_norm,
+            num_warps=ctx.tune.get("num_warps", NUM_WARPS),
         )
-        return dx, _reduce_partials(partials, weight.dtype), None, None, None, None
+        dweight = _reduce_partials(partials, weight.dtype) if ctx.has_norm else None
+        return dx, dweight, None, None, None, None
 
 
 # ---------------------------------------------------------------- branch-norm sum: autograd
@@ -399,6 +409,13 @@ def rms_norm_rotary_triton(
         return _BranchNormSum.apply(x, weight, None, None, float(eps), float(eps), tune)
     cos, sin = cos_sin
     return _RmsNormRotary.apply(x, weight, cos, sin, float(eps), tune)
+
+
+def rotary_triton(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], **tune) -> torch.Tensor:
+    """Triton path of ``hf_hybrid.kernels.fused_norm.rotary`` (inputs already checked): the
+    RMSNorm + RoPE kernels without the norm; differentiable in x."""
+    cos, sin = cos_sin
+    return _RmsNormRotary.apply(x, None, cos, sin, 0.0, tune)
 
 
 def branch_norm_sum_triton(

@@ -15,6 +15,8 @@ from hf_hybrid.kernels.fused_norm import (
     branch_norm_sum_reference,
     rms_norm_rotary,
     rms_norm_rotary_reference,
+    rotary,
+    rotary_reference,
 )
 from hf_hybrid.layers.fused_norms import norm_backend, qk_norm_rotary, sum_branch_norms
 from hf_hybrid.layers.norm import RMSNorm
@@ -194,6 +196,23 @@ def test_rms_norm_rotary_triton_matches_reference_fp32(batch, seq, heads, dim, r
     assert out.dtype == x.dtype and out.shape == x.shape
     assert rel(out, out2) < 1e-5
     assert_close_all(grads, grads2, 1e-5, ("x", "weight"))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("layout,shared", [("contiguous", True), ("slice", False), ("transposed", True)])
+def test_rotary_triton_matches_reference(dtype, tol, layout, shared):
+    """RoPE alone (the norm kernels without the norm): output and input gradient, odd length,
+    strided views, per-row or shared tables; None tables give x back."""
+    torch.manual_seed(4)
+    leaf, x = rows(2, 13, 3, 32, dtype, layout=layout)
+    cos_sin = rotary_tables(2, 13, 32, shared=shared)
+    out, grads = output_and_grads(lambda: rotary(x, cos_sin, backend="triton"), (leaf,))
+    leaf32, x32 = float_copy(leaf, layout, 3, 32)
+    exact, exact_grads = output_and_grads(lambda: rotary_reference(x32, cos_sin), (leaf32,))
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel(out, exact) < tol and rel(grads[0], exact_grads[0]) < tol
+    assert rotary(x, None, backend="triton") is x
 
 
 @needs_triton
@@ -412,6 +431,6 @@ def test_gpu_branch_norm_sum_bf16_real_shapes():
 
 def test_kernels_compile_for_the_h100_with_the_shipped_tiles():
     rows = sm90_report("fused_norm_report()")
-    assert len(rows) == 4
+    assert len(rows) == 6  # four norm kernels, and the RoPE-only forward and backward
     for row in rows:
         assert "error" not in row and row["stack_bytes"] == 0, row
