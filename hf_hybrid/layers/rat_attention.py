@@ -167,8 +167,9 @@ class RatAttention(nn.Module):
         if cache_layer is None and start == 0 and hidden_states.is_cuda:
             # Whole sequence from position 0: the fused kernel reads the chunk ends (and, without
             # gradients, the shared q heads) in place.
-            y = block_end_attention(q, k_rot, v_tilde, L, backend=self.backend)
-            return self._output(gate_z, y)
+            # The output gate rides in the kernel's epilogue when no gradient is needed.
+            y = block_end_attention(q, k_rot, v_tilde, L, backend=self.backend, output_gate=gate_z.view(v_tilde.shape))
+            return self.o_proj(y.reshape(batch, seq, heads * dim))
         q = self._expand_groups(q)
 
         closes_chunk = (positions + 1) % L == 0

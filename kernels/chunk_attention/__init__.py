@@ -5,6 +5,7 @@ import torch
 
 from .._backend import resolve_backend
 from ..gated_recurrence.rat_keys_values import expand_groups
+from ..output_gate import sigmoid_gate_reference
 from .reference import (
     block_end_attention_reference,
     block_end_mask,
@@ -113,13 +114,18 @@ def block_end_attention(
     num_sink_tokens: int = 0,
     scale: float | None = None,
     backend: str = "auto",
+    output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention where query i sees key j iff (j+1) % block_size == 0, i - j <= local_window,
     or j < num_sink_tokens (see :func:`block_end_mask`). q, k, v [batch, seq, heads, head_dim];
     q may instead hold G heads, G dividing k's heads, shared as in RAT (head h uses q head h % G):
-    the Triton forward reads them in place."""
+    the Triton forward reads them in place. output_gate (k's shape, optional): the result is
+    sigmoid(output_gate) * attention (RAT's z gate), applied in the Triton forward's epilogue when
+    no gradient is needed."""
     grouped = _shares_query_heads("block_end_attention", q, k)
     _check_qkv("block_end_attention", k if grouped else q, k, v)
+    if output_gate is not None and output_gate.shape != k.shape:
+        raise ValueError(f"block_end_attention: output_gate must have k's shape {tuple(k.shape)}; got {tuple(output_gate.shape)}.")
     if block_size < 1:
         raise ValueError(f"block_end_attention: block_size (dilation) must be >= 1, got {block_size}.")
     if local_window < 0 or num_sink_tokens < 0:
@@ -130,7 +136,8 @@ def block_end_attention(
     if impl == "triton" and (backend == "triton" or _triton_fits(q)):
         from .triton import block_end_attention_triton
 
-        return block_end_attention_triton(q, k, v, block_size, local_window, num_sink_tokens, scale)
+        return block_end_attention_triton(q, k, v, block_size, local_window, num_sink_tokens, scale, output_gate)
     if grouped:
         q = expand_groups(q, k.shape[2])
-    return block_end_attention_reference(q, k, v, block_size, local_window, num_sink_tokens, scale)
+    out = block_end_attention_reference(q, k, v, block_size, local_window, num_sink_tokens, scale)
+    return out if output_gate is None else sigmoid_gate_reference(output_gate, out)

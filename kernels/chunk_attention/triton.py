@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..gated_recurrence.rat_keys_values import expand_groups
+from ..output_gate import sigmoid_gate
 
 LOG2E = 1.4426950408889634
 
@@ -110,11 +111,11 @@ def _softmax_step(s, v_tile, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, KE, VE, QC, O, LSE,
+    Q, K, V, KE, VE, QC, O, LSE, Z,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-    seb, sec, seh, sfb, sfc, sfh, sob, sot, soh, sqcb,
+    seb, sec, seh, sfb, sfc, sfh, sob, sot, soh, sqcb, szb, szt, szh,
     H, QH, T, C, D, W, S, c_min, qk_scale,
-    COMPACT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    COMPACT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -179,6 +180,8 @@ def _fwd_kernel(
         m_i, l_i, acc = _softmax_step(s, vs, m_i, l_i, acc, DOT_PREC)
 
     out = acc / l_i[:, None]
+    if HAS_GATE:  # inference only: out = sigmoid(z) * attention (a backward would need the ungated out)
+        out = out * tl.sigmoid(_rows(Z + b * szb + h * szh, offs_m, szt, dims, row_ok).to(tl.float32))
     O += b * sob + h * soh
     tl.store(O + offs_m.to(tl.int64)[:, None] * sot + dims[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
@@ -520,19 +523,22 @@ class _Geometry:
         return (self.num_ends, self.block_size, self.window, self.sinks, self.c_min)
 
 
-def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float):
-    """q may have fewer heads than k / v (a divisor): head h reads q head h % q_heads."""
+def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float, gate: torch.Tensor | None = None):
+    """q may have fewer heads than k / v (a divisor): head h reads q head h % q_heads. gate
+    [B, T, H, D] (no gradients): the output is sigmoid(gate) * attention."""
     batch, seq, q_heads, head_dim = q.shape
     heads = k.shape[2]
     out = torch.empty(batch, seq, heads, head_dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, seq, device=q.device, dtype=torch.float32)
     (block_m, block_n, warps, stages), _, _ = _configs(q.device, q.dtype, seq)
     grid = (triton.cdiv(seq, block_m), batch * heads)
+    z = out if gate is None else gate  # never read without a gate
     _fwd_kernel[grid](
-        q, k, v, ke, ve, qc, out, lse,
+        q, k, v, ke, ve, qc, out, lse, z,
         *_strides(q), *_strides(k), *_strides(v), *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0),
-        heads, q_heads, seq, *geo.scalars(), scale * LOG2E,
+        *_strides(z), heads, q_heads, seq, *geo.scalars(), scale * LOG2E,
         COMPACT=geo.compact, HAS_WINDOW=geo.window > 0, HAS_SINKS=geo.sinks > 0 and not geo.compact,
+        HAS_GATE=gate is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=geo.block_s(block_n), HEAD_DIM=head_dim,
         DOT_PREC=_dot_precision(q.dtype, q.device), num_warps=warps, num_stages=stages,
     )
@@ -594,13 +600,13 @@ def _dummy_query_chunk(device: torch.device) -> torch.Tensor:
 
 class _BlockEndAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_size, local_window, num_sink_tokens, scale):
+    def forward(ctx, q, k, v, block_size, local_window, num_sink_tokens, scale, gate=None):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         seq = q.shape[1]
         geo = _Geometry(False, seq // block_size, block_size, local_window, num_sink_tokens, num_sink_tokens // block_size)
         qc = _dummy_query_chunk(q.device)
         ke, ve = k[:, block_size - 1 :: block_size], v[:, block_size - 1 :: block_size]
-        out, lse = _forward(q, k, v, ke, ve, qc, geo, scale)
+        out, lse = _forward(q, k, v, ke, ve, qc, geo, scale, None if gate is None else _last_dim_contiguous(gate))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.geo, ctx.scale = geo, scale
         return out
@@ -614,7 +620,7 @@ class _BlockEndAttention(torch.autograd.Function):
         dk = torch.empty(q.shape, device=q.device, dtype=k.dtype)
         dv = torch.empty(q.shape, device=q.device, dtype=v.dtype)
         dq = _backward(q, k, v, ke, ve, qc, out, lse, dout, geo, ctx.scale, dk, dv, dk[:, D - 1 :: D], dv[:, D - 1 :: D])
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 class _ChunkEndAttention(torch.autograd.Function):
@@ -648,17 +654,25 @@ def block_end_attention_triton(
     local_window: int = 0,
     num_sink_tokens: int = 0,
     scale: float | None = None,
+    output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`hf_hybrid.kernels.chunk_attention.block_end_attention`; differentiable in q, k, v.
-    q with fewer heads than k (a divisor G; head h reads q head h % G) is read in place when no
-    gradient is needed, else expanded first (the backward kernels take one q per head)."""
+    Without gradients, q with fewer heads than k (a divisor G; head h reads q head h % G) is read
+    in place and an output gate is applied in the kernel's epilogue; with them, q is expanded
+    first (the backward kernels take one q per head) and the gate applied after."""
     _check_head_dim("block_end_attention", q.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if q.shape[2] != k.shape[2] and torch.is_grad_enabled() and q.requires_grad:
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v) + ((output_gate,) if output_gate is not None else ()))
+    if q.shape[2] != k.shape[2] and needs_grad:
         q = expand_groups(q, k.shape[2])
     if q.shape[1] == 0:
         return q.new_empty(k.shape)
-    return _BlockEndAttention.apply(q, k, v, int(block_size), int(local_window), int(num_sink_tokens), scale)
+    args = (q, k, v, int(block_size), int(local_window), int(num_sink_tokens), scale)
+    if output_gate is None:
+        return _BlockEndAttention.apply(*args)
+    if needs_grad:
+        return sigmoid_gate(output_gate, _BlockEndAttention.apply(*args), backend="triton")
+    return _BlockEndAttention.apply(*args, output_gate)
 
 
 def chunk_end_attention_triton(

@@ -118,6 +118,28 @@ def test_block_end_shared_query_heads(backend):
         block_end_attention(_randn(2, 21, 3, 16), k, v, 4, backend=backend)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_block_end_output_gate(grad):
+    """output_gate: sigmoid(gate) * attention, in the kernel's epilogue without gradients, applied
+    after it with them; equal to the reference either way (and shared q heads combine with it)."""
+    q = _randn(2, 19, 2, 16, seed=0)
+    k, v, gate = (_randn(2, 19, 4, 16, seed=s) for s in (1, 2, 3))
+    want = block_end_attention_reference(q.repeat(1, 1, 2, 1).double(), k.double(), v.double(), 4)
+    want = torch.sigmoid(gate.double()) * want
+    if grad:
+        weight = _randn(2, 19, 4, 16, seed=9)
+        got = _grads(lambda q, k, v, g: block_end_attention(q, k, v, 4, backend="triton", output_gate=g), [q, k, v, gate], weight)
+        ref = _grads(lambda q, k, v, g: block_end_attention(q.repeat(1, 1, 2, 1).double(), k.double(), v.double(), 4,
+                                                            backend="reference", output_gate=g.double()), [q, k, v, gate], weight)
+        _assert_close(got, ref, ["out", "dq", "dk", "dv", "dgate"], atol=2e-5, rtol=2e-5)
+    else:
+        with torch.no_grad():
+            got = block_end_attention(q, k, v, 4, backend="triton", output_gate=gate)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="output_gate"):
+        block_end_attention(q, k, v, 4, output_gate=gate[:, :, :2])
+
+
 def test_decode_matches_reference():
     q, k, v = [_randn(3, 1, 2, 32, seed=i) for i in range(3)]
     cache_k, cache_v = [_randn(3, 80, 2, 32, seed=5 + i) for i in range(2)]  # preallocated, partly filled
