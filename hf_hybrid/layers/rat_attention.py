@@ -161,13 +161,11 @@ class RatAttention(nn.Module):
         else:
             k_tilde, v_tilde = self._recurrences(k, v, gate_logits, start, positions, cache_layer)
             k_rot = rotate(k_tilde, cos_sin, backend=self.backend)
-        # q is shared by the heads of a group: rotate the groups, then expand.
-        q = rotate(q, cos_sin, backend=self.backend)
+        q = rotate(q, cos_sin, backend=self.backend)  # per group of heads; expanded where a path needs it
 
         if cache_layer is None and start == 0 and hidden_states.is_cuda:
-            # Whole sequence from position 0: the fused kernel reads the chunk ends (and, without
-            # gradients, the shared q heads) in place.
-            # The output gate rides in the kernel's epilogue when no gradient is needed.
+            # Whole sequence from position 0: the fused kernel reads the chunk ends in place and,
+            # without gradients, the shared q heads too, with the output gate in its epilogue.
             y = block_end_attention(q, k_rot, v_tilde, L, backend=self.backend, output_gate=gate_z.view(v_tilde.shape))
             return self.o_proj(y.reshape(batch, seq, heads * dim))
         q = self._expand_groups(q)
