@@ -74,6 +74,15 @@ def _token_tile(start, limit, cols, width, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _rope_tables(COS, SIN, tokens, T, sc_b, sc_t, ss_b, ss_t, cols, mask, HALF: tl.constexpr):
+    """The tokens' cos / sin rows as float32 [BLOCK_T, half] tiles: (cos1, cos2, sin1, sin2)."""
+    c_rows = _row_offsets(tokens, T, sc_b, sc_t, 0) + cols[None, :]
+    s_rows = _row_offsets(tokens, T, ss_b, ss_t, 0) + cols[None, :]
+    return (_load_f32(COS, c_rows, mask), _load_f32(COS, c_rows + HALF, mask),
+            _load_f32(SIN, s_rows, mask), _load_f32(SIN, s_rows + HALF, mask))
+
+
+@triton.jit
 def _inv_rms(sum_sq, rows_ok, D: tl.constexpr, eps):
     # Rows past the end read zeros; with eps = 0 their rsqrt would be inf and poison the weight
     # gradient through 0 * inf, so they take rsqrt(1) (their x is 0, so x * r stays 0).
@@ -104,12 +113,7 @@ def _norm_rope_fwd_kernel(
         n1 = _load_f32(W, h * D + cols, cols < HALF)[None, :] * (n1 * r)
         n2 = _load_f32(W, h * D + HALF + cols, cols < HALF)[None, :] * (n2 * r)
 
-    c_rows = _row_offsets(tokens, T, sc_b, sc_t, 0)
-    s_rows = _row_offsets(tokens, T, ss_b, ss_t, 0)
-    cos1 = _load_f32(COS, c_rows + cols[None, :], mask)
-    cos2 = _load_f32(COS, c_rows + HALF + cols[None, :], mask)
-    sin1 = _load_f32(SIN, s_rows + cols[None, :], mask)
-    sin2 = _load_f32(SIN, s_rows + HALF + cols[None, :], mask)
+    cos1, cos2, sin1, sin2 = _rope_tables(COS, SIN, tokens, T, sc_b, sc_t, ss_b, ss_t, cols, mask, HALF)
     y1 = n1 * cos1 - n2 * sin1
     y2 = n2 * cos2 + n1 * sin2
 
@@ -143,12 +147,7 @@ def _norm_rope_bwd_kernel(
         d_rows = _row_offsets(tokens, T, sd_b, sd_t, h.to(tl.int64) * sd_h)
         dy1 = _load_f32(DY, d_rows + cols[None, :], mask)
         dy2 = _load_f32(DY, d_rows + HALF + cols[None, :], mask)
-        c_rows = _row_offsets(tokens, T, sc_b, sc_t, 0)
-        s_rows = _row_offsets(tokens, T, ss_b, ss_t, 0)
-        cos1 = _load_f32(COS, c_rows + cols[None, :], mask)
-        cos2 = _load_f32(COS, c_rows + HALF + cols[None, :], mask)
-        sin1 = _load_f32(SIN, s_rows + cols[None, :], mask)
-        sin2 = _load_f32(SIN, s_rows + HALF + cols[None, :], mask)
+        cos1, cos2, sin1, sin2 = _rope_tables(COS, SIN, tokens, T, sc_b, sc_t, ss_b, ss_t, cols, mask, HALF)
         g1 = dy1 * cos1 + dy2 * sin2  # the transposed rotation: gradient w.r.t. the normed row
         g2 = dy2 * cos2 - dy1 * sin1
         dx_rows = (tokens.to(tl.int64) * heads + h)[:, None] * D
