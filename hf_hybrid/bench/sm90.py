@@ -39,7 +39,7 @@ def compile_for_sm90(fn, pointer_dtypes: dict, constexprs: dict, num_warps: int,
 
 def rat_keys_values_report(warps=(2, 4, 8, 16)) -> list[dict]:
     """The fused RAT keys/values kernels at the RAT(L=16) layer shape (bf16, 16 heads x 128, 2 key
-    groups; the forward with FWD_HEADS heads per program) for each warp count."""
+    groups; the forward with FWD_HEADS heads per program, the backward with all 16) for each warp count."""
     from ..kernels.gated_recurrence import rat_keys_values_triton as kv
 
     bf, f32 = "*bf16", "*fp32"
@@ -47,7 +47,8 @@ def rat_keys_values_report(warps=(2, 4, 8, 16)) -> list[dict]:
     constexprs = dict(GROUPS=2, HEADS=16, D=128, HALF=64, L=16, HAS_ROPE=True)
     kernels = {
         "_fwd_kernel": (dict(inputs, KROT=bf, VT=bf), dict(constexprs, BLOCK_H=kv.FWD_HEADS)),
-        "_bwd_kernel": (dict(inputs, DKROT=bf, DVT=bf, DK=bf, DV=bf, DLOGIT=bf, DBIAS=f32), constexprs),
+        "_bwd_kernel": (dict(inputs, KROT=bf, VT=bf, DKROT=bf, DVT=bf, DK=bf, DV=bf, DLOGIT=bf, DBIAS=f32),
+                        dict(constexprs, BLOCK_H=16, BLOCK_D=kv.BWD_BLOCK_D)),
     }
     rows = []
     for name, (pointers, kernel_constexprs) in kernels.items():

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gated_recurrence.rat_keys_values import expand_groups
 from ..output_gate import sigmoid_gate
 
 LOG2E = 1.4426950408889634
@@ -44,14 +43,17 @@ LOG2E = 1.4426950408889634
 FWD_CONFIG = (64, 64, 4, 3)
 FWD_CONFIG_LONG = (128, 128, 8, 3)
 LONG_SEQ = 131072
-DQ_CONFIG = (128, 64, 8, 2)
-DKV_CONFIG = (64, 128, 8, 2)  # (queries per step, keys per program, warps, stages)
+# Backward tiles (RAT L=16 fwd+bwd sweep, docs/device_runs/rat_bwd_sweep_h100.json): at 131K x 1,
+# dQ 128x64/8 warps/3 stages + dK dV 64x128/8/3 40.5 ms vs 45.4 with 2 stages each; at 32K x 2
+# dK dV 64x128/8/3 7.14 ms vs 7.72 (64x64/4/2 7.05, but 42.6 ms at 131K).
+DQ_CONFIG = (128, 64, 8, 3)
+DKV_CONFIG = (64, 128, 8, 3)  # (queries per step, keys per program, warps, stages)
 INTERPRET_CONFIG = (16, 16, 4, 1)
 # fp32 tiles take twice the shared memory: the bf16 tiles above overflow an H100's 227 KiB.
 FWD_CONFIG_FP32 = (64, 64, 8, 2)
 DQ_CONFIG_FP32 = (64, 64, 8, 1)
 DKV_CONFIG_FP32 = (64, 64, 8, 1)
-ROWS_BLOCK = 32  # rows per program of the row-wise backward kernel
+ROWS_BLOCK, ROWS_WARPS = 32, 8  # rows per program and warps of the row-wise backward kernel
 
 
 def _configs(device: torch.device, dtype: torch.dtype, seq: int = 0):
@@ -119,7 +121,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles see the most ends: launch them first
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -204,7 +206,7 @@ def _ds_step(q, do, k_tile, v_tile, lse, delta, s_mask, qk_scale, DOT_PREC: tl.c
 def _own_rows_kernel(
     Q, K, V, O, DO, LSE, DELTA, DSO, DKO, DVO,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-    H, T, qk_scale, scale,
+    H, QH, T, qk_scale, scale,
     WRITE_OWN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Row-wise part of the backward: delta = rowsum(dO * O) and the own pair's dS (both saved for
@@ -219,7 +221,7 @@ def _own_rows_kernel(
     row_ok = offs_m < T
     o_off = b * sob + h * soh + offs_m.to(tl.int64)[:, None] * sot + dims[None, :]
     stat = pid_bh.to(tl.int64) * T + offs_m
-    q = _rows(Q + b * sqb + h * sqh, offs_m, sqt, dims, row_ok).to(tl.float32)
+    q = _rows(Q + b * sqb + (h % QH) * sqh, offs_m, sqt, dims, row_ok).to(tl.float32)
     k_own = _rows(K + b * skb + h * skh, offs_m, skt, dims, row_ok).to(tl.float32)
     v_own = _rows(V + b * svb + h * svh, offs_m, svt, dims, row_ok).to(tl.float32)
     do = tl.load(DO + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -240,13 +242,13 @@ def _dq_kernel(
     Q, K, V, KE, VE, QC, DO, LSE, DELTA, DSO, DQ,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     seb, sec, seh, sfb, sfc, sfh, sob, sot, soh, sqcb,
-    H, T, C, D, W, S, c_min, qk_scale, scale,
+    H, QH, T, C, D, W, S, c_min, qk_scale, scale,
     COMPACT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     # DO and DQ share the contiguous [B, T, H, Dh] strides (sob, sot, soh).
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest tiles first, as in the forward
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -254,7 +256,7 @@ def _dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T
-    Q += b * sqb + h * sqh
+    Q += b * sqb + (h % QH) * sqh
     K += b * skb + h * skh
     V += b * svb + h * svh
     KE += b * seb + h * seh
@@ -326,10 +328,24 @@ def _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok
 
 
 @triton.jit
+def _dkdv_category_step(k_tile, v_tile, j, key_ok, Q, DO, LSE, DELTA, i0, T, W, sqt, sot, dims, qk_scale, dk, dv,
+                        OWN: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
+    """_dkdv_step for keys at positions j (ends or sinks) and query rows i0.., pairs masked by
+    category: i - j > W (past the window), or i == j when OWN (the key's own token)."""
+    offs_i = i0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_i < T
+    gap = offs_i[None, :] - j[:, None]
+    pair = (gap > W) & row_ok[None, :] & key_ok[:, None]
+    if OWN:
+        pair = pair | ((gap == 0) & key_ok[:, None])
+    return _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair, qk_scale, dk, dv, DOT_PREC)
+
+
+@triton.jit
 def _dkdv_window_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-    H, T, W, qk_scale, scale,
+    H, QH, T, W, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Own + window pairs (0 <= i - j <= W) for a contiguous key tile; overwrites DK, DV there."""
@@ -341,7 +357,7 @@ def _dkdv_window_kernel(
     offs_j = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     key_ok = offs_j < T
-    Q += b * sqb + h * sqh
+    Q += b * sqb + (h % QH) * sqh
     DO += b * sob + h * soh
     LSE += pid_bh.to(tl.int64) * T
     DELTA += pid_bh.to(tl.int64) * T
@@ -368,7 +384,7 @@ def _dkdv_ends_kernel(
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     seb, sec, seh, sfb, sfc, sfh, sob, sot, soh, sqcb,
     sdb, sdc, sdh,
-    H, T, C, D, W, S, c_min, num_end_tiles, qk_scale, scale,
+    H, QH, T, C, D, W, S, c_min, num_end_tiles, qk_scale, scale,
     COMPACT: tl.constexpr, OWN: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -384,7 +400,7 @@ def _dkdv_ends_kernel(
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
-    Q += b * sqb + h * sqh
+    Q += b * sqb + (h % QH) * sqh
     DO += b * sob + h * soh
     LSE += pid_bh.to(tl.int64) * T
     DELTA += pid_bh.to(tl.int64) * T
@@ -415,30 +431,21 @@ def _dkdv_ends_kernel(
             else:
                 i_start = (j_first + W + 1) // BLOCK_M * BLOCK_M
             i_mid = tl.maximum(tl.minimum((j_last + W + BLOCK_M) // BLOCK_M * BLOCK_M, T // BLOCK_M * BLOCK_M), i_start)
-            for i0 in range(i_start, i_mid, BLOCK_M):  # near the keys: mask by category
-                offs_i = i0 + tl.arange(0, BLOCK_M)
-                row_ok = offs_i < T
-                gap = offs_i[None, :] - j[:, None]
-                pair = (gap > W) & row_ok[None, :] & key_ok[:, None]
-                if OWN:
-                    pair = pair | ((gap == 0) & key_ok[:, None])
-                dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair,
-                                    qk_scale, dk, dv, DOT_PREC)
             i_full = T // BLOCK_M * BLOCK_M
-            for i0 in range(i_mid, i_full, BLOCK_M):  # every pair visible
-                offs_i = i0 + tl.arange(0, BLOCK_M)
+            # Queries from the sequence's end backwards: every key tile of a (batch, head) then reads
+            # the same q / dO rows at about the same time, so they come from L2, not once per tile
+            # from memory (a forward sweep from each tile's own start reads them at scattered rows).
+            for i0 in range(tl.maximum(i_full, i_mid), T, BLOCK_M):  # ragged last tile
+                dk, dv = _dkdv_category_step(k_tile, v_tile, j, key_ok, Q, DO, LSE, DELTA, i0, T, W, sqt, sot, dims,
+                                             qk_scale, dk, dv, OWN, BLOCK_M, DOT_PREC)
+            for back in range(0, (i_full - i_mid) // BLOCK_M):  # every pair visible
+                offs_i = i_full - (back + 1) * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = offs_i < T
                 dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, row_ok,
                                     qk_scale, dk, dv, DOT_PREC, MASKED=False)
-            for i0 in range(tl.maximum(i_full, i_mid), T, BLOCK_M):  # ragged last tile
-                offs_i = i0 + tl.arange(0, BLOCK_M)
-                row_ok = offs_i < T
-                gap = offs_i[None, :] - j[:, None]
-                pair = (gap > W) & row_ok[None, :] & key_ok[:, None]
-                if OWN:
-                    pair = pair | ((gap == 0) & key_ok[:, None])
-                dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair,
-                                    qk_scale, dk, dv, DOT_PREC)
+            for back in range(0, (i_mid - i_start) // BLOCK_M):  # near the keys: mask by category
+                dk, dv = _dkdv_category_step(k_tile, v_tile, j, key_ok, Q, DO, LSE, DELTA, i_mid - (back + 1) * BLOCK_M,
+                                             T, W, sqt, sot, dims, qk_scale, dk, dv, OWN, BLOCK_M, DOT_PREC)
         out = b * sdb + h * sdh + offs_c.to(tl.int64)[:, None] * sdc + dims[None, :]
         dk = dk * scale
         if ACCUMULATE:
@@ -460,14 +467,8 @@ def _dkdv_ends_kernel(
         else:
             i_start = (W + 1) // BLOCK_M * BLOCK_M
         for i0 in range(i_start, T, BLOCK_M):
-            offs_i = i0 + tl.arange(0, BLOCK_M)
-            row_ok = offs_i < T
-            gap = offs_i[None, :] - offs_j[:, None]
-            pair = (gap > W) & row_ok[None, :] & key_ok[:, None]
-            if OWN:
-                pair = pair | ((gap == 0) & key_ok[:, None])
-            dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair,
-                                qk_scale, dk, dv, DOT_PREC)
+            dk, dv = _dkdv_category_step(k_tile, v_tile, offs_j, key_ok, Q, DO, LSE, DELTA, i0, T, W, sqt, sot, dims,
+                                         qk_scale, dk, dv, OWN, BLOCK_M, DOT_PREC)
         out = b * sob + h * soh + offs_j[:, None] * sot + dims[None, :]
         dk = dk * scale
         if ACCUMULATE:
@@ -550,9 +551,10 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
 
     Block mode: dke/dve are views of dk/dv (ends rows / sink rows); compact mode: separate tensors.
     """
-    batch, seq, heads, head_dim = q.shape
+    batch, seq, q_heads, head_dim = q.shape
+    heads = k.shape[2]
     dout = dout.contiguous()
-    dq = torch.empty_like(out)
+    dq = torch.empty_like(out)  # per head; heads sharing a q head are summed at the end
     delta, ds_own = torch.empty_like(lse), torch.empty_like(lse)
     (_, _, _, _), (bm, bn, w, st), (km, kn, kw, kst) = _configs(q.device, q.dtype)
     prec = _dot_precision(q.dtype, q.device)
@@ -562,13 +564,13 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
     rows = ROWS_BLOCK if q.is_cuda else 16
     _own_rows_kernel[(triton.cdiv(seq, rows), batch * heads)](
         q, k, v, out, dout, lse, delta, ds_own, dk, dv, *common, *_strides(out),
-        heads, seq, scale * LOG2E, scale,
-        WRITE_OWN=not has_window, BLOCK_M=rows, HEAD_DIM=head_dim, num_warps=8 if q.is_cuda else 4,
+        heads, q_heads, seq, scale * LOG2E, scale,
+        WRITE_OWN=not has_window, BLOCK_M=rows, HEAD_DIM=head_dim, num_warps=ROWS_WARPS if q.is_cuda else 4,
     )
     _dq_kernel[(triton.cdiv(seq, bm), batch * heads)](
         q, k, v, ke, ve, qc, dout, lse, delta, ds_own, dq,
         *common, *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0),
-        heads, seq, *geo.scalars(), scale * LOG2E, scale,
+        heads, q_heads, seq, *geo.scalars(), scale * LOG2E, scale,
         COMPACT=geo.compact, HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=geo.block_s(bn), HEAD_DIM=head_dim, DOT_PREC=prec,
         num_warps=w, num_stages=st,
@@ -576,22 +578,28 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
     if has_window:
         _dkdv_window_kernel[(triton.cdiv(seq, kn), batch * heads)](
             q, k, v, dout, lse, delta, dk, dv, *common, *_strides(out),
-            heads, seq, geo.window, scale * LOG2E, scale,
+            heads, q_heads, seq, geo.window, scale * LOG2E, scale,
             BLOCK_M=km, BLOCK_N=kn, HEAD_DIM=head_dim, DOT_PREC=prec, num_warps=kw, num_stages=kst,
         )
     num_end_tiles = triton.cdiv(max(geo.num_ends - geo.c_min, 0), kn)
     programs = num_end_tiles + (1 if has_sinks else 0)
     if programs == 0:
-        return dq
+        return _sum_shared_heads(dq, q_heads)
     _dkdv_ends_kernel[(programs, batch * heads)](
         q, k, v, ke, ve, qc, dout, lse, delta, dke, dve, dk, dv,
         *common, *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0), *_strides(dke),
-        heads, seq, *geo.scalars(), num_end_tiles, scale * LOG2E, scale,
+        heads, q_heads, seq, *geo.scalars(), num_end_tiles, scale * LOG2E, scale,
         COMPACT=geo.compact, OWN=not geo.compact and not has_window, ACCUMULATE=has_window,
         HAS_SINKS=has_sinks, BLOCK_M=km, BLOCK_N=kn, BLOCK_S=geo.block_s(kn), HEAD_DIM=head_dim, DOT_PREC=prec,
         num_warps=kw, num_stages=kst,
     )
-    return dq
+    return _sum_shared_heads(dq, q_heads)
+
+
+def _sum_shared_heads(dq: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """dQ per q head from dQ per head: head h read q head h % q_heads."""
+    batch, seq, heads, head_dim = dq.shape
+    return dq if q_heads == heads else dq.view(batch, seq, heads // q_heads, q_heads, head_dim).sum(2)
 
 
 def _dummy_query_chunk(device: torch.device) -> torch.Tensor:
@@ -617,8 +625,8 @@ class _BlockEndAttention(torch.autograd.Function):
         geo, D = ctx.geo, ctx.geo.block_size
         qc = _dummy_query_chunk(q.device)
         ke, ve = k[:, D - 1 :: D], v[:, D - 1 :: D]
-        dk = torch.empty(q.shape, device=q.device, dtype=k.dtype)
-        dv = torch.empty(q.shape, device=q.device, dtype=v.dtype)
+        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)  # contiguous, laid out like dout
+        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
         dq = _backward(q, k, v, ke, ve, qc, out, lse, dout, geo, ctx.scale, dk, dv, dk[:, D - 1 :: D], dv[:, D - 1 :: D])
         return dq, dk, dv, None, None, None, None, None
 
@@ -657,14 +665,13 @@ def block_end_attention_triton(
     output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`hf_hybrid.kernels.chunk_attention.block_end_attention`; differentiable in q, k, v.
-    Without gradients, q with fewer heads than k (a divisor G; head h reads q head h % G) is read
-    in place and an output gate is applied in the kernel's epilogue; with them, q is expanded
-    first (the backward kernels take one q per head) and the gate applied after."""
+    q may have fewer heads than k (a divisor G; head h reads q head h % G): every kernel reads it
+    in place and dQ sums over the heads sharing a q head. The output gate is applied in the
+    forward kernel's epilogue without gradients, after the kernel with them (the backward needs
+    the ungated output)."""
     _check_head_dim("block_end_attention", q.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v) + ((output_gate,) if output_gate is not None else ()))
-    if q.shape[2] != k.shape[2] and needs_grad:
-        q = expand_groups(q, k.shape[2])
     if q.shape[1] == 0:
         return q.new_empty(k.shape)
     args = (q, k, v, int(block_size), int(local_window), int(num_sink_tokens), scale)

@@ -99,23 +99,24 @@ def test_rat_block_and_compact_agree():
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_block_end_shared_query_heads(backend):
+@pytest.mark.parametrize("D,W,S", [(4, 0, 0), (5, 3, 2)])
+def test_block_end_shared_query_heads(backend, D, W, S):
     """q with G < H heads (head h reads q head h % G, RAT's sharing) equals q expanded to every
-    head: read in place without gradients, expanded first with them (same gradients)."""
+    head: every Triton kernel reads it in place, and dq sums the heads sharing a q head."""
     q = _randn(2, 21, 2, 16, seed=0)
     k, v = _randn(2, 21, 4, 16, seed=1), _randn(2, 21, 4, 16, seed=2)
     expanded = q.repeat(1, 1, 2, 1)  # [.., 4, ..]: head h = q head h % 2
     with torch.no_grad():
         torch.testing.assert_close(
-            block_end_attention(q, k, v, 4, backend=backend), block_end_attention(expanded, k, v, 4, backend=backend),
-            atol=1e-6, rtol=1e-6,
+            block_end_attention(q, k, v, D, W, S, backend=backend),
+            block_end_attention(expanded, k, v, D, W, S, backend=backend), atol=1e-6, rtol=1e-6,
         )
     weight = _randn(2, 21, 4, 16, seed=9)
-    grouped = _grads(lambda q, k, v: block_end_attention(q, k, v, 4, backend=backend), [q, k, v], weight)
-    full = _grads(lambda q, k, v: block_end_attention(q.repeat(1, 1, 2, 1), k, v, 4, backend=backend), [q, k, v], weight)
+    grouped = _grads(lambda q, k, v: block_end_attention(q, k, v, D, W, S, backend=backend), [q, k, v], weight)
+    full = _grads(lambda q, k, v: block_end_attention(q.repeat(1, 1, 2, 1), k, v, D, W, S, backend=backend), [q, k, v], weight)
     _assert_close(grouped, full, ["out", "dq", "dk", "dv"], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="divisor"):
-        block_end_attention(_randn(2, 21, 3, 16), k, v, 4, backend=backend)
+        block_end_attention(_randn(2, 21, 3, 16), k, v, D, W, S, backend=backend)
 
 
 @pytest.mark.parametrize("grad", [False, True])

@@ -59,6 +59,7 @@ CASES = [
     (1, 32, 1, 2, 32, 16, True),  # whole chunks, one group
     (2, 5, 4, 4, 16, 8, False),  # shorter than a chunk, one head per group, NoPE
     (1, 19, 2, 2, 16, 1, True),  # L = 1: every token its own chunk (k~ = (1 - g) k)
+    (1, 20, 2, 4, 64, 8, True),  # head_dim 64: the backward splits each half into column slices
 ]
 
 
