@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..layers.context import SequenceContext
+from ..layers.projections import project_shared_input
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from .cases import BenchConfig, Case
 
@@ -131,8 +132,8 @@ def rat_gemm_floor_builder(config: BenchConfig, batch: int, seq: int, backward: 
         inputs = (layer.q_proj, layer.k_proj, layer.v_proj, layer.g_proj, layer.z_proj)
         params = [p for p in layer.parameters() if p.requires_grad and p.dim() == 2]
 
-        def projections(x):
-            outs = [proj(x) for proj in inputs]
+        def projections(x):  # the five input projections as the layer runs them (one summed dx)
+            outs = list(project_shared_input(x, inputs))
             return outs + [layer.o_proj(outs[2])]
 
         def run():

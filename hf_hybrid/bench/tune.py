@@ -3,9 +3,11 @@
     python -m hf_hybrid.bench.tune [--seq 32768] [--batch 2]
 
 Times each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, dQ and dK/dV
-kernels (and BLOCK_N / warps of the recurrence) at the RAT(L=16) training shape, prints a table
-and the best of each; the winners are then written into FWD_CONFIG / DQ_CONFIG / DKV_CONFIG of
-kernels/chunk_attention/triton.py by hand (they are plain constants so that reading them is easy).
+kernels, BLOCK_N / warps of the recurrence and (columns, warps) of the fused keys/values backward
+at the RAT(L=16) training shape, prints a table and the best of each; the winners are then
+written into FWD_CONFIG / DQ_CONFIG / DKV_CONFIG of kernels/chunk_attention/triton.py and
+BWD_BLOCK_D / BWD_WARPS of kernels/gated_recurrence/rat_keys_values_triton.py by hand (plain
+constants, so that reading them is easy). Run it at --seq 32768 --batch 2 and --seq 131072 --batch 1.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import json
 import torch
 
 FWD = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
-DQ = [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 4, 3)]
-DKV = [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (128, 128, 8, 2)]
+DQ = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+DKV = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2)]
 REC = [(512, 2), (256, 2), (1024, 4)]
+KV_BWD = [(16, 4), (16, 2), (32, 4), (8, 2), (8, 1), (32, 2)]  # (columns per program, warps)
 
 
 def _time(fn) -> float:
@@ -79,6 +82,33 @@ def sweep_recurrence(batch, seq, heads, dim, log):
     return results
 
 
+def sweep_keys_values(batch, seq, log):
+    """fwd+bwd of the fused keys/values (rat_keys_values) per backward (columns, warps)."""
+    from ..kernels.gated_recurrence import rat_keys_values
+    from ..kernels.gated_recurrence import rat_keys_values_triton as kv
+    from ..layers.rotary import RotaryEmbedding
+
+    def leaf(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    k, v, logits, bias = leaf(batch, seq, 2, 128), leaf(batch, seq, 16, 128), leaf(batch, seq, 16, 128), leaf(2048)
+    cos_sin = RotaryEmbedding(128, 10000.0)(torch.arange(seq, device="cuda")[None] // 16)
+
+    def step():
+        k_rot, v_tilde = rat_keys_values(k, v, logits, bias, 16, cos_sin, backend="triton")
+        torch.autograd.grad((k_rot, v_tilde), (k, v, logits, bias), (torch.ones_like(k_rot), torch.ones_like(v_tilde)))
+
+    results = {}
+    base = (kv.BWD_BLOCK_D, kv.BWD_WARPS)
+    for block_d, warps in KV_BWD:
+        kv.BWD_BLOCK_D, kv.BWD_WARPS = block_d, warps
+        key = f"BLOCK_D={block_d},warps={warps}"
+        results[key] = _time(step)
+        log(f"keys/values fwd+bwd {key}: {results[key]:.3f} ms")
+    kv.BWD_BLOCK_D, kv.BWD_WARPS = base
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_hybrid.bench.tune")
     p.add_argument("--seq", type=int, default=32768)
@@ -88,9 +118,10 @@ def main(argv=None) -> int:
     report = {
         "rat_L16": sweep_attention(args.batch, args.seq, 16, 128, 16, 0, 0, print),
         "recurrence": sweep_recurrence(args.batch, args.seq, 16, 128, print),
+        "keys_values": sweep_keys_values(args.batch, args.seq, print),
     }
     for name, part in report.items():
-        for kernel, timings in part.items() if name != "recurrence" else [("fwd", part)]:
+        for kernel, timings in part.items() if name == "rat_L16" else [("fwd" if name == "recurrence" else "fwd+bwd", part)]:
             ok = {k: v for k, v in timings.items() if isinstance(v, float)}
             if ok:
                 best = min(ok, key=ok.get)

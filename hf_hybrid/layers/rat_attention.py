@@ -30,6 +30,7 @@ from ..kernels.gated_recurrence import gated_recurrence, rat_keys_values
 from ..kernels.gated_recurrence.rat_keys_values import expand_groups
 from ..kernels.output_gate import sigmoid_gate
 from .context import SequenceContext
+from .projections import project_shared_input
 from .rotary import build_rotary
 
 
@@ -142,11 +143,11 @@ class RatAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         heads, dim, L, groups = self.num_heads, self.head_dim, self.chunk_size, self.num_qk_groups
-        q = self.q_proj(hidden_states).view(batch, seq, groups, dim)
-        k = self.k_proj(hidden_states).view(batch, seq, groups, dim)
-        v = self.v_proj(hidden_states).view(batch, seq, heads, dim)
-        gate_logits = self.g_proj(hidden_states).view(batch, seq, heads, dim)
-        gate_z = self.z_proj(hidden_states)  # the output gate, sigmoid(gate_z), is applied in _output
+        q, k, v, gate_logits, gate_z = project_shared_input(
+            hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.z_proj)
+        )  # gate_z: the output gate, sigmoid(gate_z), is applied in _output
+        q, k = q.view(batch, seq, groups, dim), k.view(batch, seq, groups, dim)
+        v, gate_logits = v.view(batch, seq, heads, dim), gate_logits.view(batch, seq, heads, dim)
 
         start = context.uniform_start
         # Unpadded rows share their positions: compute per-position tables once, not per row.

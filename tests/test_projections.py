@@ -1,0 +1,58 @@
+"""project_shared_input == calling the nn.Linear modules one by one: same outputs, same gradients of
+the input and of every weight (the input gradient summed by addmm instead of autograd's adds), and
+the modules' own forward wherever that would not be F.linear (hooks, wrappers, no gradient)."""
+import pytest
+import torch
+from torch import nn
+
+from hf_hybrid.layers.projections import _SharedInputLinear, project_shared_input
+
+
+def _projections(seed=0):
+    torch.manual_seed(seed)
+    return (nn.Linear(12, 8, bias=False), nn.Linear(12, 4, bias=False), nn.Linear(12, 8, bias=False))
+
+
+def _grads(outputs, x, projections, weights):
+    loss = sum((o * w).sum() for o, w in zip(outputs, weights) if w is not None)
+    return torch.autograd.grad(loss, [x] + [p.weight for p in projections], allow_unused=True)
+
+
+@pytest.mark.parametrize("use", [(True, True, True), (True, False, True)])
+def test_same_outputs_and_gradients_as_the_modules(use):
+    projections = _projections()
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    weights = [torch.randn(2, 5, p.out_features) if used else None for p, used in zip(projections, use)]
+    fused = project_shared_input(x, projections)
+    plain = tuple(p(x) for p in projections)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    assert fused[0].grad_fn.name().startswith("_SharedInputLinear")
+    got, want = _grads(fused, x, projections, weights), _grads(plain, x, projections, weights)
+    for a, b in zip(got, want):
+        if b is None:  # an unused output: no gradient for its weight either way
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_input_without_gradient_gives_weight_gradients_only():
+    projections = _projections()
+    x = torch.randn(3, 12)
+    outputs = _SharedInputLinear.apply(x, *(p.weight for p in projections))
+    grads = torch.autograd.grad(sum(o.sum() for o in outputs), [p.weight for p in projections])
+    for p, g in zip(projections, grads):
+        torch.testing.assert_close(g, torch.ones(3, p.out_features).t() @ x)
+
+
+def test_modules_are_called_when_their_forward_is_not_plain_linear():
+    projections = _projections()
+    x = torch.randn(2, 12, requires_grad=True)
+    calls = []
+    projections[1].register_forward_hook(lambda module, args, out: calls.append(module))
+    outputs = project_shared_input(x, projections)
+    assert calls == [projections[1]] and outputs[0].grad_fn.name() == "MmBackward0"
+    with_bias = (nn.Linear(12, 3), nn.Linear(12, 3, bias=False))
+    assert torch.equal(project_shared_input(x, with_bias)[0], with_bias[0](x))
+    with torch.no_grad():  # inference: the plain modules (nothing to sum)
+        assert project_shared_input(x, _projections())[0].grad_fn is None
