@@ -165,8 +165,8 @@ class RatAttention(nn.Module):
         q = rotate(q, cos_sin, backend=self.backend)  # per group of heads; expanded where a path needs it
 
         if cache_layer is None and start == 0 and hidden_states.is_cuda:
-            # Whole sequence from position 0: the fused kernel reads the chunk ends in place and,
-            # without gradients, the shared q heads too, with the output gate in its epilogue.
+            # Whole sequence from position 0: the fused kernels read the chunk ends and the shared
+            # q heads in place and apply the output gate (forward epilogue, row-wise backward).
             y = block_end_attention(q, k_rot, v_tilde, L, backend=self.backend, output_gate=gate_z.view(v_tilde.shape))
             return self.o_proj(y.reshape(batch, seq, heads * dim))
         q = self._expand_groups(q)

@@ -120,8 +120,8 @@ def block_end_attention(
     or j < num_sink_tokens (see :func:`block_end_mask`). q, k, v [batch, seq, heads, head_dim];
     q may instead hold G heads, G dividing k's heads, shared as in RAT (head h uses q head h % G):
     the Triton forward reads them in place. output_gate (k's shape, optional): the result is
-    sigmoid(output_gate) * attention (RAT's z gate), applied in the Triton forward's epilogue when
-    no gradient is needed."""
+    sigmoid(output_gate) * attention (RAT's z gate), applied in the Triton forward's epilogue, its
+    gradient computed by the Triton backward's row-wise kernel."""
     grouped = _shares_query_heads("block_end_attention", q, k)
     _check_qkv("block_end_attention", k if grouped else q, k, v)
     if output_gate is not None and output_gate.shape != k.shape:

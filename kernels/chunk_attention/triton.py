@@ -24,6 +24,10 @@ Backward: a row-wise kernel computes delta = rowsum(dO * O) and the own pair's g
 query-centric kernel computes dQ, key-centric kernels
 compute dK/dV of window keys and of the ends/sinks, each written by exactly one program
 (later launches add to what earlier ones wrote; no atomics).
+
+Output gate (RAT's z): the forward writes sigmoid(z) * O, and O itself when a backward will
+follow; the row-wise backward kernel turns dY into dO = dY sigmoid(z) and dZ, so the gate costs
+no pass of its own in either direction.
 """
 from __future__ import annotations
 
@@ -32,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..output_gate import sigmoid_gate
 
 LOG2E = 1.4426950408889634
 
@@ -113,11 +116,12 @@ def _softmax_step(s, v_tile, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, KE, VE, QC, O, LSE, Z,
+    Q, K, V, KE, VE, QC, O, LSE, Z, OU,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     seb, sec, seh, sfb, sfc, sfh, sob, sot, soh, sqcb, szb, szt, szh,
     H, QH, T, C, D, W, S, c_min, qk_scale,
     COMPACT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_GATE: tl.constexpr,
+    STORE_UNGATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -182,10 +186,12 @@ def _fwd_kernel(
         m_i, l_i, acc = _softmax_step(s, vs, m_i, l_i, acc, DOT_PREC)
 
     out = acc / l_i[:, None]
-    if HAS_GATE:  # inference only: out = sigmoid(z) * attention (a backward would need the ungated out)
+    o_off = b * sob + h * soh + offs_m.to(tl.int64)[:, None] * sot + dims[None, :]
+    if HAS_GATE:  # out = sigmoid(z) * attention; the backward reads the ungated rows (STORE_UNGATED)
+        if STORE_UNGATED:
+            tl.store(OU + o_off, out.to(OU.dtype.element_ty), mask=row_ok[:, None])
         out = out * tl.sigmoid(_rows(Z + b * szb + h * szh, offs_m, szt, dims, row_ok).to(tl.float32))
-    O += b * sob + h * soh
-    tl.store(O + offs_m.to(tl.int64)[:, None] * sot + dims[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(O + o_off, out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
@@ -204,13 +210,15 @@ def _ds_step(q, do, k_tile, v_tile, lse, delta, s_mask, qk_scale, DOT_PREC: tl.c
 
 @triton.jit
 def _own_rows_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DSO, DKO, DVO,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
+    Q, K, V, O, DO, LSE, DELTA, DSO, DKO, DVO, Z, DY, DZ,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, szb, szt, szh,
     H, QH, T, qk_scale, scale,
-    WRITE_OWN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WRITE_OWN: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Row-wise part of the backward: delta = rowsum(dO * O) and the own pair's dS (both saved for
     the dQ / dK dV kernels), and, when WRITE_OWN, the own pair's dK = dS q and dV = P dO.
+    HAS_GATE (output y = sigmoid(z) * O): from dY it first writes dO = dY sigmoid(z) for the other
+    kernels and dZ = dY O sigmoid(z) (1 - sigmoid(z)) (DY, DZ laid out like DO).
     Kept apart from the dQ kernel so that its tile loop does not carry five row tiles."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -224,8 +232,16 @@ def _own_rows_kernel(
     q = _rows(Q + b * sqb + (h % QH) * sqh, offs_m, sqt, dims, row_ok).to(tl.float32)
     k_own = _rows(K + b * skb + h * skh, offs_m, skt, dims, row_ok).to(tl.float32)
     v_own = _rows(V + b * svb + h * svh, offs_m, svt, dims, row_ok).to(tl.float32)
-    do = tl.load(DO + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
     o = tl.load(O + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if HAS_GATE:
+        dy = tl.load(DY + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        gate = tl.sigmoid(_rows(Z + b * szb + h * szh, offs_m, szt, dims, row_ok).to(tl.float32))
+        tl.store(DZ + o_off, (dy * o * gate * (1.0 - gate)).to(DZ.dtype.element_ty), mask=row_ok[:, None])
+        do = (dy * gate).to(DO.dtype.element_ty)
+        tl.store(DO + o_off, do, mask=row_ok[:, None])
+        do = do.to(tl.float32)  # the rounded dO, as the dQ / dK dV kernels read it
+    else:
+        do = tl.load(DO + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
     lse = tl.load(LSE + stat, mask=row_ok, other=0.0)
     delta = tl.sum(do * o, 1)
     p_own = tl.math.exp2(tl.sum(q * k_own, 1) * qk_scale - lse)
@@ -524,9 +540,11 @@ class _Geometry:
         return (self.num_ends, self.block_size, self.window, self.sinks, self.c_min)
 
 
-def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float, gate: torch.Tensor | None = None):
+def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float, gate: torch.Tensor | None = None,
+             ungated: torch.Tensor | None = None):
     """q may have fewer heads than k / v (a divisor): head h reads q head h % q_heads. gate
-    [B, T, H, D] (no gradients): the output is sigmoid(gate) * attention."""
+    [B, T, H, D]: the output is sigmoid(gate) * attention, and the attention itself is also written
+    to ``ungated`` when given (laid out like the output; the backward reads it)."""
     batch, seq, q_heads, head_dim = q.shape
     heads = k.shape[2]
     out = torch.empty(batch, seq, heads, head_dim, device=q.device, dtype=q.dtype)
@@ -535,25 +553,30 @@ def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float, gate: torch.Tens
     grid = (triton.cdiv(seq, block_m), batch * heads)
     z = out if gate is None else gate  # never read without a gate
     _fwd_kernel[grid](
-        q, k, v, ke, ve, qc, out, lse, z,
+        q, k, v, ke, ve, qc, out, lse, z, out if ungated is None else ungated,
         *_strides(q), *_strides(k), *_strides(v), *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0),
         *_strides(z), heads, q_heads, seq, *geo.scalars(), scale * LOG2E,
         COMPACT=geo.compact, HAS_WINDOW=geo.window > 0, HAS_SINKS=geo.sinks > 0 and not geo.compact,
-        HAS_GATE=gate is not None,
+        HAS_GATE=gate is not None, STORE_UNGATED=gate is not None and ungated is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=geo.block_s(block_n), HEAD_DIM=head_dim,
         DOT_PREC=_dot_precision(q.dtype, q.device), num_warps=warps, num_stages=stages,
     )
     return out, lse
 
 
-def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float, dk, dv, dke, dve):
+def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float, dk, dv, dke, dve,
+              gate=None, dgate=None):
     """Fills dq (returned) and dk/dv (own pairs, window) and dke/dve (ends, sinks) in place.
 
     Block mode: dke/dve are views of dk/dv (ends rows / sink rows); compact mode: separate tensors.
+    With ``gate`` (the forward returned sigmoid(gate) * out; ``out`` is the ungated attention),
+    dout is the gated output's gradient and dgate [like out] receives the gate's.
     """
     batch, seq, q_heads, head_dim = q.shape
     heads = k.shape[2]
-    dout = dout.contiguous()
+    dy = dout.contiguous()
+    dout = torch.empty_like(out) if gate is not None else dy  # dO of the attention: the rows kernel writes it
+    z = out if gate is None else gate  # never read without a gate
     dq = torch.empty_like(out)  # per head; heads sharing a q head are summed at the end
     delta, ds_own = torch.empty_like(lse), torch.empty_like(lse)
     (_, _, _, _), (bm, bn, w, st), (km, kn, kw, kst) = _configs(q.device, q.dtype)
@@ -563,9 +586,9 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
     common = (*_strides(q), *_strides(k), *_strides(v))
     rows = ROWS_BLOCK if q.is_cuda else 16
     _own_rows_kernel[(triton.cdiv(seq, rows), batch * heads)](
-        q, k, v, out, dout, lse, delta, ds_own, dk, dv, *common, *_strides(out),
-        heads, q_heads, seq, scale * LOG2E, scale,
-        WRITE_OWN=not has_window, BLOCK_M=rows, HEAD_DIM=head_dim, num_warps=ROWS_WARPS if q.is_cuda else 4,
+        q, k, v, out, dout, lse, delta, ds_own, dk, dv, z, dy, out if dgate is None else dgate,
+        *common, *_strides(out), *_strides(z), heads, q_heads, seq, scale * LOG2E, scale,
+        WRITE_OWN=not has_window, HAS_GATE=gate is not None, BLOCK_M=rows, HEAD_DIM=head_dim, num_warps=ROWS_WARPS if q.is_cuda else 4,
     )
     _dq_kernel[(triton.cdiv(seq, bm), batch * heads)](
         q, k, v, ke, ve, qc, dout, lse, delta, ds_own, dq,
@@ -614,21 +637,30 @@ class _BlockEndAttention(torch.autograd.Function):
         geo = _Geometry(False, seq // block_size, block_size, local_window, num_sink_tokens, num_sink_tokens // block_size)
         qc = _dummy_query_chunk(q.device)
         ke, ve = k[:, block_size - 1 :: block_size], v[:, block_size - 1 :: block_size]
-        out, lse = _forward(q, k, v, ke, ve, qc, geo, scale, None if gate is None else _last_dim_contiguous(gate))
-        ctx.save_for_backward(q, k, v, out, lse)
+        gate = None if gate is None else _last_dim_contiguous(gate)
+        # the backward needs the ungated attention: written next to the gated output only then
+        ungated = torch.empty(k.shape, device=q.device, dtype=q.dtype) if gate is not None and any(ctx.needs_input_grad) else None
+        out, lse = _forward(q, k, v, ke, ve, qc, geo, scale, gate, ungated)
+        if gate is None:
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            ctx.save_for_backward(q, k, v, out if ungated is None else ungated, lse, gate)
         ctx.geo, ctx.scale = geo, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *gate = ctx.saved_tensors
+        gate = gate[0] if gate else None
         geo, D = ctx.geo, ctx.geo.block_size
         qc = _dummy_query_chunk(q.device)
         ke, ve = k[:, D - 1 :: D], v[:, D - 1 :: D]
         dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)  # contiguous, laid out like dout
         dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        dq = _backward(q, k, v, ke, ve, qc, out, lse, dout, geo, ctx.scale, dk, dv, dk[:, D - 1 :: D], dv[:, D - 1 :: D])
-        return dq, dk, dv, None, None, None, None, None
+        dgate = None if gate is None else torch.empty(k.shape, device=k.device, dtype=gate.dtype)
+        dq = _backward(q, k, v, ke, ve, qc, out, lse, dout, geo, ctx.scale, dk, dv, dk[:, D - 1 :: D], dv[:, D - 1 :: D],
+                       gate, dgate)
+        return dq, dk, dv, None, None, None, None, dgate
 
 
 class _ChunkEndAttention(torch.autograd.Function):
@@ -664,22 +696,16 @@ def block_end_attention_triton(
     scale: float | None = None,
     output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton path of :func:`hf_hybrid.kernels.chunk_attention.block_end_attention`; differentiable in q, k, v.
-    q may have fewer heads than k (a divisor G; head h reads q head h % G): every kernel reads it
-    in place and dQ sums over the heads sharing a q head. The output gate is applied in the
-    forward kernel's epilogue without gradients, after the kernel with them (the backward needs
-    the ungated output)."""
+    """Triton path of :func:`hf_hybrid.kernels.chunk_attention.block_end_attention`; differentiable in q, k, v
+    and the output gate. q may have fewer heads than k (a divisor G; head h reads q head h % G):
+    every kernel reads it in place and dQ sums over the heads sharing a q head. The output gate
+    is applied in the forward kernel's epilogue, and its gradient (and dO of the attention) comes
+    from the backward's row-wise kernel."""
     _check_head_dim("block_end_attention", q.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v) + ((output_gate,) if output_gate is not None else ()))
     if q.shape[1] == 0:
         return q.new_empty(k.shape)
-    args = (q, k, v, int(block_size), int(local_window), int(num_sink_tokens), scale)
-    if output_gate is None:
-        return _BlockEndAttention.apply(*args)
-    if needs_grad:
-        return sigmoid_gate(output_gate, _BlockEndAttention.apply(*args), backend="triton")
-    return _BlockEndAttention.apply(*args, output_gate)
+    return _BlockEndAttention.apply(q, k, v, int(block_size), int(local_window), int(num_sink_tokens), scale, output_gate)
 
 
 def chunk_end_attention_triton(

@@ -66,6 +66,10 @@ def test_block_end_bf16(D, W, S):
     ref = _grads(lambda q, k, v: block_end_attention_reference(q, k, v, D, W, S), inputs, weight)
     out = _grads(lambda q, k, v: block_end_attention(q, k, v, D, W, S, backend="triton"), inputs, weight)
     _assert_close(out, ref, ["out", "dq", "dk", "dv"], atol=4e-2, rtol=4e-2)
+    gate = _randn(2, 39, 2, 32, dtype=torch.bfloat16, seed=5)  # with the output gate: dO rounded as stored
+    ref = _grads(lambda q, k, v, g: block_end_attention(q, k, v, D, W, S, backend="reference", output_gate=g), inputs + [gate], weight)
+    out = _grads(lambda q, k, v, g: block_end_attention(q, k, v, D, W, S, backend="triton", output_gate=g), inputs + [gate], weight)
+    _assert_close(out, ref, ["out", "dq", "dk", "dv", "dgate"], atol=4e-2, rtol=4e-2)
 
 
 @pytest.mark.parametrize("seq,L,start,chunks", [(37, 4, 0, 10), (21, 4, 13, 12), (18, 3, 0, 6)])
@@ -121,8 +125,9 @@ def test_block_end_shared_query_heads(backend, D, W, S):
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_block_end_output_gate(grad):
-    """output_gate: sigmoid(gate) * attention, in the kernel's epilogue without gradients, applied
-    after it with them; equal to the reference either way (and shared q heads combine with it)."""
+    """output_gate: sigmoid(gate) * attention in the forward kernel's epilogue, its gradient (and the
+    attention's dO) from the row-wise backward kernel; equal to the reference either way (and shared
+    q heads combine with it)."""
     q = _randn(2, 19, 2, 16, seed=0)
     k, v, gate = (_randn(2, 19, 4, 16, seed=s) for s in (1, 2, 3))
     want = block_end_attention_reference(q.repeat(1, 1, 2, 1).double(), k.double(), v.double(), 4)
@@ -133,6 +138,11 @@ def test_block_end_output_gate(grad):
         ref = _grads(lambda q, k, v, g: block_end_attention(q.repeat(1, 1, 2, 1).double(), k.double(), v.double(), 4,
                                                             backend="reference", output_gate=g.double()), [q, k, v, gate], weight)
         _assert_close(got, ref, ["out", "dq", "dk", "dv", "dgate"], atol=2e-5, rtol=2e-5)
+        # a gate without gradient of its own (only q, k, v train), and a gate that alone trains
+        fixed_gate = _grads(lambda q, k, v: block_end_attention(q, k, v, 4, backend="triton", output_gate=gate), [q, k, v], weight)
+        _assert_close(fixed_gate, ref[:4], ["out", "dq", "dk", "dv"], atol=2e-5, rtol=2e-5)
+        gate_only = _grads(lambda g: block_end_attention(q, k, v, 4, backend="triton", output_gate=g), [gate], weight)
+        _assert_close(gate_only, [ref[0], ref[4]], ["out", "dgate"], atol=2e-5, rtol=2e-5)
     else:
         with torch.no_grad():
             got = block_end_attention(q, k, v, 4, backend="triton", output_gate=gate)
