@@ -3,11 +3,12 @@
     python -m hf_hybrid.bench.tune [--seq 32768] [--batch 2]
 
 Times each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, dQ and dK/dV
-kernels, BLOCK_N / warps of the recurrence and (columns, warps) of the fused keys/values backward
-at the RAT(L=16) training shape, prints a table and the best of each; the winners are then
-written into FWD_CONFIG / DQ_CONFIG / DKV_CONFIG of kernels/chunk_attention/triton.py and
-BWD_BLOCK_D / BWD_WARPS of kernels/gated_recurrence/rat_keys_values_triton.py by hand (plain
-constants, so that reading them is easy). Run it at --seq 32768 --batch 2 and --seq 131072 --batch 1.
+kernels (dK/dV also with ATOMIC_DQ), BLOCK_N / warps of the recurrence and (columns, warps) of the
+fused keys/values backward at the RAT(L=16) training shape, prints a table and the best of each;
+the winners are then written into FWD_CONFIG / DQ_CONFIG / DKV_CONFIG / ATOMIC_DQ of
+kernels/chunk_attention/triton.py and BWD_BLOCK_D / BWD_WARPS of
+kernels/gated_recurrence/rat_keys_values_triton.py by hand (plain constants, so that reading them
+is easy). Run it at --seq 32768 --batch 2 and --seq 131072 --batch 1.
 """
 from __future__ import annotations
 
@@ -62,6 +63,17 @@ def sweep_attention(batch, seq, heads, dim, block, window, sinks, log):
                 results[key][str(cfg)] = f"error {type(exc).__name__}"
             log(f"bwd with {key} {cfg}: {results[key][str(cfg)]}")
         setattr(attn, "DQ_CONFIG" if key == "dq" else "DKV_CONFIG", base[1] if key == "dq" else base[2])
+    if window == 0 and sinks == 0:  # dQ from the dK/dV kernel's atomics instead of the dQ kernel
+        results["dkv_atomic_dq"] = {}
+        attn.ATOMIC_DQ = True
+        for cfg in DKV:
+            attn.DKV_CONFIG = cfg
+            try:
+                results["dkv_atomic_dq"][str(cfg)] = _time(bwd)
+            except Exception as exc:
+                results["dkv_atomic_dq"][str(cfg)] = f"error {type(exc).__name__}"
+            log(f"bwd with ATOMIC_DQ, dkv {cfg}: {results['dkv_atomic_dq'][str(cfg)]}")
+        attn.ATOMIC_DQ, attn.DKV_CONFIG = False, base[2]
     return results
 
 

@@ -57,6 +57,10 @@ FWD_CONFIG_FP32 = (64, 64, 8, 2)
 DQ_CONFIG_FP32 = (64, 64, 8, 1)
 DKV_CONFIG_FP32 = (64, 64, 8, 1)
 ROWS_BLOCK, ROWS_WARPS = 32, 8  # rows per program and warps of the row-wise backward kernel
+# RAT's geometry (block ends + own pair, no window or sinks) can take dQ from the dK/dV kernel, as
+# float32 atomic adds of dS k, instead of recomputing P and dP in a dQ kernel (5 matmul passes in
+# the backward instead of 7). Off until timed on the H100 (python -m hf_hybrid.bench.tune).
+ATOMIC_DQ = False
 
 
 def _configs(device: torch.device, dtype: torch.dtype, seq: int = 0):
@@ -210,15 +214,17 @@ def _ds_step(q, do, k_tile, v_tile, lse, delta, s_mask, qk_scale, DOT_PREC: tl.c
 
 @triton.jit
 def _own_rows_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DSO, DKO, DVO, Z, DY, DZ,
+    Q, K, V, O, DO, LSE, DELTA, DSO, DKO, DVO, Z, DY, DZ, DQA,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, szb, szt, szh,
     H, QH, T, qk_scale, scale,
-    WRITE_OWN: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WRITE_OWN: tl.constexpr, HAS_GATE: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     """Row-wise part of the backward: delta = rowsum(dO * O) and the own pair's dS (both saved for
     the dQ / dK dV kernels), and, when WRITE_OWN, the own pair's dK = dS q and dV = P dO.
     HAS_GATE (output y = sigmoid(z) * O): from dY it first writes dO = dY sigmoid(z) for the other
-    kernels and dZ = dY O sigmoid(z) (1 - sigmoid(z)) (DY, DZ laid out like DO).
+    kernels and dZ = dY O sigmoid(z) (1 - sigmoid(z)) (DY, DZ laid out like DO). ATOMIC_DQ: the
+    own pair's dQ share dS_own k_own starts the float32 rows of DQA that the dK/dV kernel adds to.
     Kept apart from the dQ kernel so that its tile loop does not carry five row tiles."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -248,6 +254,8 @@ def _own_rows_kernel(
     ds_own = p_own * (tl.sum(do * v_own, 1) - delta)
     tl.store(DELTA + stat, delta, mask=row_ok)
     tl.store(DSO + stat, ds_own, mask=row_ok)
+    if ATOMIC_DQ:
+        tl.store(DQA + o_off, ds_own[:, None] * k_own, mask=row_ok[:, None])
     if WRITE_OWN:
         tl.store(DKO + o_off, (ds_own[:, None] * q * scale).to(DKO.dtype.element_ty), mask=row_ok[:, None])
         tl.store(DVO + o_off, (p_own[:, None] * do).to(DVO.dtype.element_ty), mask=row_ok[:, None])
@@ -322,11 +330,14 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair_mask, qk_scale,
-               dk, dv, DOT_PREC: tl.constexpr, MASKED: tl.constexpr = True):
+def _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair_mask, dq_pairs, qk_scale,
+               dk, dv, DQA, DOT_PREC: tl.constexpr, MASKED: tl.constexpr = True, ATOMIC_DQ: tl.constexpr = False):
     """Add the contribution of the query rows offs_i to dK, dV of the key tile (transposed scores).
 
-    MASKED=False skips the pair mask: only rows of keys that are never stored can be wrong then.
+    MASKED=False skips the pair mask: only rows of keys that are never stored can be wrong then
+    (their k rows load as zeros, so they add nothing to dQ either). ATOMIC_DQ: also add the
+    query rows' dQ share dS k (unscaled, float32) over the pairs dq_pairs to DQA with atomics
+    (the own pair's share comes from the row-wise kernel).
     """
     q = _rows(Q, offs_i, sqt, dims, row_ok)
     do = _rows(DO, offs_i, sot, dims, row_ok)
@@ -340,21 +351,27 @@ def _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok
     dp_t = _mm(v_tile, tl.trans(do), DOT_PREC)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += _mm(ds_t.to(q.dtype), q, DOT_PREC)
+    if ATOMIC_DQ:
+        dq = _mm(tl.trans(tl.where(dq_pairs, ds_t, 0.0)).to(k_tile.dtype), k_tile, DOT_PREC)
+        tl.atomic_add(DQA + offs_i.to(tl.int64)[:, None] * sot + dims[None, :], dq, mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _dkdv_category_step(k_tile, v_tile, j, key_ok, Q, DO, LSE, DELTA, i0, T, W, sqt, sot, dims, qk_scale, dk, dv,
-                        OWN: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
+                        DQA, OWN: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+                        ATOMIC_DQ: tl.constexpr = False):
     """_dkdv_step for keys at positions j (ends or sinks) and query rows i0.., pairs masked by
     category: i - j > W (past the window), or i == j when OWN (the key's own token)."""
     offs_i = i0 + tl.arange(0, BLOCK_M)
     row_ok = offs_i < T
     gap = offs_i[None, :] - j[:, None]
-    pair = (gap > W) & row_ok[None, :] & key_ok[:, None]
+    past_window = (gap > W) & row_ok[None, :] & key_ok[:, None]
+    pair = past_window
     if OWN:
         pair = pair | ((gap == 0) & key_ok[:, None])
-    return _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair, qk_scale, dk, dv, DOT_PREC)
+    return _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair, past_window, qk_scale,
+                      dk, dv, DQA, DOT_PREC, ATOMIC_DQ=ATOMIC_DQ)
 
 
 @triton.jit
@@ -387,8 +404,8 @@ def _dkdv_window_kernel(
         row_ok = offs_i < T
         gap = offs_i[None, :] - offs_j[:, None]
         pair = (gap >= 0) & (gap <= W) & row_ok[None, :]
-        dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair, qk_scale,
-                            dk, dv, DOT_PREC)
+        dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair, pair, qk_scale,
+                            dk, dv, DO, DOT_PREC)
     out = b * sob + h * soh + offs_j.to(tl.int64)[:, None] * sot + dims[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
@@ -396,16 +413,19 @@ def _dkdv_window_kernel(
 
 @triton.jit
 def _dkdv_ends_kernel(
-    Q, K, V, KE, VE, QC, DO, LSE, DELTA, DKE, DVE, DKF, DVF,
+    Q, K, V, KE, VE, QC, DO, LSE, DELTA, DKE, DVE, DKF, DVF, DQA,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     seb, sec, seh, sfb, sfc, sfh, sob, sot, soh, sqcb,
     sdb, sdc, sdh,
     H, QH, T, C, D, W, S, c_min, num_end_tiles, qk_scale, scale,
     COMPACT: tl.constexpr, OWN: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr = False,
 ):
     """dK, dV of the ends (programs < num_end_tiles) and of the sinks (one more program).
+    ATOMIC_DQ (block mode with W = 0 and no sinks: every pair is an end or the own pair): the
+    ends' share of dQ is added to DQA (float32, laid out like DO) here, instead of recomputing
+    P and dP in the dQ kernel.
 
     DKE/DVE address key slot c with strides (sdb, sdc, sdh): in block mode they point at dK/dV at
     position D - 1 with stride D rows (slot c = key c*D + D - 1), in compact mode at dk_ends.
@@ -418,6 +438,7 @@ def _dkdv_ends_kernel(
     dims = tl.arange(0, HEAD_DIM)
     Q += b * sqb + (h % QH) * sqh
     DO += b * sob + h * soh
+    DQA += b * sob + h * soh
     LSE += pid_bh.to(tl.int64) * T
     DELTA += pid_bh.to(tl.int64) * T
     QC += b * sqcb
@@ -436,8 +457,8 @@ def _dkdv_ends_kernel(
                 qc = tl.load(QC + offs_i, mask=row_ok, other=0)
                 if tl.max(qc, 0) > c_first:  # some row of this tile sees the tile's first end
                     pair = (offs_c[:, None] < qc[None, :]) & row_ok[None, :]
-                    dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair,
-                                        qk_scale, dk, dv, DOT_PREC)
+                    dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, pair, pair,
+                                        qk_scale, dk, dv, DQA, DOT_PREC)
         else:
             j = offs_c * D + D - 1
             j_first = c_first * D + D - 1
@@ -453,15 +474,16 @@ def _dkdv_ends_kernel(
             # from memory (a forward sweep from each tile's own start reads them at scattered rows).
             for i0 in range(tl.maximum(i_full, i_mid), T, BLOCK_M):  # ragged last tile
                 dk, dv = _dkdv_category_step(k_tile, v_tile, j, key_ok, Q, DO, LSE, DELTA, i0, T, W, sqt, sot, dims,
-                                             qk_scale, dk, dv, OWN, BLOCK_M, DOT_PREC)
+                                             qk_scale, dk, dv, DQA, OWN, BLOCK_M, DOT_PREC, ATOMIC_DQ)
             for back in range(0, (i_full - i_mid) // BLOCK_M):  # every pair visible
                 offs_i = i_full - (back + 1) * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = offs_i < T
                 dk, dv = _dkdv_step(k_tile, v_tile, Q, DO, LSE, DELTA, offs_i, sqt, sot, dims, row_ok, row_ok,
-                                    qk_scale, dk, dv, DOT_PREC, MASKED=False)
+                                    row_ok[None, :], qk_scale, dk, dv, DQA, DOT_PREC, MASKED=False, ATOMIC_DQ=ATOMIC_DQ)
             for back in range(0, (i_mid - i_start) // BLOCK_M):  # near the keys: mask by category
                 dk, dv = _dkdv_category_step(k_tile, v_tile, j, key_ok, Q, DO, LSE, DELTA, i_mid - (back + 1) * BLOCK_M,
-                                             T, W, sqt, sot, dims, qk_scale, dk, dv, OWN, BLOCK_M, DOT_PREC)
+                                             T, W, sqt, sot, dims, qk_scale, dk, dv, DQA, OWN, BLOCK_M, DOT_PREC,
+                                             ATOMIC_DQ)
         out = b * sdb + h * sdh + offs_c.to(tl.int64)[:, None] * sdc + dims[None, :]
         dk = dk * scale
         if ACCUMULATE:
@@ -484,7 +506,7 @@ def _dkdv_ends_kernel(
             i_start = (W + 1) // BLOCK_M * BLOCK_M
         for i0 in range(i_start, T, BLOCK_M):
             dk, dv = _dkdv_category_step(k_tile, v_tile, offs_j, key_ok, Q, DO, LSE, DELTA, i0, T, W, sqt, sot, dims,
-                                         qk_scale, dk, dv, OWN, BLOCK_M, DOT_PREC)
+                                         qk_scale, dk, dv, DQA, OWN, BLOCK_M, DOT_PREC)
         out = b * sob + h * soh + offs_j[:, None] * sot + dims[None, :]
         dk = dk * scale
         if ACCUMULATE:
@@ -585,19 +607,23 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
     has_sinks = geo.sinks > 0 and not geo.compact
     common = (*_strides(q), *_strides(k), *_strides(v))
     rows = ROWS_BLOCK if q.is_cuda else 16
+    atomic_dq = ATOMIC_DQ and not geo.compact and not has_window and not has_sinks
+    dqa = torch.empty(out.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq  # dq: never written
     _own_rows_kernel[(triton.cdiv(seq, rows), batch * heads)](
-        q, k, v, out, dout, lse, delta, ds_own, dk, dv, z, dy, out if dgate is None else dgate,
+        q, k, v, out, dout, lse, delta, ds_own, dk, dv, z, dy, out if dgate is None else dgate, dqa,
         *common, *_strides(out), *_strides(z), heads, q_heads, seq, scale * LOG2E, scale,
-        WRITE_OWN=not has_window, HAS_GATE=gate is not None, BLOCK_M=rows, HEAD_DIM=head_dim, num_warps=ROWS_WARPS if q.is_cuda else 4,
+        WRITE_OWN=not has_window, HAS_GATE=gate is not None, ATOMIC_DQ=atomic_dq, BLOCK_M=rows,
+        HEAD_DIM=head_dim, num_warps=ROWS_WARPS if q.is_cuda else 4,
     )
-    _dq_kernel[(triton.cdiv(seq, bm), batch * heads)](
-        q, k, v, ke, ve, qc, dout, lse, delta, ds_own, dq,
-        *common, *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0),
-        heads, q_heads, seq, *geo.scalars(), scale * LOG2E, scale,
-        COMPACT=geo.compact, HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=geo.block_s(bn), HEAD_DIM=head_dim, DOT_PREC=prec,
-        num_warps=w, num_stages=st,
-    )
+    if not atomic_dq:
+        _dq_kernel[(triton.cdiv(seq, bm), batch * heads)](
+            q, k, v, ke, ve, qc, dout, lse, delta, ds_own, dq,
+            *common, *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0),
+            heads, q_heads, seq, *geo.scalars(), scale * LOG2E, scale,
+            COMPACT=geo.compact, HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=geo.block_s(bn), HEAD_DIM=head_dim, DOT_PREC=prec,
+            num_warps=w, num_stages=st,
+        )
     if has_window:
         _dkdv_window_kernel[(triton.cdiv(seq, kn), batch * heads)](
             q, k, v, dout, lse, delta, dk, dv, *common, *_strides(out),
@@ -606,16 +632,17 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
         )
     num_end_tiles = triton.cdiv(max(geo.num_ends - geo.c_min, 0), kn)
     programs = num_end_tiles + (1 if has_sinks else 0)
-    if programs == 0:
-        return _sum_shared_heads(dq, q_heads)
-    _dkdv_ends_kernel[(programs, batch * heads)](
-        q, k, v, ke, ve, qc, dout, lse, delta, dke, dve, dk, dv,
-        *common, *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0), *_strides(dke),
-        heads, q_heads, seq, *geo.scalars(), num_end_tiles, scale * LOG2E, scale,
-        COMPACT=geo.compact, OWN=not geo.compact and not has_window, ACCUMULATE=has_window,
-        HAS_SINKS=has_sinks, BLOCK_M=km, BLOCK_N=kn, BLOCK_S=geo.block_s(kn), HEAD_DIM=head_dim, DOT_PREC=prec,
-        num_warps=kw, num_stages=kst,
-    )
+    if programs:
+        _dkdv_ends_kernel[(programs, batch * heads)](
+            q, k, v, ke, ve, qc, dout, lse, delta, dke, dve, dk, dv, dqa,
+            *common, *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0), *_strides(dke),
+            heads, q_heads, seq, *geo.scalars(), num_end_tiles, scale * LOG2E, scale,
+            COMPACT=geo.compact, OWN=not geo.compact and not has_window, ACCUMULATE=has_window,
+            HAS_SINKS=has_sinks, BLOCK_M=km, BLOCK_N=kn, BLOCK_S=geo.block_s(kn), HEAD_DIM=head_dim, DOT_PREC=prec,
+            num_warps=kw, num_stages=kst, ATOMIC_DQ=atomic_dq,
+        )
+    if atomic_dq:
+        return _sum_shared_heads(dqa.mul_(scale), q_heads).to(q.dtype)
     return _sum_shared_heads(dq, q_heads)
 
 

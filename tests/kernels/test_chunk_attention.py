@@ -102,6 +102,28 @@ def test_rat_block_and_compact_agree():
     torch.testing.assert_close(block, compact, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("batch,seq,heads,head_dim,D", [c[:5] for c in BLOCK_CASES if c[5] == 0 and c[6] == 0])
+def test_block_end_atomic_dq(monkeypatch, batch, seq, heads, head_dim, D):
+    """ATOMIC_DQ (dQ of the ends added by the dK/dV kernel with float32 atomics, the own pair's by
+    the row-wise kernel): the same gradients as the reference, with shared q heads and the gate too;
+    window / sink geometries keep the dQ kernel."""
+    from hf_hybrid.kernels.chunk_attention import triton as kernels
+
+    monkeypatch.setattr(kernels, "ATOMIC_DQ", True)
+    inputs = [_randn(batch, seq, heads, head_dim, seed=i) for i in range(3)]
+    weight = _randn(batch, seq, heads, head_dim, seed=9)
+    ref = _grads(lambda q, k, v: block_end_attention_reference(q.double(), k.double(), v.double(), D), inputs, weight)
+    out = _grads(lambda q, k, v: block_end_attention(q, k, v, D, backend="triton"), inputs, weight)
+    _assert_close(out, ref, ["out", "dq", "dk", "dv"], atol=2e-5, rtol=2e-5)
+    q = _randn(batch, seq, 1, head_dim, seed=4)  # one q head shared by every head, and the output gate
+    k, v, gate = (_randn(batch, seq, 2, head_dim, seed=s) for s in (5, 6, 7))
+    weight = _randn(batch, seq, 2, head_dim, seed=8)
+    got = _grads(lambda q, k, v, g: block_end_attention(q, k, v, D, backend="triton", output_gate=g), [q, k, v, gate], weight)
+    want = _grads(lambda q, k, v, g: block_end_attention(q.repeat(1, 1, 2, 1).double(), k.double(), v.double(), D,
+                                                         backend="reference", output_gate=g.double()), [q, k, v, gate], weight)
+    _assert_close(got, want, ["out", "dq", "dk", "dv", "dgate"], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("D,W,S", [(4, 0, 0), (5, 3, 2)])
 def test_block_end_shared_query_heads(backend, D, W, S):
