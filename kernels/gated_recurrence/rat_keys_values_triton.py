@@ -65,6 +65,19 @@ def _store_group_sums(DK_ROW, x1, x2, heads, cols, in_seq, GROUPS: tl.constexpr,
 
 
 @triton.jit
+def _head_tile(BIAS, heads, cols, GROUPS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+    """For a [heads, cols] tile: the mask of real heads, the first-half element offsets within a
+    token row of v / the logits (first) and of k's groups (k_first, head h reads group h % GROUPS),
+    and the gate bias of both halves in float32."""
+    head_ok = (heads < HEADS)[:, None] & (cols >= 0)
+    first = heads[:, None] * D + cols
+    k_first = (heads % GROUPS)[:, None] * D + cols
+    bias1 = tl.load(BIAS + first, mask=head_ok, other=0.0).to(tl.float32)
+    bias2 = tl.load(BIAS + first + HALF, mask=head_ok, other=0.0).to(tl.float32)
+    return head_ok, first, k_first, bias1, bias2
+
+
+@triton.jit
 def _fwd_kernel(
     K, V, LOGIT, BIAS, COS, SIN, KROT, VT,
     T, n_chunks, sk_b, sk_t, sc_b, sc_t,
@@ -78,11 +91,7 @@ def _fwd_kernel(
     t0 = (tl.program_id(0) % n_chunks) * L
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, HALF)[None, :]
-    head_ok = (heads < HEADS)[:, None] & (cols >= 0)
-    first = heads[:, None] * D + cols  # first-half element offsets of these heads within a token row
-    k_first = (heads % GROUPS)[:, None] * D + cols
-    bias1 = tl.load(BIAS + first, mask=head_ok, other=0.0).to(tl.float32)
-    bias2 = tl.load(BIAS + first + HALF, mask=head_ok, other=0.0).to(tl.float32)
+    head_ok, first, k_first, bias1, bias2 = _head_tile(BIAS, heads, cols, GROUPS, HEADS, D, HALF)
     hk1 = tl.zeros([BLOCK_H, HALF], tl.float32)
     hk2 = hk1
     hv1 = hk1
@@ -123,11 +132,7 @@ def _bwd_kernel(
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cols = offs_d[None, :]
-    head_ok = (heads < HEADS)[:, None] & (cols >= 0)
-    first = heads[:, None] * D + cols
-    k_first = (heads % GROUPS)[:, None] * D + cols
-    bias1 = tl.load(BIAS + first, mask=head_ok, other=0.0).to(tl.float32)
-    bias2 = tl.load(BIAS + first + HALF, mask=head_ok, other=0.0).to(tl.float32)
+    head_ok, first, k_first, bias1, bias2 = _head_tile(BIAS, heads, cols, GROUPS, HEADS, D, HALF)
     ck1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     ck2 = ck1
     cv1 = ck1
