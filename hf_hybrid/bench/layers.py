@@ -8,7 +8,9 @@ of the same width (hidden 2048, 16 heads x 128, bf16).
   plain baseline); RAT uses the package's own RatLayerCache (chunk ends + recurrent state).
 
 Extra RAT rows: ``rat_layer_unfused`` is the same layer with ``fused_gates=False`` (gate, both
-recurrences and the RoPE of k~ op by op instead of in one kernel, the default); ``rat_gemm_floor``
+recurrences and the RoPE of k~ op by op instead of in one kernel, the default);
+``rat_layer_atomic_dq`` (fwd+bwd) runs the attention backward with ATOMIC_DQ (dQ from the dK/dV
+kernel's atomics, kernels/chunk_attention/triton.py; off by default until it wins); ``rat_gemm_floor``
 is its six projections alone (the bound on any layer ratio). The decode step of ``rat_layer`` is
 the one-kernel step (kernels/chunk_attention/rat_decode_triton.py).
 
@@ -122,6 +124,23 @@ def rat_layer_builder(config: BenchConfig, batch: int, seq: int, backward: bool,
     return build
 
 
+def with_atomic_dq(builder):
+    """The builder's step with the chunk attention's ATOMIC_DQ switched on for its duration."""
+    def build():
+        from ..kernels.chunk_attention import triton as attention
+
+        step = builder()
+
+        def run():
+            previous, attention.ATOMIC_DQ = attention.ATOMIC_DQ, True
+            try:
+                step()
+            finally:
+                attention.ATOMIC_DQ = previous
+        return run
+    return build
+
+
 def rat_gemm_floor_builder(config: BenchConfig, batch: int, seq: int, backward: bool):
     """The RAT layer's six projections alone (q, k, v, forget gate, output gate, o; no recurrence,
     no attention, no element-wise work): a lower bound on the RAT layer's time, so the best
@@ -229,6 +248,7 @@ def cases(config: BenchConfig) -> list[Case]:
             "sdpa_layer": sdpa_layer_builder(config, batch, seq, backward=True),
             "rat_layer": rat_layer_builder(config, batch, seq, backward=True),
             "rat_layer_unfused": rat_layer_builder(config, batch, seq, backward=True, fused_gates=False),
+            "rat_layer_atomic_dq": with_atomic_dq(rat_layer_builder(config, batch, seq, backward=True)),
             "rat_gemm_floor": rat_gemm_floor_builder(config, batch, seq, backward=True),
         }))
     for seq in prefill_seqs:

@@ -21,9 +21,10 @@ log-sum-exp merge pass exists. Scores use exp2 with log2(e) folded into the scal
 row statistic is the log2-domain log-sum-exp.
 
 Backward: a row-wise kernel computes delta = rowsum(dO * O) and the own pair's gradients, a
-query-centric kernel computes dQ, key-centric kernels
-compute dK/dV of window keys and of the ends/sinks, each written by exactly one program
-(later launches add to what earlier ones wrote; no atomics).
+query-centric kernel computes dQ, key-centric kernels compute dK/dV of window keys and of the
+ends/sinks, each written by exactly one program (later launches add to what earlier ones wrote;
+no atomics). With ATOMIC_DQ (RAT's geometry only) the dQ kernel is skipped: the ends' kernel adds
+dS k to a float32 dQ with atomics.
 
 Output gate (RAT's z): the forward writes sigmoid(z) * O, and O itself when a backward will
 follow; the row-wise backward kernel turns dY into dO = dY sigmoid(z) and dZ, so the gate costs
