@@ -75,7 +75,8 @@ def _check(op, k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin) -> None
 
 
 def triton_supports(v: torch.Tensor, chunk_size: int) -> bool:
-    """The kernel holds one chunk as a [L, D/2] tile: L and D/2 powers of two (L <= 128)."""
+    """Shapes the kernels are built and tested for: D/2 a power of two in [8, 128] (column tiles of
+    each half), L a power of two <= 128 (both kernels unroll a chunk's L token steps)."""
     dim = v.shape[-1]
     half = dim // 2
     return (
