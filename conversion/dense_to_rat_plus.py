@@ -22,20 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from ..models.rat_plus import RatPlusConfig, RatPlusForCausalLM
 from ..sparse import SparseInferenceConfig
+from .checkpoint_io import copy_side_files, load_state
 
 DEFAULT_GATE_LOGIT = -20.0
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-_SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
-)
 
 
 def _rope_theta(llama: dict) -> float:
@@ -104,25 +99,6 @@ def convert_state_dict(llama_state: dict[str, torch.Tensor], config: RatPlusConf
     return state
 
 
-def load_llama_state(src: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (safetensors, sharded or not, or pytorch_model.bin)."""
-    from safetensors.torch import load_file
-
-    for index_name, loader in (("model.safetensors.index.json", load_file), ("pytorch_model.bin.index.json", None)):
-        index = src / index_name
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            state = {}
-            for file in files:
-                state.update(load_file(src / file) if loader else torch.load(src / file, map_location="cpu", weights_only=True))
-            return state
-    if (src / "model.safetensors").exists():
-        return load_file(src / "model.safetensors")
-    if (src / "pytorch_model.bin").exists():
-        return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no weights in {src}: expected one of {_WEIGHT_FILES}.")
-
-
 def convert_llama_checkpoint(
     src: str | Path,
     dst: str | Path | None = None,
@@ -140,7 +116,7 @@ def convert_llama_checkpoint(
     if not config_path.exists():
         raise FileNotFoundError(f"{config_path} not found: SRC must be a LlamaForCausalLM directory (save_pretrained output).")
     config = config_from_llama(json.loads(config_path.read_text()), **config_overrides)
-    llama_state = load_llama_state(src)
+    llama_state = load_state(src)
     source_dtype = next(iter(llama_state.values())).dtype
     target = source_dtype if dtype == "source" else getattr(torch, dtype)
     state = convert_state_dict(llama_state, config, gate_logit)
@@ -155,9 +131,7 @@ def convert_llama_checkpoint(
     if dst is not None:
         dst = Path(dst)
         model.save_pretrained(dst)
-        for name in _SIDE_FILES:
-            if (src / name).exists():
-                shutil.copy2(src / name, dst / name)
+        copy_side_files(src, dst)
     return model
 
 

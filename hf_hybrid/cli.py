@@ -8,7 +8,7 @@ import sys
 # command -> (module, function taking argv, one-line help)
 COMMANDS = {
     "demo": ("hf_hybrid.demo", "main", "train, save, reload and compare tiny models of every architecture on generated recall + language data"),
-    "convert": ("hf_hybrid.conversion.dense_to_rat_plus", "main_convert", "convert dense-to-rat-plus SRC DST: Llama checkpoint -> RAT+"),
+    "convert": ("hf_hybrid.conversion.cli", "main", "convert dense-to-rat-plus SRC DST (Llama -> RAT+) | convert fox SRC DST [--to fla|official]"),
     "adapt": ("hf_hybrid.adapt", "main_adapt", "resolution adaptation of a RAT+ checkpoint (joint objective, Trainer)"),
     "bench": ("hf_hybrid.bench.__main__", "main", "op / layer / model benchmarks vs SDPA on the GPU (table, JSON, PNG)"),
     "eval": ("hf_hybrid.eval.cli", "main", "per-token loss / perplexity vs context length and needle heatmaps for saved models"),

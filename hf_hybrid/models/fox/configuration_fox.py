@@ -12,6 +12,12 @@ FOX_FORGET_GATES = ("data_dependent", "data_independent", "fixed", "none")
 
 class FoxConfig(PretrainedConfig):
     r"""
+    Attention implementation: Forgetting Attention has no plain softmax form (the forget gates'
+    decay bias c_i - c_j is added inside the kernel's tile loop), so it runs its own kernels whatever
+    ``attn_implementation`` says; every implementation transformers accepts (``"eager"``,
+    ``"sdpa"``, ``"flex_attention"``, ``"flash_attention_2"``) is accepted and changes nothing, and
+    ``output_attentions`` gives None for every layer.
+
     Args:
         block_type (`str`, defaults to ``"pro"``): ``"llama"`` (LLaMA block with RoPE replaced by the
             forget gate) or ``"pro"`` (QK-norm, KV-shift, output gate and per-head output RMSNorm,
@@ -26,6 +32,9 @@ class FoxConfig(PretrainedConfig):
         use_rope (`bool`, defaults to False): FoX needs no positional embedding; True adds RoPE with
             ``rope_theta`` (500000, the paper's Transformer baseline).
         num_key_value_heads (`int`, defaults to num_attention_heads): grouped-query attention.
+        qk_norm_eps (`float`, defaults to ``rms_norm_eps``): epsilon of the per-head QK-norm (the
+            official FoX code and FLA use 1e-5 there and ``norm_eps`` elsewhere; checkpoints
+            converted from them keep both).
         kernel_backend (`str`, defaults to ``"auto"``): Forgetting Attention backend (``"auto"``:
             Triton on CUDA, reference on CPU; ``"reference"``; ``"triton"``).
     """
@@ -54,6 +63,7 @@ class FoxConfig(PretrainedConfig):
         rope_theta: float = 500000.0,
         max_position_embeddings: int = 16384,
         rms_norm_eps: float = 1e-6,
+        qk_norm_eps: float | None = None,
         initializer_range: float = 0.02,
         use_cache: bool = True,
         tie_word_embeddings: bool = False,
@@ -101,6 +111,7 @@ class FoxConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
+        self.qk_norm_eps = rms_norm_eps if qk_norm_eps is None else float(qk_norm_eps)
         self.initializer_range = initializer_range
         self.use_cache = use_cache
         self.kernel_backend = kernel_backend
