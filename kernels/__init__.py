@@ -8,22 +8,29 @@ from __future__ import annotations
 # Python can find this folder as a top-level `kernels` when run from a checkout's root, where
 # transformers probes for Hugging Face's own `kernels` package: stay an empty shell then.
 if __name__ != "kernels":
+    from .causal_conv1d import causal_conv1d, causal_conv1d_step
     from .chunk_attention import block_end_attention, chunk_end_attention
     from .forgetting_attention import forgetting_attention, forgetting_attention_with_cache
     from .gated_recurrence import gated_recurrence
     from .residual_linear_attention import residual_linear_attention, residual_linear_attention_decode, sliding_window_attention
     from .span_expanded_attention import span_expanded_attention
+    from .ssd_scan import mamba2_decode_step, ssd_scan, ssd_step
     from .topk_block_attention import topk_block_attention
 
 __all__ = [
     "block_end_attention",
+    "causal_conv1d",
+    "causal_conv1d_step",
     "chunk_end_attention",
     "forgetting_attention",
     "forgetting_attention_with_cache",
     "gated_recurrence",
+    "mamba2_decode_step",
     "residual_linear_attention",
     "residual_linear_attention_decode",
     "sliding_window_attention",
     "span_expanded_attention",
+    "ssd_scan",
+    "ssd_step",
     "topk_block_attention",
 ]

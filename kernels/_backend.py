@@ -9,7 +9,6 @@ Each public op takes ``backend=`` with one of:
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -17,14 +16,20 @@ import torch
 BACKENDS = ("auto", "reference", "triton")
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON_IMPORTS: list[bool] = []  # filled on the first call
+
+
+@torch.compiler.assume_constant_result  # fixed per process: torch.compile takes the value, traces nothing
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken driver probe on exotic machines
-        return False
-    return True
+    if not _TRITON_IMPORTS:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _TRITON_IMPORTS.append(True)
+        except Exception:  # ImportError, or a broken driver probe on exotic machines
+            _TRITON_IMPORTS.append(False)
+    return _TRITON_IMPORTS[0]
 
 
 def triton_interpreting() -> bool:

@@ -56,3 +56,18 @@ def test_modules_are_called_when_their_forward_is_not_plain_linear():
     assert torch.equal(project_shared_input(x, with_bias)[0], with_bias[0](x))
     with torch.no_grad():  # inference: the plain modules (nothing to sum)
         assert project_shared_input(x, _projections())[0].grad_fn is None
+
+
+def test_autocast_takes_the_modules_path_with_consistent_dtypes():
+    """Under autocast (Trainer's bf16=True) the projections run as modules: the summed-gradient
+    Function would mix autocast's bf16 gradients with its saved fp32 weights in the backward."""
+    from hf_hybrid.layers.projections import project_shared_input
+
+    torch.manual_seed(0)
+    projections = tuple(torch.nn.Linear(16, 8, bias=False) for _ in range(3))
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = project_shared_input(x, projections)
+        assert all(o.dtype == torch.bfloat16 for o in outs)
+        sum(o.float().sum() for o in outs).backward()
+    assert x.grad.dtype == torch.float32 and all(p.weight.grad.dtype == torch.float32 for p in projections)

@@ -48,10 +48,13 @@ def _plain_linear(module: nn.Module) -> bool:
 
 def project_shared_input(x: torch.Tensor, projections: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     """(proj(x) for proj in projections), with the summed-input-gradient backward above when a
-    gradient is being recorded and every projection is a plain bias-free nn.Linear; otherwise the
-    modules are called as usual (inference, LoRA, quantisation, hooks)."""
+    gradient is being recorded, autocast is off and every projection is a plain bias-free nn.Linear;
+    otherwise the modules are called as usual (inference, autocast, LoRA, quantisation, hooks)."""
     weights = [getattr(p, "weight", None) for p in projections]
     recording = torch.is_grad_enabled() and (x.requires_grad or any(w is not None and w.requires_grad for w in weights))
-    if recording and all(_plain_linear(p) for p in projections):
+    # Under autocast the GEMMs' dtypes are autocast's to choose: the Function's own backward would
+    # mix the casted gradients with the saved full-precision weights.
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if recording and not autocast and all(_plain_linear(p) for p in projections):
         return _SharedInputLinear.apply(x, *weights)
     return tuple(p(x) for p in projections)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad, optional, placeholder
 from ..gated_recurrence.rat_keys_values import expand_groups
 from ..output_gate import sigmoid_gate_reference
 from .reference import (
@@ -24,6 +25,7 @@ __all__ = [
     "chunk_end_mask",
     "chunk_ends",
     "query_chunk_index",
+    "rat_decode_step",
 ]
 
 
@@ -34,6 +36,14 @@ def _triton_fits(q: torch.Tensor) -> bool:
     """Shapes the Triton kernels take: head_dim a power of two in [16, 256], a float dtype."""
     head_dim = q.shape[-1]
     return q.dtype in _TRITON_DTYPES and 16 <= head_dim <= 256 and not head_dim & (head_dim - 1)
+
+
+def _check_triton_head_dim(op: str, q: torch.Tensor) -> None:
+    head_dim = q.shape[-1]
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"{op}: the Triton kernel needs head_dim a power of two in [16, 256], got {head_dim}; pass backend='reference'."
+        )
 
 
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -92,16 +102,13 @@ def chunk_end_attention(
         raise ValueError(f"chunk_end_attention: query_chunk must be [batch, seq] = {tuple(q.shape[:2])}, got {tuple(query_chunk.shape)}.")
     impl = resolve_backend(backend, q.device, "chunk_end_attention")
     if impl == "triton" and (backend == "triton" or _triton_fits(q)):
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k_own, v_own, k_ends, v_ends)
-        )
-        if q.shape[1] == 1 and not needs_grad:
-            from .decode import chunk_end_decode_triton
-
-            return chunk_end_decode_triton(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
-        from .triton import chunk_end_attention_triton
-
-        return chunk_end_attention_triton(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
+        _check_triton_head_dim("chunk_end_attention", q)
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        if q.shape[1] == 0:
+            return q.clone()
+        if q.shape[1] == 1 and not needs_grad(q, k_own, v_own, k_ends, v_ends):
+            return chunk_end_decode(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
+        return chunk_end_attention_fwd(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)[0]
     return chunk_end_attention_reference(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
 
 
@@ -134,10 +141,202 @@ def block_end_attention(
         )
     impl = resolve_backend(backend, q.device, "block_end_attention")
     if impl == "triton" and (backend == "triton" or _triton_fits(q)):
-        from .triton import block_end_attention_triton
-
-        return block_end_attention_triton(q, k, v, block_size, local_window, num_sink_tokens, scale, output_gate)
+        _check_triton_head_dim("block_end_attention", q)
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        if q.shape[1] == 0:
+            return q.new_empty(k.shape)
+        store_ungated = output_gate is not None and needs_grad(q, k, v, output_gate)
+        return block_end_attention_fwd(
+            q, k, v, output_gate, int(block_size), int(local_window), int(num_sink_tokens), scale, store_ungated
+        )[0]
     if grouped:
         q = expand_groups(q, k.shape[2])
     out = block_end_attention_reference(q, k, v, block_size, local_window, num_sink_tokens, scale)
     return out if output_gate is None else sigmoid_gate_reference(output_gate, out)
+
+
+# ---------------------------------------------------------------- custom ops (see .._custom_ops)
+
+
+def _block_geometry(seq: int, block_size: int, local_window: int, num_sink_tokens: int):
+    from .triton import _Geometry
+
+    return _Geometry(False, seq // block_size, block_size, local_window, num_sink_tokens, num_sink_tokens // block_size)
+
+
+def _attention_fakes(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, T, heads, D] in q's dtype and the float32 log-sum-exp [B, heads, T]."""
+    batch, seq, heads, head_dim = q.shape[0], q.shape[1], k.shape[2], q.shape[3]
+    out = torch.empty(batch, seq, heads, head_dim, dtype=q.dtype, device=q.device)
+    return out, torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+
+
+@kernel_op("block_end_attention_fwd")
+def block_end_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output_gate: torch.Tensor | None,
+    block_size: int, local_window: int, num_sink_tokens: int, scale: float, store_ungated: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, ungated attention or a placeholder): the ungated attention is written next to the
+    gated output only for a gated backward (``store_ungated``)."""
+    from .triton import _BlockEndAttention
+
+    ctx = KernelContext(needs_input_grad=(store_ungated,))
+    out = _BlockEndAttention.forward(ctx, q, k, v, block_size, local_window, num_sink_tokens, scale, output_gate)
+    saved_out, lse = ctx.saved_tensors[3:5]
+    return out, lse, saved_out if output_gate is not None and store_ungated else placeholder(q)
+
+
+@block_end_attention_fwd.register_fake
+def _(q, k, v, output_gate, block_size, local_window, num_sink_tokens, scale, store_ungated):
+    out, lse = _attention_fakes(q, k)
+    ungated = torch.empty_like(out) if output_gate is not None and store_ungated else placeholder(q)
+    return out, lse, ungated
+
+
+@kernel_op("block_end_attention_bwd")
+def block_end_attention_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output_gate: torch.Tensor | None, out: torch.Tensor,
+    lse: torch.Tensor, dout: torch.Tensor, block_size: int, local_window: int, num_sink_tokens: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d output_gate or a placeholder); ``out``: the ungated attention when gated."""
+    from .triton import _BlockEndAttention, _last_dim_contiguous
+
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    saved = (q, k, v, out, lse) + (() if output_gate is None else (_last_dim_contiguous(output_gate),))
+    geo = _block_geometry(q.shape[1], block_size, local_window, num_sink_tokens)
+    grads = _BlockEndAttention.backward(KernelContext(saved, geo=geo, scale=scale), dout)
+    dgate = grads[-1]
+    return grads[0], grads[1], grads[2], placeholder(q) if dgate is None else dgate
+
+
+@block_end_attention_bwd.register_fake
+def _(q, k, v, output_gate, out, lse, dout, block_size, local_window, num_sink_tokens, scale):
+    return fake_like(q, k, v, output_gate)
+
+
+def _block_end_setup(ctx, inputs, output):
+    q, k, v, gate, block_size, local_window, num_sink_tokens, scale, store_ungated = inputs
+    out, lse, ungated = output
+    ctx.save_for_backward(q, k, v, gate, out if gate is None else ungated, lse)
+    ctx.args = (block_size, local_window, num_sink_tokens, scale)
+
+
+def _block_end_backward(ctx, dout, _dlse, _dungated):
+    q, k, v, gate, out, lse = ctx.saved_tensors
+    dq, dk, dv, dgate = block_end_attention_bwd(q, k, v, gate, out, lse, dout, *ctx.args)
+    return dq, dk, dv, optional(dgate, gate is not None), None, None, None, None, None
+
+
+block_end_attention_fwd.register_autograd(_block_end_backward, setup_context=_block_end_setup)
+
+
+def _chunk_end_inputs(q, k_own, v_own, k_ends, v_ends, query_chunk):
+    from .triton import _last_dim_contiguous
+
+    tensors = tuple(_last_dim_contiguous(t) for t in (q, k_own, v_own, k_ends, v_ends))
+    return tensors + (query_chunk.to(torch.int32).contiguous(),)
+
+
+@kernel_op("chunk_end_attention_fwd")
+def chunk_end_attention_fwd(
+    q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k_ends: torch.Tensor, v_ends: torch.Tensor,
+    query_chunk: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the compact form (T x C scores)."""
+    from .triton import _ChunkEndAttention
+
+    ctx = KernelContext()
+    out = _ChunkEndAttention.forward(ctx, q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
+    return out, ctx.saved_tensors[7]
+
+
+@chunk_end_attention_fwd.register_fake
+def _(q, k_own, v_own, k_ends, v_ends, query_chunk, scale):
+    return _attention_fakes(q, k_own)
+
+
+@kernel_op("chunk_end_attention_bwd")
+def chunk_end_attention_bwd(
+    q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k_ends: torch.Tensor, v_ends: torch.Tensor,
+    query_chunk: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton import _ChunkEndAttention, _Geometry
+
+    saved = _chunk_end_inputs(q, k_own, v_own, k_ends, v_ends, query_chunk) + (out, lse)
+    geo = _Geometry(True, k_ends.shape[1], 1, 0, 0, 0)
+    return _ChunkEndAttention.backward(KernelContext(saved, geo=geo, scale=scale), dout)[:5]
+
+
+@chunk_end_attention_bwd.register_fake
+def _(q, k_own, v_own, k_ends, v_ends, query_chunk, out, lse, dout, scale):
+    dq, dk_own, dv_own, dk_ends, dv_ends = fake_like(q, k_own, v_own, k_ends, v_ends)
+    return dq.new_empty(out.shape), dk_own.new_empty(q.shape), dv_own.new_empty(q.shape), dk_ends, dv_ends
+
+
+def _chunk_end_setup(ctx, inputs, output):
+    *tensors, scale = inputs
+    ctx.save_for_backward(*tensors, *output)
+    ctx.scale = scale
+
+
+def _chunk_end_backward(ctx, dout, _dlse):
+    grads = chunk_end_attention_bwd(*ctx.saved_tensors, dout, ctx.scale)
+    return (*grads, None, None)
+
+
+chunk_end_attention_fwd.register_autograd(_chunk_end_backward, setup_context=_chunk_end_setup)
+
+
+@kernel_op("chunk_end_decode")
+def chunk_end_decode(
+    q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k_ends: torch.Tensor, v_ends: torch.Tensor,
+    query_chunk: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per row against a cache's chunk ends (the streaming decode kernel); no gradient."""
+    from .decode import chunk_end_decode_triton
+
+    return chunk_end_decode_triton(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
+
+
+@chunk_end_decode.register_fake
+def _(q, k_own, v_own, k_ends, v_ends, query_chunk, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+
+def rat_decode_step(
+    q_groups: torch.Tensor, k_groups: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor,
+    gate_bias: torch.Tensor, state_key: torch.Tensor, state_value: torch.Tensor, position: torch.Tensor,
+    chunk_size: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, key_buffer: torch.Tensor,
+    value_buffer: torch.Tensor, scale: float | None = None,
+) -> torch.Tensor:
+    """RAT's whole decode step in one Triton kernel (rat_decode.py states it); writes the new state
+    and the token's chunk-end slot into state_key / state_value / key_buffer / value_buffer in place
+    and returns y [B, 1, H, D]. Not differentiable."""
+    cos, sin = cos_sin if cos_sin is not None else (None, None)
+    return rat_decode_step_op(
+        q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, int(chunk_size), cos, sin,
+        key_buffer, value_buffer, scale,
+    )
+
+
+@kernel_op("rat_decode_step", mutates_args=("state_key", "state_value", "key_buffer", "value_buffer"))
+def rat_decode_step_op(
+    q_groups: torch.Tensor, k_groups: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor,
+    gate_bias: torch.Tensor, state_key: torch.Tensor, state_value: torch.Tensor, position: torch.Tensor,
+    chunk_size: int, cos: torch.Tensor | None, sin: torch.Tensor | None, key_buffer: torch.Tensor,
+    value_buffer: torch.Tensor, scale: float | None,
+) -> torch.Tensor:
+    from .rat_decode_triton import rat_decode_step_triton
+
+    cos_sin = (cos, sin) if cos is not None else None
+    return rat_decode_step_triton(
+        q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, chunk_size, cos_sin,
+        key_buffer, value_buffer, scale,
+    )
+
+
+@rat_decode_step_op.register_fake
+def _(q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, chunk_size, cos, sin,
+      key_buffer, value_buffer, scale):
+    return torch.empty(v.shape, dtype=v.dtype, device=v.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._custom_ops import KernelContext, fake_like, kernel_op
 from .decode import (
     forgetting_attention_with_cache_reference,
     forgetting_attention_with_cache_sdpa,
@@ -55,6 +56,14 @@ def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         )
 
 
+def _check_cu_seqlens_values(cu_seqlens: torch.Tensor, seq: int) -> None:
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(
+            f"{_OP}: cu_seqlens must start at 0, never decrease and end at the sequence length {seq}; "
+            f"got {cu_seqlens.tolist()}."
+        )
+
+
 def _check_window(op: str, window_size) -> None:
     if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
         raise ValueError(f"{op}: window_size must be None or an int >= 1 (tokens, self included); got {window_size!r}.")
@@ -95,11 +104,8 @@ def forgetting_attention(
             raise ValueError(f"{_OP}: cu_seqlens needs packed inputs with batch 1; got batch {q.shape[0]}.")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
             raise ValueError(f"{_OP}: cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[1] or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-            raise ValueError(
-                f"{_OP}: cu_seqlens must start at 0, never decrease and end at the sequence length {q.shape[1]}; "
-                f"got {cu_seqlens.tolist()}."
-            )
+        if not torch.compiler.is_compiling():  # a host sync; compiled, the Triton op checks it when it runs
+            _check_cu_seqlens_values(cu_seqlens, q.shape[1])
     impl = resolve_backend(backend, q.device, _OP)
     triton_ok = q.shape[3] in _TRITON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
     if backend == "auto" and not triton_ok:
@@ -114,11 +120,9 @@ def forgetting_attention(
             raise ValueError(f"{_OP}: q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}.")
         if q.shape[1] == 0:
             return torch.empty_like(q)
-        from .triton import forgetting_attention_triton
-
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         c_by_head = cumulative_log_forget_by_head(log_f, cu_seqlens)
-        return forgetting_attention_triton(q, k, v, c_by_head, scale, window_size, cu_seqlens)
+        return forgetting_attention_fwd(q, k, v, c_by_head, cu_seqlens, scale, window_size)[0]
     return forgetting_attention_reference(q, k, v, log_f, scale, window_size, cu_seqlens)
 
 
@@ -161,3 +165,71 @@ def forgetting_attention_with_cache(
         impl = "sdpa"
     fn = forgetting_attention_with_cache_sdpa if impl == "sdpa" else forgetting_attention_with_cache_reference
     return fn(q, k, v, c_q, c_k, key_mask, scale, window_size)
+
+
+# ---------------------------------------------------------------- custom ops (see .._custom_ops)
+
+
+def _packing(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(int32 sequence boundaries, longest sequence): dense rows are B packed sequences of T."""
+    b, t = q.shape[:2]
+    if cu_seqlens is None:
+        return torch.arange(0, (b + 1) * t, t, device=q.device, dtype=torch.int32), t
+    _check_cu_seqlens_values(cu_seqlens, t)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+@kernel_op("forgetting_attention_fwd")
+def forgetting_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c_by_head: torch.Tensor, cu_seqlens: torch.Tensor | None,
+    scale: float, window_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, T, HQ, D], lse [HQ, B * T] float32); c_by_head [HQ, B * T] the cumulative log forget."""
+    from .triton import _ForgettingAttention
+
+    cu, max_len = _packing(q, cu_seqlens)
+    ctx = KernelContext()
+    tensors = (t.contiguous() for t in (q, k, v, c_by_head))
+    o = _ForgettingAttention.forward(ctx, *tensors, scale, window_size, cu, max_len)
+    return o, ctx.saved_tensors[5]
+
+
+@forgetting_attention_fwd.register_fake
+def _(q, k, v, c_by_head, cu_seqlens, scale, window_size):
+    b, t, hq, _ = q.shape
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(hq, b * t, dtype=torch.float32)
+
+
+@kernel_op("forgetting_attention_bwd")
+def forgetting_attention_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c_by_head: torch.Tensor, cu_seqlens: torch.Tensor | None,
+    o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, scale: float, window_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton import _ForgettingAttention
+
+    b, t, hq, d = q.shape
+    cu, max_len = _packing(q, cu_seqlens)
+    flat = tuple(x.contiguous().view(b * t, x.shape[2], d) for x in (q, k, v, o))
+    saved = (*flat[:3], c_by_head.contiguous(), flat[3], lse, cu)
+    ctx = KernelContext(saved, meta=(b, t, scale, window_size, max_len))
+    return _ForgettingAttention.backward(ctx, do)[:4]
+
+
+@forgetting_attention_bwd.register_fake
+def _(q, k, v, c_by_head, cu_seqlens, o, lse, do, scale, window_size):
+    return fake_like(q, k, v, c_by_head)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, c_by_head, cu_seqlens, scale, window_size = inputs
+    ctx.save_for_backward(q, k, v, c_by_head, cu_seqlens, *output)
+    ctx.args = (scale, window_size)
+
+
+def _backward(ctx, do, _dlse):
+    grads = forgetting_attention_bwd(*ctx.saved_tensors, do, *ctx.args)
+    return (*grads, None, None, None)
+
+
+forgetting_attention_fwd.register_autograd(_backward, setup_context=_setup)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._custom_ops import KernelContext, fake_like, kernel_op, optional, placeholder
 from .reference import (
     branch_norm_sum_reference,
     rms_norm_reference,
@@ -143,9 +144,9 @@ def rms_norm_rotary(
     _check_devices(op, x, weight=weight, cos=cos, sin=sin)
     if _pick_impl(op, backend, x, cos_sin) == "reference":
         return rms_norm_rotary_reference(x, weight, eps, cos_sin)
-    from .triton import rms_norm_rotary_triton
-
-    return rms_norm_rotary_triton(x, weight, eps, cos_sin)
+    if cos_sin is None:  # the norm alone: the one-branch norm kernel
+        return branch_norm_sum_fwd(x, weight, None, None, float(eps), float(eps))
+    return rms_norm_rotary_fwd(x, weight, cos, sin, float(eps))
 
 
 def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, *, backend: str = "auto") -> torch.Tensor:
@@ -161,9 +162,7 @@ def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, *
     _check_devices(op, x, cos=cos_sin[0], sin=cos_sin[1])
     if _pick_impl(op, backend, x, cos_sin) == "reference":
         return rotary_reference(x, cos_sin)
-    from .triton import rotary_triton
-
-    return rotary_triton(x, cos_sin)
+    return rms_norm_rotary_fwd(x, None, cos_sin[0], cos_sin[1], 0.0)
 
 
 def branch_norm_sum(
@@ -201,6 +200,127 @@ def branch_norm_sum(
     _check_devices(op, present, a=a, weight_a=weight_a, b=b, weight_b=weight_b)
     if _pick_impl(op, backend, present) == "reference":
         return branch_norm_sum_reference(a, weight_a, b, weight_b, eps)
-    from .triton import branch_norm_sum_triton
+    eps_a, eps_b = split_eps(eps)
+    if a is None:  # one branch: the kernel's first slot
+        a, weight_a, eps_a, b, weight_b = b, weight_b, eps_b, None, None
+    return branch_norm_sum_fwd(a, weight_a, b, weight_b, eps_a, eps_b)
 
-    return branch_norm_sum_triton(a, weight_a, b, weight_b, *split_eps(eps))
+
+# ---------------------------------------------------------------- custom ops (see .._custom_ops)
+
+
+def _rope_inputs(x, weight, cos, sin):
+    """What _RmsNormRotary's kernels read (and its forward saves): rows with a contiguous last dim,
+    the weight (x itself as the never-read placeholder without a norm), cos/sin per token."""
+    from .triton import _expand_rotary, _last_dim_contiguous
+
+    batch, seq, _, dim = x.shape
+    x = _last_dim_contiguous(x)
+    weight = weight.contiguous() if weight is not None else x
+    return x, weight, _expand_rotary(cos, batch, seq, dim), _expand_rotary(sin, batch, seq, dim)
+
+
+@kernel_op("rms_norm_rotary_fwd")
+def rms_norm_rotary_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RoPE(RMSNorm(x)) with weight, RoPE(x) with weight None."""
+    from .triton import _RmsNormRotary
+
+    return _RmsNormRotary.forward(KernelContext(), x, weight, cos, sin, eps, {})
+
+
+@rms_norm_rotary_fwd.register_fake
+def _(x, weight, cos, sin, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@kernel_op("rms_norm_rotary_bwd")
+def rms_norm_rotary_bwd(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, dy: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton import _RmsNormRotary
+
+    ctx = KernelContext(_rope_inputs(x, weight, cos, sin), eps=eps, tune={}, has_norm=weight is not None)
+    dx, dweight = _RmsNormRotary.backward(ctx, dy)[:2]
+    return dx, placeholder(x) if dweight is None else dweight
+
+
+@rms_norm_rotary_bwd.register_fake
+def _(x, weight, cos, sin, dy, eps):
+    return fake_like(x, weight)
+
+
+def _rope_setup(ctx, inputs, output):
+    x, weight, cos, sin, eps = inputs
+    ctx.save_for_backward(x, weight, cos, sin)
+    ctx.eps = eps
+
+
+def _rope_backward(ctx, dy):
+    x, weight, cos, sin = ctx.saved_tensors
+    dx, dweight = rms_norm_rotary_bwd(x, weight, cos, sin, dy, ctx.eps)
+    return dx, optional(dweight, weight is not None), None, None, None
+
+
+rms_norm_rotary_fwd.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+def _branch_inputs(a, weight_a, b, weight_b):
+    from .triton import _last_dim_contiguous
+
+    a, weight_a = _last_dim_contiguous(a), weight_a.contiguous()
+    if b is not None:
+        b, weight_b = _last_dim_contiguous(b), weight_b.contiguous()
+    return a, weight_a, b, weight_b
+
+
+@kernel_op("branch_norm_sum_fwd")
+def branch_norm_sum_fwd(
+    a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor | None, weight_b: torch.Tensor | None,
+    eps_a: float, eps_b: float,
+) -> torch.Tensor:
+    """RMSNorm_a(a) + RMSNorm_b(b); b (with weight_b) may be None: the norm of a alone."""
+    from .triton import _BranchNormSum
+
+    return _BranchNormSum.forward(KernelContext(), a, weight_a, b, weight_b, eps_a, eps_b, {})
+
+
+@branch_norm_sum_fwd.register_fake
+def _(a, weight_a, b, weight_b, eps_a, eps_b):
+    return torch.empty(a.shape, dtype=a.dtype, device=a.device)
+
+
+@kernel_op("branch_norm_sum_bwd")
+def branch_norm_sum_bwd(
+    a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor | None, weight_b: torch.Tensor | None,
+    dy: torch.Tensor, eps_a: float, eps_b: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton import _BranchNormSum
+
+    ctx = KernelContext(_branch_inputs(a, weight_a, b, weight_b), eps=(eps_a, eps_b), tune={})
+    da, dwa, db, dwb = _BranchNormSum.backward(ctx, dy)[:4]
+    if db is None:
+        db, dwb = placeholder(a), placeholder(a)
+    return da, dwa, db, dwb
+
+
+@branch_norm_sum_bwd.register_fake
+def _(a, weight_a, b, weight_b, dy, eps_a, eps_b):
+    return fake_like(a, weight_a, b, weight_b)
+
+
+def _branch_setup(ctx, inputs, output):
+    a, weight_a, b, weight_b, eps_a, eps_b = inputs
+    ctx.save_for_backward(a, weight_a, b, weight_b)
+    ctx.eps = (eps_a, eps_b)
+
+
+def _branch_backward(ctx, dy):
+    a, weight_a, b, weight_b = ctx.saved_tensors
+    da, dwa, db, dwb = branch_norm_sum_bwd(a, weight_a, b, weight_b, dy, *ctx.eps)
+    has_b = b is not None
+    return da, dwa, optional(db, has_b), optional(dwb, has_b), None, None
+
+
+branch_norm_sum_fwd.register_autograd(_branch_backward, setup_context=_branch_setup)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._custom_ops import KernelContext, fake_like, kernel_op, optional, placeholder
 from .rat_keys_values import rat_keys_values, rat_keys_values_reference
 from .reference import gated_recurrence_reference, gated_recurrence_scan
 
@@ -43,9 +44,126 @@ def gated_recurrence(
     if backend == "auto" and impl == "reference":
         impl = "scan"  # same function, vectorised: the loop is only the oracle
     if impl == "triton":
-        from .triton import gated_recurrence_triton
-
-        return gated_recurrence_triton(x, g, chunk_size, start_position, initial_state)
+        if x.dim() < 2:
+            raise ValueError(f"gated_recurrence: x must be [batch, seq, ...], got shape {tuple(x.shape)}.")
+        if x.numel() == 0:
+            return x.clone()
+        return gated_recurrence_fwd(x, g, int(chunk_size), int(start_position), initial_state)
     if impl == "reference":
         return gated_recurrence_reference(x, g, chunk_size, start_position, initial_state)
     return gated_recurrence_scan(x, g, chunk_size, start_position, initial_state)
+
+
+# ---------------------------------------------------------------- custom ops (see .._custom_ops)
+
+
+@kernel_op("gated_recurrence_fwd")
+def gated_recurrence_fwd(
+    x: torch.Tensor, g: torch.Tensor, chunk_size: int, start_position: int, initial_state: torch.Tensor | None
+) -> torch.Tensor:
+    from .triton import _GatedRecurrence
+
+    return _GatedRecurrence.forward(KernelContext(), x, g, chunk_size, start_position, initial_state)
+
+
+@gated_recurrence_fwd.register_fake
+def _(x, g, chunk_size, start_position, initial_state):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@kernel_op("gated_recurrence_bwd")
+def gated_recurrence_bwd(
+    x: torch.Tensor, g: torch.Tensor, h: torch.Tensor, initial_state: torch.Tensor | None, dh: torch.Tensor,
+    chunk_size: int, start_position: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton import _GatedRecurrence
+
+    batch, seq = x.shape[:2]
+    rows = (t.contiguous().view(batch, seq, -1) for t in (x, g, h))
+    init = initial_state.contiguous().view(batch, -1) if initial_state is not None else None
+    init_shape = initial_state is not None and initial_state.shape
+    ctx = KernelContext((*rows, init), config=(chunk_size, start_position, x.shape, init_shape))
+    dx, dg, _, _, dinit = _GatedRecurrence.backward(ctx, dh)
+    return dx, dg, placeholder(x) if dinit is None else dinit
+
+
+@gated_recurrence_bwd.register_fake
+def _(x, g, h, initial_state, dh, chunk_size, start_position):
+    return fake_like(x, g, initial_state)
+
+
+def _setup(ctx, inputs, output):
+    x, g, chunk_size, start_position, initial_state = inputs
+    ctx.save_for_backward(x, g, output, initial_state)
+    ctx.config = (chunk_size, start_position, initial_state is not None)
+
+
+def _backward(ctx, dh):
+    x, g, h, initial_state = ctx.saved_tensors
+    chunk_size, start_position, has_init = ctx.config
+    dx, dg, dinit = gated_recurrence_bwd(x, g, h, initial_state, dh, chunk_size, start_position)
+    return dx, dg, None, None, optional(dinit, has_init)
+
+
+gated_recurrence_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def _rat_kv_inputs(k_groups, v, gate_logits, gate_bias, cos, sin):
+    """What the kernels read: contiguous inputs, float32 RoPE tables (empty without RoPE)."""
+    tensors = tuple(t.contiguous() for t in (k_groups, v, gate_logits, gate_bias))
+    tables = tuple(t.float().contiguous() for t in (cos, sin)) if cos is not None else (v.new_empty(0), v.new_empty(0))
+    return tensors + tables
+
+
+@kernel_op("rat_keys_values_fwd")
+def rat_keys_values_fwd(
+    k_groups: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor, gate_bias: torch.Tensor,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_rot, v~) of :func:`rat_keys_values` (inputs checked there); cos/sin both or neither."""
+    from .rat_keys_values_triton import _RatKeysValues
+
+    inputs = _rat_kv_inputs(k_groups, v, gate_logits, gate_bias, cos, sin)
+    return _RatKeysValues.forward(KernelContext(), *inputs, chunk_size, cos is not None)
+
+
+@rat_keys_values_fwd.register_fake
+def _(k_groups, v, gate_logits, gate_bias, cos, sin, chunk_size):
+    return torch.empty(v.shape, dtype=k_groups.dtype, device=v.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
+
+
+@kernel_op("rat_keys_values_bwd")
+def rat_keys_values_bwd(
+    k_groups: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor, gate_bias: torch.Tensor,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, k_rot: torch.Tensor, v_tilde: torch.Tensor,
+    d_k_rot: torch.Tensor, d_v_tilde: torch.Tensor, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .rat_keys_values_triton import _RatKeysValues
+
+    inputs = _rat_kv_inputs(k_groups, v, gate_logits, gate_bias, cos, sin)
+    ctx = KernelContext((*inputs, k_rot.contiguous(), v_tilde.contiguous()), meta=(chunk_size, cos is not None))
+    return _RatKeysValues.backward(ctx, d_k_rot, d_v_tilde)[:4]
+
+
+@rat_keys_values_bwd.register_fake
+def _(k_groups, v, gate_logits, gate_bias, cos, sin, k_rot, v_tilde, d_k_rot, d_v_tilde, chunk_size):
+    return fake_like(k_groups, v, gate_logits, gate_bias)
+
+
+def _rat_kv_setup(ctx, inputs, output):
+    *tensors, chunk_size = inputs
+    ctx.save_for_backward(*tensors, *output)
+    ctx.chunk_size = chunk_size
+
+
+def _rat_kv_backward(ctx, d_k_rot, d_v_tilde):
+    k_groups, v, gate_logits, gate_bias, cos, sin, k_rot, v_tilde = ctx.saved_tensors
+    d_k_rot = torch.zeros_like(k_rot) if d_k_rot is None else d_k_rot
+    d_v_tilde = torch.zeros_like(v_tilde) if d_v_tilde is None else d_v_tilde
+    grads = rat_keys_values_bwd(
+        k_groups, v, gate_logits, gate_bias, cos, sin, k_rot, v_tilde, d_k_rot, d_v_tilde, ctx.chunk_size
+    )
+    return (*grads, None, None, None)
+
+
+rat_keys_values_fwd.register_autograd(_rat_kv_backward, setup_context=_rat_kv_setup)

@@ -112,6 +112,7 @@ def rat_keys_values(
         impl = "reference"
     if impl == "reference":
         return rat_keys_values_reference(k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin)
-    from .rat_keys_values_triton import rat_keys_values_triton
+    from . import rat_keys_values_fwd  # the torch.library op around the kernels (one node under torch.compile)
 
-    return rat_keys_values_triton(k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin)
+    cos, sin = cos_sin if cos_sin is not None else (None, None)
+    return rat_keys_values_fwd(k_groups, v, gate_logits, gate_bias, cos, sin, chunk_size)

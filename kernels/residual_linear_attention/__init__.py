@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend, triton_available
+from .._custom_ops import KernelContext, fake_like, kernel_op, optional, placeholder
 from .reference import (
     FEATURE_MAPS,
     feature_dim,
@@ -39,6 +40,7 @@ __all__ = [
 
 _OP = "residual_linear_attention"
 _TRITON_HEAD_DIMS = (16, 32, 64, 128)
+_TRITON_OPTIONS = ("chunk_size", "block_v", "state_every", "num_warps", "fuse_halves")
 
 
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -118,9 +120,12 @@ def residual_linear_attention(
             )
         if q.shape[1] == 0:
             return residual_linear_attention_chunked(q, k, v, window_size, feature_map, initial_state)
-        from .triton import residual_linear_attention_triton
-
-        return residual_linear_attention_triton(q, k, v, window_size, feature_map, initial_state, **triton_options)
+        unknown = set(triton_options) - set(_TRITON_OPTIONS)
+        if unknown:
+            raise TypeError(f"{_OP}: unknown Triton options {sorted(unknown)}; the options are {_TRITON_OPTIONS}.")
+        options = tuple(triton_options.get(name) for name in _TRITON_OPTIONS)
+        o, final, _ = residual_linear_attention_fwd(q, k, v, initial_state, window_size, feature_map, *options)
+        return o, final
     if impl == "reference":
         return residual_linear_attention_reference(q, k, v, window_size, feature_map, initial_state)
     return residual_linear_attention_chunked(q, k, v, window_size, feature_map, initial_state)
@@ -175,9 +180,9 @@ def residual_linear_attention_decode(
     if impl == "triton":
         if q.shape[-1] not in _TRITON_HEAD_DIMS:
             raise ValueError(f"{op}: the Triton kernel supports head_dim in {_TRITON_HEAD_DIMS}; got {q.shape[-1]}.")
-        from .triton import residual_linear_attention_decode_triton
-
-        return residual_linear_attention_decode_triton(q, state, k_leaving, v_leaving, leaving_mask, feature_map, inplace)
+        if inplace:
+            return residual_linear_attention_decode_inplace(q, state, k_leaving, v_leaving, leaving_mask, feature_map), state
+        return residual_linear_attention_decode_step(q, state, k_leaving, v_leaving, leaving_mask, feature_map)
     o, new_state = residual_linear_attention_decode_reference(q, state, k_leaving, v_leaving, leaving_mask, feature_map)
     if inplace and new_state is not state:
         state.copy_(new_state)
@@ -222,3 +227,115 @@ def sliding_window_attention(
     if impl == "sdpa" or window_size >= q.shape[1] - 1:
         return sliding_window_attention_sdpa(q, k, v, window_size, scale)
     return sliding_window_attention_flex(q, k, v, window_size, scale)
+
+
+# ---------------------------------------------------------------- custom ops (see .._custom_ops)
+
+
+def _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves):
+    from .triton import _check_tiling, _Plan
+
+    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    _check_tiling(plan)
+    return plan
+
+
+@kernel_op("residual_linear_attention_fwd")
+def residual_linear_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None, window_size: int,
+    feature_map: str, chunk_size: int | None, block_v: int | None, state_every: int | None,
+    num_warps: int | None, fuse_halves: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, final_state, the states stored every few chunks for the backward, or a placeholder)."""
+    from .triton import _ResidualLinearAttention
+
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    ctx = KernelContext()
+    o, final = _ResidualLinearAttention.forward(ctx, q, k, v, initial_state, plan)
+    states = ctx.saved_tensors[4]
+    return o, final, placeholder(final) if states is None else states
+
+
+@residual_linear_attention_fwd.register_fake
+def _(q, k, v, initial_state, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves):
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    state_shape = (q.shape[0], k.shape[2], plan.features, q.shape[3])
+    final = q.new_empty(state_shape, dtype=torch.float32)
+    states = q.new_empty((plan.nseg, *state_shape), dtype=torch.float32) if plan.nseg > 1 else placeholder(final)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), final, states
+
+
+@kernel_op("residual_linear_attention_bwd")
+def residual_linear_attention_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None, states: torch.Tensor,
+    do: torch.Tensor, dfinal: torch.Tensor | None, window_size: int, feature_map: str, chunk_size: int | None,
+    block_v: int | None, state_every: int | None, num_warps: int | None, fuse_halves: bool | None, need_ds0: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d initial_state or a placeholder); ``states``: the forward's third output."""
+    from .triton import _ResidualLinearAttention
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    saved = (q, k, v, initial_state, states if plan.nseg > 1 else None)
+    ctx = KernelContext(saved, needs_input_grad=(True, True, True, need_ds0), plan=plan, has_s0=initial_state is not None)
+    dq, dk, dv, ds0, _ = _ResidualLinearAttention.backward(ctx, do, dfinal)
+    return dq, dk, dv, placeholder(q) if ds0 is None else ds0
+
+
+@residual_linear_attention_bwd.register_fake
+def _(q, k, v, initial_state, states, do, dfinal, window_size, feature_map, chunk_size, block_v, state_every,
+      num_warps, fuse_halves, need_ds0):
+    dq, dk, dv, ds0 = fake_like(q, k, v, initial_state)
+    return dq, dk, dv, ds0 if need_ds0 and initial_state is not None else placeholder(q)
+
+
+def _rla_setup(ctx, inputs, output):
+    q, k, v, initial_state, *args = inputs
+    ctx.save_for_backward(q, k, v, initial_state, output[2])
+    ctx.args = tuple(args)
+
+
+def _rla_backward(ctx, do, dfinal, _dstates):
+    q, k, v, initial_state, states = ctx.saved_tensors
+    need_ds0 = initial_state is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, ds0 = residual_linear_attention_bwd(q, k, v, initial_state, states, do, dfinal, *ctx.args, need_ds0)
+    return (dq, dk, dv, optional(ds0, need_ds0)) + (None,) * len(ctx.args)
+
+
+residual_linear_attention_fwd.register_autograd(_rla_backward, setup_context=_rla_setup)
+
+
+@kernel_op("residual_linear_attention_decode_step")
+def residual_linear_attention_decode_step(
+    q: torch.Tensor, state: torch.Tensor, k_leaving: torch.Tensor | None, v_leaving: torch.Tensor | None,
+    leaving_mask: torch.Tensor | None, feature_map: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, new state) of one decode step; ``state`` is left untouched. No gradient (decoding)."""
+    from .triton import residual_linear_attention_decode_triton
+
+    o, new_state = residual_linear_attention_decode_triton(q, state, k_leaving, v_leaving, leaving_mask, feature_map, False)
+    return o, new_state.clone() if new_state is state else new_state  # outputs never alias inputs
+
+
+@residual_linear_attention_decode_step.register_fake
+def _(q, state, k_leaving, v_leaving, leaving_mask, feature_map):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(state.shape, dtype=torch.float32, device=state.device)
+
+
+@kernel_op("residual_linear_attention_decode_inplace", mutates_args=("state",))
+def residual_linear_attention_decode_inplace(
+    q: torch.Tensor, state: torch.Tensor, k_leaving: torch.Tensor | None, v_leaving: torch.Tensor | None,
+    leaving_mask: torch.Tensor | None, feature_map: str,
+) -> torch.Tensor:
+    """o of one decode step; the new state is written into ``state`` (a cache's own tensor)."""
+    from .triton import residual_linear_attention_decode_triton
+
+    o, new_state = residual_linear_attention_decode_triton(q, state, k_leaving, v_leaving, leaving_mask, feature_map, True)
+    if new_state is not state:  # the kernel worked on a float32 contiguous copy
+        state.copy_(new_state)
+    return o
+
+
+@residual_linear_attention_decode_inplace.register_fake
+def _(q, state, k_leaving, v_leaving, leaving_mask, feature_map):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -2,7 +2,8 @@
 
 * flex_attention with a block mask: tiles entirely outside the band are skipped, so the cost is
   ~ T (w + tile) instead of T^2 / 2. Compiled once per process on CUDA (eager elsewhere, which
-  materialises the scores: fine for tests only). Block masks are cached per (T, w, device).
+  materialises the scores: fine for tests only). Block masks are cached per (T, w, device); inside
+  torch.compile(model) both are traced into the model's graph instead.
 * SDPA with a dense boolean band mask: any device, O(T^2) work; and SDPA's causal kernel when
   the window covers the whole sequence (w >= T - 1), where the band is just the causal mask.
 Both take [B, T, H, D] tensors (GQA through enable_gqa) and return [B, T, H, D].
@@ -34,14 +35,16 @@ def sliding_window_attention_sdpa(q, k, v, window_size: int, scale: float | None
     return out.transpose(1, 2)
 
 
-@functools.lru_cache(maxsize=32)
-def _block_mask(seq: int, window_size: int, device: str):
+def _build_block_mask(seq: int, window_size: int, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def in_band(batch, head, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx <= window_size)
 
     return create_block_mask(in_band, None, None, seq, seq, device=device)
+
+
+_block_mask = functools.lru_cache(maxsize=32)(_build_block_mask)  # eager: one mask per (T, w, device string)
 
 
 @functools.lru_cache(maxsize=2)
@@ -53,8 +56,15 @@ def _flex(compiled: bool):
 
 def sliding_window_attention_flex(q, k, v, window_size: int, scale: float | None = None) -> torch.Tensor:
     seq = q.shape[1]
-    flex = _flex(q.device.type == "cuda")
-    block_mask = _block_mask(seq, window_size, str(q.device))
+    if torch.compiler.is_compiling():
+        # Inside torch.compile(model): the mask construction is traced into the graph (no cache
+        # lookup, no nested compile) and the outer compile builds flex_attention's kernels.
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        block_mask = _build_block_mask(seq, window_size, q.device)
+    else:
+        flex = _flex(q.device.type == "cuda")
+        block_mask = _block_mask(seq, window_size, str(q.device))
     out = flex(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2],

@@ -122,12 +122,17 @@ def _cudnn_agrees(device: torch.device, dtype: torch.dtype, head_dim: int) -> bo
         return False
 
 
+@torch.compiler.assume_constant_result  # torch.compile: run the self-check once, keep its answer as a constant
+def _use_cudnn(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return _cudnn_agrees(device, dtype, head_dim)
+
+
 def _kind(q: torch.Tensor) -> str:
     if q.device.type != "cuda":
         return "cpu"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return "math"
-    return "cudnn" if _cudnn_agrees(q.device, q.dtype, q.shape[-1]) else "flash"
+    return "cudnn" if _use_cudnn(q.device, q.dtype, int(q.shape[-1])) else "flash"
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):

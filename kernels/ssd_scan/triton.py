@@ -1,0 +1,369 @@
+"""Triton forward / backward of the SSD scan (math: reference.py) and the recurrent decode step.
+
+Chunks of L tokens (the kernels' own L: the result does not depend on it beyond round-off), per
+(batch, head); g = within-chunk cumulative log decay (a [batch, T, heads] tensor made by torch),
+v_s = dt_s x_s, W_ls = exp(g_l - g_s) for s <= l (else 0), S_c the state entering chunk c:
+
+  forward
+    1. _states_fwd  (sequential over chunks, one program per (P block, N block, batch*head)):
+           S_{c+1} = exp(g_L) S_c + (v * exp(g_L - g))^T B          -> every S_c, and the final state
+    2. _output_fwd  (one program per (P block, chunk, batch*head), chunks in parallel):
+           y = exp(g) * (C S_c^T) + ((C B^T) * W) v + D x
+  backward (the chunk states are recomputed by 1, not kept from the forward)
+    3. _dstates_bwd (reverse over chunks): dS_c (gradient of the state leaving chunk c):
+           dS_{c-1} = exp(g_L) dS_c + (dy * exp(g))^T C
+    4. _chunk_bwd   (chunks in parallel, whole head_dim per program):
+           dv = ((C B^T) * W)^T dy + exp(g_L - g) * (B dS_c^T)       dx = dv dt + D dy
+           dC = ((dy v^T) * W) B + exp(g) * (dy S_c)                 (per head; torch sums the group)
+           dB = ((dy v^T) * W)^T C + exp(g_L - g) * (v dS_c)
+           dg_l = C_l . dC_l - B_l . dB_l  (+ dS_c . S_{c+1} at the chunk's last row, added in torch)
+       then torch: da = reverse cumsum of dg within the chunk, ddt = dv . x + A da, dA = sum da dt.
+
+The dg identity: every term holding C_l carries exp(+g_l), every term holding B_s carries
+exp(-g_s), and the exit state carries exp(+g_L). Memory: O(T x heads x (P + N)) plus the chunk
+states [batch, T / L + 1, heads, P, N] float32 while a forward or backward runs.
+Dot products run in IEEE float32 for float32 inputs and in TF32 for 16-bit inputs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpreting
+
+CHUNK = 64
+BLOCK_PN = 64  # P / N block of the state kernels and the N loop of the chunk kernels
+INTERPRET_CHUNK = 16  # tl.dot needs >= 16; small chunks give the interpreter tests several chunks
+INTERPRET_BLOCK_PN = 16
+
+
+def _sizes() -> tuple[int, int]:
+    return (INTERPRET_CHUNK, INTERPRET_BLOCK_PN) if triton_interpreting() else (CHUNK, BLOCK_PN)
+
+
+@triton.jit
+def _tile(PTR, b, rows, row_ok, sb, st, head_off, cols, col_ok):
+    """float32 [rows, cols] tile of a [batch, T, (heads or groups), dim] tensor at one head/group."""
+    ptrs = PTR + b * sb + rows.to(tl.int64)[:, None] * st + head_off + cols[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk_rows(G, DT, b, h, c, T, H, L: tl.constexpr):
+    """Rows of chunk c, which exist, their dt (0 past T) and g, and g at the chunk's last row."""
+    rows = c * L + tl.arange(0, L)
+    row_ok = rows < T
+    dt = tl.load(DT + (b * T + rows) * H + h, mask=row_ok, other=0.0)
+    g = tl.load(G + (b * tl.cdiv(T, L) * L + rows) * H + h)
+    g_last = tl.load(G + (b * tl.cdiv(T, L) * L + c * L + L - 1) * H + h)
+    return rows, row_ok, dt, g, g_last
+
+
+@triton.jit
+def _decay_matrix(g, L: tl.constexpr):
+    """W[l, s] = exp(g_l - g_s) for s <= l, else 0 (masked before exp)."""
+    i = tl.arange(0, L)
+    diff = g[:, None] - g[None, :]
+    return tl.exp(tl.where(i[:, None] >= i[None, :], diff, float("-inf")))
+
+
+@triton.jit
+def _states_fwd(
+    X, DT, G, Bm, S, INIT, T, H, P, N, heads_per_group, NT,
+    sxb, sxt, sxh, sbb, sbt, sbg,
+    L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_p, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = (bh // H).to(tl.int64), bh % H
+    grp = h // heads_per_group
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    p_ok, n_ok = offs_p < P, offs_n < N
+    pn = offs_p[:, None] * N + offs_n[None, :]
+    pn_ok = p_ok[:, None] & n_ok[None, :]
+    if HAS_INIT:
+        state = tl.load(INIT + (b * H + h) * P * N + pn, mask=pn_ok, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros((BP, BN), dtype=tl.float32)
+    for c in range(NT):
+        tl.store(S + ((b * (NT + 1) + c) * H + h) * P * N + pn, state, mask=pn_ok)
+        rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
+        x = _tile(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
+        Bt = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
+        v = x * (dt * tl.exp(g_last - g))[:, None]
+        state = state * tl.exp(g_last) + tl.dot(tl.trans(v), Bt, input_precision=PREC)
+    tl.store(S + ((b * (NT + 1) + NT) * H + h) * P * N + pn, state, mask=pn_ok)
+
+
+@triton.jit
+def _output_fwd(
+    X, DT, G, Bm, Cm, S, Dv, Y, T, H, P, N, heads_per_group, NT,
+    sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg,
+    L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_p, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = (bh // H).to(tl.int64), bh % H
+    grp = h // heads_per_group
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    p_ok = offs_p < P
+    rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
+    x = _tile(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
+    scores = tl.zeros((L, L), dtype=tl.float32)
+    from_state = tl.zeros((L, BP), dtype=tl.float32)
+    s_base = S + ((b * (NT + 1) + c) * H + h) * P * N
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < N
+        Cb = _tile(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
+        Bb = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
+        Sb = tl.load(s_base + offs_p[:, None] * N + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+        scores += tl.dot(Cb, tl.trans(Bb), input_precision=PREC)
+        from_state += tl.dot(Cb, tl.trans(Sb), input_precision=PREC)
+    weights = scores * _decay_matrix(g, L) * dt[None, :]
+    y = from_state * tl.exp(g)[:, None] + tl.dot(weights, x, input_precision=PREC)
+    if HAS_D:
+        y += tl.load(Dv + h).to(tl.float32) * x
+    yptrs = Y + ((b * T + rows.to(tl.int64)) * H + h)[:, None] * P + offs_p[None, :]
+    tl.store(yptrs, y.to(Y.dtype.element_ty), mask=row_ok[:, None] & p_ok[None, :])
+
+
+@triton.jit
+def _dstates_bwd(
+    DY, DT, G, Cm, DS, DFINAL, DINIT, T, H, P, N, heads_per_group, NT,
+    sdb, sdt, sdh, scb, sct, scg,
+    L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DFINAL: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_p, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = (bh // H).to(tl.int64), bh % H
+    grp = h // heads_per_group
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    p_ok, n_ok = offs_p < P, offs_n < N
+    pn = offs_p[:, None] * N + offs_n[None, :]
+    pn_ok = p_ok[:, None] & n_ok[None, :]
+    if HAS_DFINAL:
+        dstate = tl.load(DFINAL + (b * H + h) * P * N + pn, mask=pn_ok, other=0.0).to(tl.float32)
+    else:
+        dstate = tl.zeros((BP, BN), dtype=tl.float32)
+    for i in range(NT):
+        c = NT - 1 - i
+        tl.store(DS + ((b * NT + c) * H + h) * P * N + pn, dstate, mask=pn_ok)
+        rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
+        dy = _tile(DY, b, rows, row_ok, sdb, sdt, h * sdh, offs_p, p_ok)
+        Cb = _tile(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
+        dstate = dstate * tl.exp(g_last) + tl.dot(tl.trans(dy * tl.exp(g)[:, None]), Cb, input_precision=PREC)
+    tl.store(DINIT + (b * H + h) * P * N + pn, dstate, mask=pn_ok)
+
+
+@triton.jit
+def _chunk_bwd(
+    X, DT, G, Bm, Cm, S, DS, Dv, DY, DX, DDT, DG, DBH, DCH, T, H, P, N, heads_per_group, NT,
+    sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg, sdb, sdt, sdh,
+    L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
+):
+    c, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    grp = h // heads_per_group
+    offs_p = tl.arange(0, BP)
+    p_ok = offs_p < P
+    rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
+    x = _tile(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
+    dy = _tile(DY, b, rows, row_ok, sdb, sdt, h * sdh, offs_p, p_ok)
+    v = x * dt[:, None]
+    to_end = tl.exp(g_last - g)
+    s_base = S + ((b * (NT + 1) + c) * H + h) * P * N
+    ds_base = DS + ((b * NT + c) * H + h) * P * N
+    scores = tl.zeros((L, L), dtype=tl.float32)
+    dv = tl.zeros((L, BP), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < N
+        Cb = _tile(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
+        Bb = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
+        dSb = tl.load(ds_base + offs_p[:, None] * N + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+        scores += tl.dot(Cb, tl.trans(Bb), input_precision=PREC)
+        dv += tl.dot(Bb, tl.trans(dSb), input_precision=PREC)
+    decay = _decay_matrix(g, L)
+    dv = dv * to_end[:, None] + tl.dot(tl.trans(scores * decay), dy, input_precision=PREC)
+    dx = dv * dt[:, None]
+    if HAS_D:
+        dx += tl.load(Dv + h).to(tl.float32) * dy
+    tok = ((b * T + rows.to(tl.int64)) * H + h)
+    tl.store(DX + tok[:, None] * P + offs_p[None, :], dx.to(DX.dtype.element_ty), mask=row_ok[:, None] & p_ok[None, :])
+    tl.store(DDT + tok, tl.sum(dv * x, axis=1), mask=row_ok)
+    dpw = tl.dot(dy, tl.trans(v), input_precision=PREC) * decay
+    dg = tl.zeros((L,), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < N
+        pn_mask = p_ok[:, None] & n_ok[None, :]
+        Cb = _tile(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
+        Bb = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
+        Sb = tl.load(s_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
+        dSb = tl.load(ds_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
+        dC = tl.dot(dpw, Bb, input_precision=PREC) + tl.dot(dy, Sb, input_precision=PREC) * tl.exp(g)[:, None]
+        dB = tl.dot(tl.trans(dpw), Cb, input_precision=PREC) + tl.dot(v, dSb, input_precision=PREC) * to_end[:, None]
+        out_mask = row_ok[:, None] & n_ok[None, :]
+        tl.store(DCH + tok[:, None] * N + offs_n[None, :], dC, mask=out_mask)
+        tl.store(DBH + tok[:, None] * N + offs_n[None, :], dB, mask=out_mask)
+        dg += tl.sum(Cb * dC, axis=1) - tl.sum(Bb * dB, axis=1)
+    tl.store(DG + (b * NT * L + c * L + tl.arange(0, L)) * H + h, dg)
+
+
+def _precision(*tensors: torch.Tensor) -> str:
+    return "ieee" if all(t.dtype == torch.float32 for t in tensors) else "tf32"
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _chunk_log_decay(dt: torch.Tensor, A: torch.Tensor, chunk: int) -> torch.Tensor:
+    """g: cumulative dt * A within each chunk, [batch, T rounded up to chunks, heads] float32."""
+    batch, seq, heads = dt.shape
+    padded = torch.nn.functional.pad(dt * A.float(), (0, 0, 0, -seq % chunk))
+    return padded.view(batch, -1, chunk, heads).cumsum(2).view(batch, -1, heads).contiguous()
+
+
+def _chunk_states(x, dt, g, B, initial_state, chunk, block):
+    batch, seq, heads, head_dim = x.shape
+    state_size = B.shape[-1]
+    n_chunks = g.shape[1] // chunk
+    states = torch.empty((batch, n_chunks + 1, heads, head_dim, state_size), dtype=torch.float32, device=x.device)
+    init = initial_state.float().contiguous() if initial_state is not None else states
+    grid = (triton.cdiv(head_dim, block), triton.cdiv(state_size, block), batch * heads)
+    _states_fwd[grid](
+        x, dt, g, B, states, init, seq, heads, head_dim, state_size, heads // B.shape[2], n_chunks,
+        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        L=chunk, BP=block, BN=block, HAS_INIT=initial_state is not None, PREC=_precision(x, B),
+    )
+    return states
+
+
+class _SSDScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, initial_state):
+        chunk, block = _sizes()
+        x, B, C = (_last_dim_contiguous(t) for t in (x, B, C))
+        dt = dt.float().contiguous()
+        batch, seq, heads, head_dim = x.shape
+        state_size = B.shape[-1]
+        g = _chunk_log_decay(dt, A, chunk)
+        n_chunks = g.shape[1] // chunk
+        states = _chunk_states(x, dt, g, B, initial_state, chunk, block)
+        y = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(head_dim, block), n_chunks, batch * heads)
+        _output_fwd[grid](
+            x, dt, g, B, C, states, D if D is not None else dt, y, seq, heads, head_dim, state_size,
+            heads // B.shape[2], n_chunks,
+            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+            C.stride(0), C.stride(1), C.stride(2),
+            L=chunk, BP=block, BN=block, HAS_D=D is not None, PREC=_precision(x, B, C),
+        )
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+        final_state = states[:, -1].clone()
+        return y, final_state
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+        chunk, block = _sizes()
+        dy = _last_dim_contiguous(dy)
+        batch, seq, heads, head_dim = x.shape
+        groups, state_size = B.shape[-2:]
+        g = _chunk_log_decay(dt, A, chunk)
+        n_chunks = g.shape[1] // chunk
+        states = _chunk_states(x, dt, g, B, initial_state, chunk, block)  # recomputed, not kept
+        prec = _precision(x, B, C)
+        f32 = dict(dtype=torch.float32, device=x.device)
+        dstates = torch.empty((batch, n_chunks, heads, head_dim, state_size), **f32)
+        dinit = torch.empty((batch, heads, head_dim, state_size), **f32)
+        dfinal = dfinal.float().contiguous() if dfinal is not None else None
+        _dstates_bwd[(triton.cdiv(head_dim, block), triton.cdiv(state_size, block), batch * heads)](
+            dy, dt, g, C, dstates, dfinal if dfinal is not None else dinit, dinit, seq, heads, head_dim, state_size,
+            heads // groups, n_chunks, dy.stride(0), dy.stride(1), dy.stride(2), C.stride(0), C.stride(1), C.stride(2),
+            L=chunk, BP=block, BN=block, HAS_DFINAL=dfinal is not None, PREC=prec,
+        )
+        dx = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
+        ddt = torch.empty((batch, seq, heads), **f32)
+        dg = torch.empty((batch, n_chunks * chunk, heads), **f32)
+        dBh = torch.empty((batch, seq, heads, state_size), **f32)
+        dCh = torch.empty((batch, seq, heads, state_size), **f32)
+        _chunk_bwd[(n_chunks, batch * heads)](
+            x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh,
+            seq, heads, head_dim, state_size, heads // groups, n_chunks,
+            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+            C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
+            L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=block, HAS_D=D is not None, PREC=prec,
+        )
+        # The exit state of chunk c carries exp(+g) at the chunk's last row.
+        exit_term = torch.einsum("bchpn,bchpn->bch", dstates, states[:, 1:])
+        dg = dg.view(batch, n_chunks, chunk, heads)
+        dg[:, :, -1] += exit_term
+        da = dg.flip(2).cumsum(2).flip(2).reshape(batch, -1, heads)[:, :seq]
+        ddt = ddt + da * A.float()
+        dA = (da * dt).sum((0, 1)).to(A.dtype)
+        per_group = heads // groups
+        dB = dBh.view(batch, seq, groups, per_group, state_size).sum(3).to(B.dtype)
+        dC = dCh.view(batch, seq, groups, per_group, state_size).sum(3).to(C.dtype)
+        dD = torch.einsum("bthp,bthp->h", dy.float(), x.float()).to(D.dtype) if D is not None else None
+        dinit = dinit.to(initial_state.dtype) if initial_state is not None else None
+        return dx, ddt, dA, dB, dC, dD, dinit
+
+
+def ssd_scan_triton(x, dt, A, B, C, D, initial_state, return_final_state):
+    y, final_state = _SSDScan.apply(x, dt, A, B, C, D, initial_state)
+    return (y, final_state) if return_final_state else y
+
+
+@triton.jit
+def _step(
+    STATE, X, DT, A, Bm, Cm, Dv, DT_BIAS, Y, H, P, N, heads_per_group,
+    sxb, sxh, sdtb, sbb, sbg, scb, scg, syb, syh, dt_min, dt_max,
+    BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+):
+    bh, pid_p = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    grp = h // heads_per_group
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = tl.arange(0, BN)
+    p_ok, n_ok = offs_p < P, offs_n < N
+    dt = tl.load(DT + b * sdtb + h).to(tl.float32)
+    if HAS_BIAS:
+        dt += tl.load(DT_BIAS + h).to(tl.float32)
+    if SOFTPLUS:  # torch's softplus (threshold 20)
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    x = tl.load(X + b * sxb + h * sxh + offs_p, mask=p_ok, other=0.0).to(tl.float32)
+    Bv = tl.load(Bm + b * sbb + grp * sbg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    Cv = tl.load(Cm + b * scb + grp * scg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    sptrs = STATE + ((b * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+    smask = p_ok[:, None] & n_ok[None, :]
+    state = tl.load(sptrs, mask=smask, other=0.0)
+    state = state * tl.exp(dt * tl.load(A + h).to(tl.float32)) + (dt * x)[:, None] * Bv[None, :]
+    tl.store(sptrs, state, mask=smask)
+    y = tl.sum(state * Cv[None, :], axis=1)
+    if HAS_D:
+        y += tl.load(Dv + h).to(tl.float32) * x
+    tl.store(Y + b * syb + h * syh + offs_p, y.to(Y.dtype.element_ty), mask=p_ok)
+
+
+def ssd_step_triton(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, out):
+    batch, heads, head_dim = x.shape
+    groups, state_size = B.shape[-2:]
+    x, B, C, dt = (_last_dim_contiguous(t) for t in (x, B, C, dt))
+    if out is None:
+        out = torch.empty_like(x)
+    if not state.is_contiguous():
+        raise ValueError("ssd_step: the Triton step updates state in place and needs it contiguous.")
+    block_n = max(16, triton.next_power_of_2(state_size))
+    block_p = max(1, min(triton.next_power_of_2(head_dim), 4096 // block_n))
+    _step[(batch * heads, triton.cdiv(head_dim, block_p))](
+        state, x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A, out,
+        heads, head_dim, state_size, heads // groups,
+        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        out.stride(0), out.stride(1), float(dt_limit[0]), float(dt_limit[1]),
+        BP=block_p, BN=block_n, HAS_D=D is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+    )
+    return out
