@@ -1,6 +1,8 @@
 """hf-hybrid: efficient-attention architectures as first-class Hugging Face Transformers models.
 
-``import hf_hybrid`` registers every architecture with AutoConfig / AutoModel / AutoModelForCausalLM.
+``import hf_hybrid`` registers every architecture with AutoConfig, AutoModel, AutoModelForCausalLM
+and the task-head Auto classes (sequence / token classification, question answering), and gives
+peft default ``target_modules`` for every model type (hf_hybrid/peft.py).
 """
 from ._checkout import map_checkout_folders as _map_checkout_folders
 
@@ -12,46 +14,95 @@ __version__ = "0.1.0"
 
 _register_all()
 
-from .models.fox import FoxCache, FoxConfig, FoxForCausalLM, FoxModel  # noqa: E402
-from .models.rat import RatCache, RatConfig, RatForCausalLM, RatModel  # noqa: E402
-from .models.rat_plus import RatPlusCache, RatPlusConfig, RatPlusForCausalLM, RatPlusModel  # noqa: E402
-from .models.rattention import RattentionCache, RattentionConfig, RattentionForCausalLM, RattentionModel  # noqa: E402
-from .models.se_hybrid import SEHybridCache, SEHybridConfig, SEHybridForCausalLM, SEHybridModel  # noqa: E402
+from .models.fox import (  # noqa: E402
+    FoxCache,
+    FoxConfig,
+    FoxForCausalLM,
+    FoxForQuestionAnswering,
+    FoxForSequenceClassification,
+    FoxForTokenClassification,
+    FoxModel,
+)
+from .models.rat import (  # noqa: E402
+    RatCache,
+    RatConfig,
+    RatForCausalLM,
+    RatForQuestionAnswering,
+    RatForSequenceClassification,
+    RatForTokenClassification,
+    RatModel,
+)
+from .models.rat_plus import (  # noqa: E402
+    RatPlusCache,
+    RatPlusConfig,
+    RatPlusForCausalLM,
+    RatPlusForQuestionAnswering,
+    RatPlusForSequenceClassification,
+    RatPlusForTokenClassification,
+    RatPlusModel,
+)
+from .models.rattention import (  # noqa: E402
+    RattentionCache,
+    RattentionConfig,
+    RattentionForCausalLM,
+    RattentionForQuestionAnswering,
+    RattentionForSequenceClassification,
+    RattentionForTokenClassification,
+    RattentionModel,
+)
+from .models.se_hybrid import (  # noqa: E402
+    SEHybridCache,
+    SEHybridConfig,
+    SEHybridForCausalLM,
+    SEHybridForQuestionAnswering,
+    SEHybridForSequenceClassification,
+    SEHybridForTokenClassification,
+    SEHybridModel,
+)
+from .peft import HyLoraConfig, register_peft_defaults  # noqa: E402
 from .sparse import AttentionPattern, SparseInferenceConfig  # noqa: E402
 
-
-def __getattr__(name: str):
-    # HyLoraConfig lives with peft; import it on first use so `import hf_hybrid` stays light.
-    if name == "HyLoraConfig":
-        from .peft import HyLoraConfig
-
-        return HyLoraConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+register_peft_defaults()
 
 
 __all__ = [
+    "AttentionPattern",
+    "FoxCache",
+    "FoxConfig",
+    "FoxForCausalLM",
+    "FoxForQuestionAnswering",
+    "FoxForSequenceClassification",
+    "FoxForTokenClassification",
+    "FoxModel",
     "HyLoraConfig",
+    "RatCache",
+    "RatConfig",
+    "RatForCausalLM",
+    "RatForQuestionAnswering",
+    "RatForSequenceClassification",
+    "RatForTokenClassification",
+    "RatModel",
+    "RatPlusCache",
+    "RatPlusConfig",
+    "RatPlusForCausalLM",
+    "RatPlusForQuestionAnswering",
+    "RatPlusForSequenceClassification",
+    "RatPlusForTokenClassification",
+    "RatPlusModel",
     "RattentionCache",
     "RattentionConfig",
     "RattentionForCausalLM",
+    "RattentionForQuestionAnswering",
+    "RattentionForSequenceClassification",
+    "RattentionForTokenClassification",
     "RattentionModel",
     "SEHybridCache",
     "SEHybridConfig",
     "SEHybridForCausalLM",
+    "SEHybridForQuestionAnswering",
+    "SEHybridForSequenceClassification",
+    "SEHybridForTokenClassification",
     "SEHybridModel",
-    "AttentionPattern",
     "SparseInferenceConfig",
-    "RatPlusCache",
-    "RatPlusConfig",
-    "RatPlusForCausalLM",
-    "RatPlusModel",
-    "FoxCache",
-    "FoxConfig",
-    "FoxForCausalLM",
-    "FoxModel",
-    "RatCache",
-    "RatConfig",
-    "RatForCausalLM",
-    "RatModel",
     "__version__",
 ]

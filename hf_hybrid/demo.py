@@ -6,7 +6,10 @@ Every contestant goes through the same steps, so the table compares architecture
 2. save_pretrained, reload with AutoModelForCausalLM.from_pretrained, check identical logits;
 3. for each inference variant of the model (RAT+ at several dilations, SE-Attn `se` and `full`):
    recall accuracy (teacher forced) and generated answers, held-out language loss, decode tokens/s
-   and the real bytes of the decoding cache after a 4K-token prefill.
+   and the real bytes of the decoding cache after a 4K-token prefill. The decode column runs on the
+   GPU whenever one is present (whatever --device trains on), batch 64 after a 4000-token prompt,
+   where the cache matters; on a CPU-only machine it uses a short prompt (demo_setup.DECODE_CPU), so
+   there it mostly shows per-step overhead.
 It prints one table, writes results.json and results.png (the chart) to --output-dir.
 
 What to expect from the default size (400 steps of 2-layer, hidden-64 models, about 3 minutes on two
@@ -151,6 +154,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"recall acc: MQAR answers, teacher forced (chance {chance:.1%}; knowing which values were stored, but not\n"
           f"  under which key, reaches {elimination:.1%} by elimination: above that a model binds keys to values);\n"
           "  gen recall: the first answer from greedy generate() with the row's inference options.")
+    if results:
+        first = results[0]
+        print(f"decode tok/s: greedy generate() of {first['decode_new_tokens']} tokens after a {first['decode_context']}-token prompt, "
+              f"batch {first['decode_batch']}, on {first['decode_device']}\n  (tokens after the first / their time; "
+              "on the GPU whenever one is present, at a context where the cache matters).")
     try:
         chart = plot_results(results, args.output_dir / "results.png", f"hf-hybrid demo, size {args.size}, {args.device}", oracle)
     except ImportError as error:  # matplotlib is optional for the library itself

@@ -12,7 +12,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .demo_setup import DemoData, DemoSize
+from .demo_setup import DecodeSetting, DemoData, DemoSize, decode_setting
 from .eval.memory import cache_nbytes_at_context
 from .eval.positions import per_token_loss
 from .eval.recall import recall_accuracy
@@ -80,17 +80,46 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+class _TokenClock:
+    """Logits processor stamping the host clock after each generated token (the device is
+    synchronised first, so a stamp marks the end of that token's forward)."""
+
+    def __init__(self, device):
+        self.device, self.stamps = device, []
+
+    def __call__(self, input_ids, scores):
+        _sync(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
 @torch.no_grad()
-def decode_tokens_per_second(model, device, batch_size: int = 8, prompt_length: int = 64, new_tokens: int = 32, **forward_kwargs) -> float:
-    """Greedy cached decoding speed after a short prompt (batch_size * new_tokens / seconds)."""
-    prompts = torch.randint(3, model.config.vocab_size, (batch_size, prompt_length), device=device)
+def decode_tokens_per_second(model, device, setting: DecodeSetting | None = None, **forward_kwargs) -> float:
+    """Greedy cached decoding speed: batch * (new_tokens - 1) / time from the first generated token
+    to the last, after a ``setting.context``-token prompt (the prefill is not counted)."""
+    from transformers import LogitsProcessorList
+
+    setting = setting or DecodeSetting(batch=8, context=64, new_tokens=32)
+    prompts = torch.randint(3, model.config.vocab_size, (setting.batch, setting.context), device=device)
     kwargs = dict(attention_mask=torch.ones_like(prompts), do_sample=False, pad_token_id=0, eos_token_id=None, **forward_kwargs)
-    model.generate(prompts, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
-    _sync(device)
-    return batch_size * new_tokens / (time.perf_counter() - start)
+    model.generate(prompts[:, :8], max_new_tokens=2, min_new_tokens=2, **kwargs | {"attention_mask": kwargs["attention_mask"][:, :8]})  # warm-up
+    clock = _TokenClock(device)
+    new = setting.new_tokens
+    model.generate(prompts, max_new_tokens=new, min_new_tokens=new, logits_processor=LogitsProcessorList([clock]), **kwargs)
+    return setting.batch * (new - 1) / (clock.stamps[-1] - clock.stamps[0])
+
+
+def decode_speed_row(model, device, **forward_kwargs) -> dict:
+    """The decode column, on the GPU when one is present (the model is moved there and back)."""
+    speed_device, setting = decode_setting(device)
+    home = next(model.parameters()).device
+    model.to(speed_device)
+    try:
+        tokens_per_s = decode_tokens_per_second(model, speed_device, setting, **forward_kwargs)
+    finally:
+        model.to(home)
+    return {"decode_tokens_per_s": tokens_per_s, "decode_device": speed_device, "decode_batch": setting.batch,
+            "decode_context": setting.context, "decode_new_tokens": setting.new_tokens}
 
 
 def measure_row(trained, reloaded, data: DemoData, device, name: str, forward_kwargs: dict) -> dict:
@@ -101,7 +130,7 @@ def measure_row(trained, reloaded, data: DemoData, device, name: str, forward_kw
         "recall_accuracy": lambda: recall_accuracy(reloaded, data.recall_eval["input_ids"], data.recall_eval["labels"], **forward_kwargs),
         "generated_recall": lambda: generated_recall(reloaded, data.recall_eval, device, **forward_kwargs),
         "language_eval_loss": lambda: language_loss(reloaded, data.language_eval, **forward_kwargs),
-        "decode_tokens_per_s": lambda: decode_tokens_per_second(reloaded, device, **forward_kwargs),
+        "decode": lambda: decode_speed_row(reloaded, device, **forward_kwargs),
         "kv_cache_bytes_4k": lambda: cache_nbytes_at_context(reloaded, 4096, **forward_kwargs),
     }
     row = {}
@@ -109,7 +138,9 @@ def measure_row(trained, reloaded, data: DemoData, device, name: str, forward_kw
     for key, step in bar:
         bar.set_postfix_str(key)
         value = step()
-        if value is not None:
+        if isinstance(value, dict):  # a step filling several columns
+            row.update(value)
+        elif value is not None:
             row[key] = value
     row["reload_identical"] = True  # check_reload raised otherwise
     return row

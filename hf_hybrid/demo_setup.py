@@ -48,6 +48,32 @@ SIZES = {
 
 
 @dataclass(frozen=True)
+class DecodeSetting:
+    """Where the decode column is measured: generate() of ``new_tokens`` after a ``context``-token
+    prompt for ``batch`` rows; throughput counts the tokens after the first (prefill excluded)."""
+
+    batch: int
+    context: int
+    new_tokens: int
+
+
+# On the GPU (used for the column whenever one is present, whatever --device trains on) the
+# context is long enough for the cache to matter: Llama's grows to 4K tokens per row and
+# generate() reads all of it every step, the efficient caches stay a fraction of it. On the CPU the
+# prompt stays short, or prefilling the quadratic reference paths of 11 rows would take minutes:
+# there the column mostly shows per-step overhead (fewest ops wins), not the cache.
+DECODE_GPU = DecodeSetting(batch=64, context=4000, new_tokens=64)
+DECODE_CPU = DecodeSetting(batch=8, context=64, new_tokens=32)
+
+
+def decode_setting(device) -> tuple[str, DecodeSetting]:
+    """(device, setting) of the decode column: the GPU when one is present, else ``device``."""
+    if torch.cuda.is_available():
+        return "cuda", DECODE_GPU
+    return str(device), DECODE_CPU
+
+
+@dataclass(frozen=True)
 class Variant:
     """One table row: a trained model evaluated with these forward / generate keywords."""
 

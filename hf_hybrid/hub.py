@@ -14,7 +14,15 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
+from .models.registry import architecture_classes
 from .remote_code import write_remote_code
+
+# The cards describe the causal LM; a saved task head gets its own Hub task and loading class.
+_HEAD_PIPELINE_TAGS = {
+    "AutoModelForSequenceClassification": "text-classification",
+    "AutoModelForTokenClassification": "token-classification",
+    "AutoModelForQuestionAnswering": "question-answering",
+}
 
 
 def card_template(model_type: str) -> str:
@@ -50,7 +58,12 @@ def render_model_card(model, repo_id: str | None = None, training_data: str | No
         layer_summary=_layer_summary(config),
         training_data=training_data or "Not documented by the uploader.",
     )
-    return string.Template(card_template(config.model_type)).safe_substitute(values)
+    card = string.Template(card_template(config.model_type)).safe_substitute(values)
+    for auto_class, model_class in architecture_classes(config.model_type).items():
+        if model_class is type(model) and auto_class in _HEAD_PIPELINE_TAGS:
+            card = card.replace("pipeline_tag: text-generation", f"pipeline_tag: {_HEAD_PIPELINE_TAGS[auto_class]}", 1)
+            card = card.replace("AutoModelForCausalLM", auto_class)
+    return card
 
 
 def save_sharing_files(model, directory: str | Path, repo_id: str | None = None, training_data: str | None = None) -> None:

@@ -20,6 +20,12 @@ How it maps onto peft (read from peft 0.21's ``LoraConfig`` / ``_set_trainable``
 
 The class only sets defaults of ``LoraConfig`` fields, so a saved adapter_config.json is an
 ordinary LoRA config and ``PeftModel.from_pretrained`` reloads it without hf_hybrid.
+
+Plain peft without ``target_modules`` (``get_peft_model(model, LoraConfig(r=8))``): peft looks the
+targets up by ``config.model_type`` in its ``TRANSFORMERS_MODELS_TO_<METHOD>_TARGET_MODULES_MAPPING``
+tables, which know no hf-hybrid model. :func:`register_peft_defaults` (run by ``import hf_hybrid``)
+adds :data:`PEFT_TARGET_MODULES` to the weight-adapter tables (LoRA, LoHa, LoKr, AdaLoRA, VeRA, ...)
+and matching entries to IA3's, LN-tuning's, BEFT's and OSF's.
 """
 from __future__ import annotations
 
@@ -27,8 +33,52 @@ from dataclasses import dataclass, field
 
 from peft import LoraConfig
 
+from .models.fox import FoxConfig
+from .models.rat import RatConfig
+from .models.rat_plus import RatPlusConfig
+from .models.rattention import RattentionConfig
+from .models.se_hybrid import SEHybridConfig
+
 HYLORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 HYLORA_MODULES_TO_SAVE = ("embed_tokens", "norm", "conv1d")
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Default adapter targets per model_type: the attention projections plus each mixer's own
+# full-width projections. Left out on purpose: per-head scalar gates (FoX's f_proj, KV-shift's
+# k_shift.proj / v_shift.proj: [hidden -> heads], where a rank-8 adapter would be larger than the
+# weight) and the SwiGLU MLP (as peft's defaults for Llama).
+PEFT_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    RatConfig.model_type: _ATTENTION + ("g_proj", "z_proj"),  # recurrence gate, output gate
+    RatPlusConfig.model_type: _ATTENTION + ("g_proj", "z_proj"),  # recurrence gate, output gate
+    FoxConfig.model_type: _ATTENTION + ("g_proj",),  # Pro block's output gate
+    RattentionConfig.model_type: _ATTENTION,  # the RLA branch reuses q/k/v: no projection of its own
+    SEHybridConfig.model_type: _ATTENTION + ("in_proj", "out_proj"),  # Mamba-2 mixer in/out projections
+}
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+# peft tables whose entries mean something else than "the linear layers that get a weight adapter",
+# by the <METHOD> part of TRANSFORMERS_MODELS_TO_<METHOD>_MODULES_MAPPING.
+_SPECIAL_TABLES = {
+    "IA3_TARGET": lambda targets: ("k_proj", "v_proj", "down_proj"),  # as peft's Llama entry
+    "IA3_FEEDFORWARD": lambda targets: ("down_proj",),  # must be a subset of IA3's targets
+    "LNTUNING_TARGET": lambda targets: ("input_layernorm", "post_attention_layernorm", "norm"),
+    "BEFT_TARGET": lambda targets: ("v_proj",),  # as peft's Llama entry
+    "OSF_TARGET": lambda targets: targets + _MLP,  # peft's Llama entry adds the MLP too
+}
+
+
+def register_peft_defaults() -> None:
+    """Teach peft's default-target tables every hf-hybrid model_type (idempotent; run on import)."""
+    from peft.utils import constants
+
+    prefix, suffix = "TRANSFORMERS_MODELS_TO_", "_MODULES_MAPPING"
+    for name in dir(constants):
+        table = getattr(constants, name)
+        if not (name.startswith(prefix) and name.endswith(suffix) and isinstance(table, dict)):
+            continue  # e.g. the prefix-tuning post-processing table
+        special = _SPECIAL_TABLES.get(name[len(prefix) : -len(suffix)])
+        for model_type, targets in PEFT_TARGET_MODULES.items():
+            table[model_type] = list(special(targets) if special is not None else targets)
 
 
 @dataclass
@@ -58,4 +108,4 @@ class HyLoraConfig(LoraConfig):
         super().__post_init__()
 
 
-__all__ = ["HYLORA_MODULES_TO_SAVE", "HYLORA_TARGET_MODULES", "HyLoraConfig"]
+__all__ = ["HYLORA_MODULES_TO_SAVE", "HYLORA_TARGET_MODULES", "PEFT_TARGET_MODULES", "HyLoraConfig", "register_peft_defaults"]

@@ -15,6 +15,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from .models.registry import architecture_classes
+
 PACKAGE = "hf_hybrid"
 
 
@@ -47,7 +49,14 @@ def _package_imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple
         else:
             continue
         if node.module is None:
-            raise ValueError(f"{module}: `from . import name` cannot be bundled; import from the module itself")
+            # `from . import name` reads an attribute of the package's __init__, which is bundled like
+            # any module; a submodule imported that way has no flat equivalent.
+            submodules = [a.name for a in node.names if importlib.util.find_spec(f"{target}.{a.name}") is not None]
+            if submodules:
+                raise ValueError(
+                    f"{module}: `from . import {', '.join(submodules)}` imports a submodule, which cannot be bundled; "
+                    "import from the module itself"
+                )
         found.append((node, target))
     return found
 
@@ -87,13 +96,12 @@ def write_remote_code(model, directory: str | Path) -> dict[str, str]:
     entry_points = {config_module: config_module.rpartition(".")[2], model_module: model_module.rpartition(".")[2]}
     for name, source in bundle_modules(entry_points).items():
         (directory / name).write_text(source, encoding="utf-8")
-    auto_map = {
-        "AutoConfig": f"{entry_points[config_module]}.{type(model.config).__name__}",
-        "AutoModelForCausalLM": f"{entry_points[model_module]}.{type(model).__name__}",
-    }
-    base_class = getattr(model, "base_model_class", None)
-    if base_class is not None and base_class.__module__ == model_module:
-        auto_map["AutoModel"] = f"{entry_points[model_module]}.{base_class.__name__}"
+    # Every Auto class of the architecture (base model, causal LM, task heads), whichever of them
+    # was saved: a classifier fine-tuned from a causal-LM checkpoint loads through the same code.
+    auto_map = {"AutoConfig": f"{entry_points[config_module]}.{type(model.config).__name__}"}
+    for auto_class, model_class in architecture_classes(model.config.model_type).items():
+        if model_class.__module__ == model_module:
+            auto_map[auto_class] = f"{entry_points[model_module]}.{model_class.__name__}"
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
     config["auto_map"] = auto_map

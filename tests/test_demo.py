@@ -94,6 +94,55 @@ def test_demo_smoke_kv_cache_facts(smoke_run):
     assert llama <= cache["FoX (llama)"] < 1.1 * llama
 
 
+def test_demo_smoke_decode_column_says_where_it_was_measured(smoke_run):
+    from hf_hybrid.demo_setup import DECODE_CPU, DECODE_GPU
+
+    _, summary, printed = smoke_run
+    expected = ("cuda", DECODE_GPU) if torch.cuda.is_available() else ("cpu", DECODE_CPU)
+    for r in summary["rows"]:
+        assert r["decode_device"] == expected[0]
+        assert (r["decode_batch"], r["decode_context"], r["decode_new_tokens"]) == (
+            expected[1].batch, expected[1].context, expected[1].new_tokens)
+    assert f"after a {expected[1].context}-token prompt" in printed and f"on {expected[0]}" in printed
+
+
+def test_decode_speed_counts_tokens_after_the_prefill(monkeypatch):
+    """The timed span runs from the first generated token to the last: a slow prefill does not count."""
+    import time as time_module
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_hybrid import demo_measure
+    from hf_hybrid.demo_setup import DecodeSetting
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, pad_token_id=0)).eval()
+    fake_now = iter(range(1000))  # every clock read advances one second
+    monkeypatch.setattr(time_module, "perf_counter", lambda: float(next(fake_now)))
+    speed = demo_measure.decode_tokens_per_second(model, "cpu", DecodeSetting(batch=3, context=5, new_tokens=4))
+    assert speed == 3 * 3 / 3  # 3 rows x 3 tokens after the first, one (fake) second per token
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_demo_decode_column_on_gpu_shows_the_compact_cache():
+    """At the GPU setting (4K context) RAT's cache (1/4 of Llama's) decodes faster than Llama's."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_hybrid.demo_measure import decode_speed_row
+    from hf_hybrid.demo_setup import SIZES, build_config, default_contestants
+
+    size = SIZES["tiny"]
+    speed = {}
+    for contestant in default_contestants(size)[:2]:  # Llama, RAT(L=4)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(build_config(contestant, size, 400)).eval()
+        row = decode_speed_row(model, "cpu")
+        assert row["decode_device"] == "cuda" and next(model.parameters()).device.type == "cpu"  # moved back
+        speed[contestant.key] = row["decode_tokens_per_s"]
+    assert speed["rat"] > speed["llama"], speed
+
+
 def test_demo_smoke_table_json_and_chart(smoke_run):
     out, summary, printed = smoke_run
     assert summary["size"] == "smoke" and summary["device"] == "cpu"

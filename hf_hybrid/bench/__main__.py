@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the harness")
     p.add_argument("--flex", action="store_true", help="also time flex_attention variants (compiles per shape)")
     p.add_argument("--seqs", default=None, help="comma-separated sequence lengths overriding the suites' defaults")
-    p.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    p.add_argument("--only", default=None, help="run only cases whose name contains this text (comma-separated: any of them)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=10, help="timed calls per variant (at least 10)")
     p.add_argument("--out", default="bench_results", help="folder for bench.json and bench.png")
@@ -62,10 +62,13 @@ def main(argv=None) -> int:
         if reason:
             skipped.append(f"{suite}: {reason}")
             print(f"[bench] skipping suite {suite}: {reason}")
-        for case in cases:
+        selected = [c for c in cases if args.only is None or any(part.strip() in c.name for part in args.only.split(","))]
+        for schedule in {id(c.schedule): c.schedule for c in cases if hasattr(c, "schedule")}.values():
+            schedule.keep([c.name for c in selected])  # a time-budgeted suite shares its budget among these
+        for case in cases if args.list else selected:
             if args.list:
                 print(f"{case.group} | {case.name} | {case.params} | {', '.join(case.variants)}")
-            elif args.only is None or args.only in case.name:
+            else:
                 results.extend(run_case(case, config))
     if args.list:
         return 0
@@ -82,9 +85,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "hf-hybrid bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     write_json(results, out / "bench.json", command)
+    markdown = table(results, markdown=True)
+    if any(r.group == "models" for r in results):  # the per-model summary of the models suite
+        from dataclasses import asdict
+
+        from .models import summary_markdown
+
+        markdown += "\n\n" + summary_markdown([asdict(r) for r in results])
+    (out / "bench.md").write_text(f"`{command}`\n\n{markdown}\n")
     wrote_png = write_png(results, out / "bench.png")
     why_no_png = " (no PNG: no timed results)" if not any(r.value is not None for r in results) else " (no PNG: matplotlib missing)"
-    print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if wrote_png else why_no_png))
+    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}" + (f" and {out / 'bench.png'}" if wrote_png else why_no_png))
     return 0
 
 

@@ -23,6 +23,8 @@ MODULES = {
     "fox": "hf_hybrid.bench.forgetting_attention",  # written with the FoX kernels
     "rattention": "hf_hybrid.bench.rattention",
     "se": "hf_hybrid.bench.se_attention",
+    "mamba": "hf_hybrid.bench.mamba",  # the SE hybrid's Mamba-2 mixer (Triton ops) vs Bamba's torch_forward
+    "models": "hf_hybrid.bench.models",  # every architecture vs LlamaForCausalLM: train, prefill, generate()
 }
 
 
@@ -83,14 +85,22 @@ def run_case(case: Case, config: BenchConfig, log=print) -> list[Result]:
         try:
             built = builder()
             fn, info = built if isinstance(built, tuple) else (built, None)
-            timing = time_fn(fn, config.device, config.warmup, case.repeat or config.repeat)
+            # A case may time its variants itself (models.py: whole training steps / generate() calls,
+            # a warm-up and a few repeats instead of the usual >= 10).
+            custom = getattr(case, "time_variant", None)
+            timing = custom(fn, config) if custom else time_fn(fn, config.device, config.warmup, case.repeat or config.repeat)
             value = timing.median_ms
             if case.unit == "tokens/s":
                 value = (info or {}).get("tokens", 1) / (timing.median_ms / 1e3)
         except torch.cuda.OutOfMemoryError:
             status = "OOM"
         except Exception as exc:  # one failing variant still leaves a row in the table
-            status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            if type(exc).__name__ == "SkipVariant":  # the variant cannot run here (e.g. needs CUDA)
+                status = f"skipped: {exc}"
+            elif "out of memory" in str(exc).lower():  # OOM re-raised by a library as another type
+                status = "OOM"
+            else:
+                status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         finally:
             built = fn = None
             free_memory(config.device)

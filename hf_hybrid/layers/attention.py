@@ -1,17 +1,145 @@
-"""Softmax self-attention (full or sliding window), GQA, RoPE by token position.
+"""Softmax self-attention (full or sliding window), GQA, RoPE by token position, and the one
+function every softmax layer of the package attends through.
 
-Used as the `full_attention` / `sliding_attention` layers of hybrid stacks (RAT-SWA, Attention
-baselines) and as the dense layer other architectures build on. Parameter names follow Llama
-(q_proj, k_proj, v_proj, o_proj) so Llama checkpoints and LoRA target lists carry over.
+:class:`SoftmaxAttention` is the `full_attention` / `sliding_attention` layer of hybrid stacks
+(RAT-SWA, Attention baselines) and the dense layer other architectures build on. Parameter names
+follow Llama (q_proj, k_proj, v_proj, o_proj) so Llama checkpoints and LoRA target lists carry over.
+
+:func:`softmax_attention` goes through transformers' attention interface
+(``ALL_ATTENTION_FUNCTIONS``, with :func:`eager_attention_forward` as the eager function, as
+transformers' Llama does) and reads ``config._attn_implementation`` at every call, so
+``model.set_attn_implementation(...)`` takes effect on a built model. The masks come from the
+layer's :class:`~hf_hybrid.layers.context.SequenceContext`, in the form each implementation takes:
+
+==================  =====================================================================
+eager               dense boolean mask (eager materialises the scores anyway); the only
+                    implementation that returns attention probabilities (output_attentions)
+sdpa                no mask for causal attention over unpadded tokens (``is_causal``) and for
+                    decode steps that see every key; otherwise a boolean mask ([B,1,1,K] for a
+                    decode step). On CUDA, sliding windows and padded batches with more than one
+                    query do NOT get a dense T x T mask: they run flex_attention with a BlockMask
+                    (blocks outside the band / padding skipped), transformers' compiled flex
+                    (head_dim < 16, below flex's minimum: the boolean mask, with a warning)
+flex_attention      a BlockMask for every call with more than one query (causal included);
+                    decode steps (one query) run SDPA with their [B,1,1,K] mask
+flash_attention_*   FlashAttention's own causal mask, ``sliding_window`` and varlen padding
+                    (a [B, K] padding mask), never a dense mask
+==================  =====================================================================
+
+A function registered by the user under another name gets the boolean mask (``None`` = causal).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 
 from .context import SequenceContext
 from .rotary import apply_rotary, build_rotary
+
+logger = logging.get_logger(__name__)
+
+# flex_attention's Triton kernels need head_dim >= 16.
+_FLEX_MIN_HEAD_DIM = 16
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention written out: [B, H, T, D] queries, [B, H_kv, S, D] keys and values, a boolean
+    (True = visible) or additive float mask broadcastable to [B, H, T, S]. Scores, softmax and the
+    weighted sum in float32 whatever the input dtype (eager is the reference the fused paths are
+    compared with). Returns the output [B, T, H, D] and the probabilities [B, H, T, S], both in the
+    input dtype."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1).float()
+    value = value.repeat_interleave(groups, dim=1).float()
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query.float(), key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), weights.to(query.dtype)
+
+
+def attention_implementation(module: nn.Module) -> str:
+    """The layer's current implementation: its config's ``_attn_implementation`` (read per call),
+    "sdpa" for a layer built without a config."""
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None) or "sdpa"
+
+
+def _block_sparse(implementation: str, query: torch.Tensor) -> bool:
+    """Whether a masked call with several queries runs flex_attention with a BlockMask."""
+    if implementation == "flex_attention":
+        return True
+    if implementation != "sdpa" or query.device.type != "cuda":
+        return False
+    if query.shape[-1] < _FLEX_MIN_HEAD_DIM:
+        logger.warning_once(
+            f"head_dim={query.shape[-1]} is below flex_attention's minimum ({_FLEX_MIN_HEAD_DIM}): padded / "
+            "sliding-window SDPA attention falls back to a dense boolean mask."
+        )
+        return False
+    return True
+
+
+def softmax_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context: SequenceContext,
+    *,
+    key_start: int,
+    window: int | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention of the new tokens over keys with absolute indices key_start ..
+    key_start + S - 1 (a window of ``window`` tokens, the token itself included, when given), in
+    the implementation ``module.config._attn_implementation`` names.
+
+    query [B, H, T, D], key / value [B, H_kv, S, D] (transformers' layout); returns [B, T, H, D].
+    ``module`` carries what transformers' attention functions read: ``config``, ``is_causal``,
+    ``num_key_value_groups``, ``training`` (and ``layer_idx`` when it has one).
+    """
+    implementation = attention_implementation(module)
+    seq, num_keys = query.shape[2], key.shape[2]
+    kwargs = {"scaling": scaling, "dropout": 0.0}
+    if implementation == "eager":
+        interface, mask = eager_attention_forward, context.dense_mask(num_keys, key_start, window)
+    elif "flash" in implementation:
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        mask = context.padding_mask(num_keys, key_start)
+        kwargs["sliding_window"] = context.effective_window(num_keys, key_start, window)
+    elif seq > 1 and (implementation == "flex_attention" or context.needs_mask(num_keys, key_start, window)) and _block_sparse(
+        implementation, query
+    ):
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface("flex_attention", eager_attention_forward)
+        mask = context.block_mask(num_keys, key_start, window)
+    else:
+        # SDPA (flex decode steps too) or a user-registered function: a boolean mask, None = causal.
+        name = "sdpa" if implementation == "flex_attention" else implementation
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
+        mask = context.attention_mask(num_keys, key_start, window)
+    out, weights = interface(module, query, key, value, mask, **kwargs)
+    # Only the eager function's second output is the probabilities (flex returns its LSE there).
+    context.record_attention_weights(weights if interface is eager_attention_forward else None)
+    return out
 
 
 class SoftmaxAttention(nn.Module):
@@ -24,10 +152,18 @@ class SoftmaxAttention(nn.Module):
         rope_theta: float | None,
         sliding_window: int | None = None,
         attention_bias: bool = False,
+        *,
+        config=None,
+        layer_idx: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sliding_window = sliding_window
+        # Read by transformers' attention functions (config: the implementation, set after build too).
+        self.config, self.layer_idx = config, layer_idx
+        self.is_causal = True
+        self.num_key_value_groups = num_heads // num_kv_heads
+        self.scaling = head_dim**-0.5
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=attention_bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
@@ -41,14 +177,12 @@ class SoftmaxAttention(nn.Module):
         v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
         cos_sin = self.rotary(context.positions) if self.rotary is not None else None
         q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-        # transformers' cache layers store [batch, heads, seq, head_dim].
+        # transformers' cache layers and attention functions take [batch, heads, seq, head_dim].
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         key_start = context.past_length + seq - k.shape[2]
-        mask = context.attention_mask(k.shape[2], key_start, self.sliding_window)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+        out = softmax_attention(
+            self, q, k, v, context, key_start=key_start, window=self.sliding_window, scaling=self.scaling
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.o_proj(out.reshape(batch, seq, -1))

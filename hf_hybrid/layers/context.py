@@ -11,12 +11,23 @@ Index space vs position space: a token's *index* counts every column of the batc
 its *position* counts only the real tokens of its row. Masks compare indices (all rows share
 them), RoPE and chunk boundaries use positions (so a left-padded row computes exactly what the
 same row computes alone).
+
+It is also the single source of softmax-attention masks, in the form each kernel takes: a dense
+boolean ``[batch, 1, seq, keys]`` mask (``attention_mask``), a flex_attention ``BlockMask``
+(``block_mask``: blocks outside the band / padding are never computed), or the ``[batch, keys]``
+padding mask FlashAttention's varlen path takes (``padding_mask``). Masks are built once per
+forward and shared by the layers that ask for the same keys.
+
+When the model is asked for attention probabilities (``output_attentions``), softmax layers hand
+theirs to the context (``record_attention_weights``) and the model collects them after each layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
+
+_FLEX_BLOCK = 128  # flex_attention's default block size (BlockMask granularity)
 
 
 @dataclass
@@ -24,6 +35,30 @@ class SequenceContext:
     positions: torch.Tensor  # [batch, seq] long: position of each new token within its row
     key_valid: torch.Tensor | None  # [batch, past + seq] bool: True for real tokens; None = no padding
     past_length: int  # number of columns (pads included) already in the cache
+    output_attentions: bool = False  # softmax layers that can (eager) record their probabilities
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+    _attention_weights: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # Copies on other devices (see ``to``), kept by the context the model built, and a copy's origin.
+    _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
+    _origin: SequenceContext | None = field(default=None, repr=False, compare=False)
+
+    def to(self, device, non_blocking: bool = False) -> SequenceContext:
+        """The context with its tensors on ``device``. accelerate's hooks call this on a layer's
+        arguments when device_map puts the layer on another device than the embeddings (layers
+        over several GPUs); one copy per device is built and shared by that device's layers, and
+        attention weights a copy records reach the context the model reads them from."""
+        device = torch.device(device)
+        origin = self._origin or self
+        if origin.positions.device == device:
+            return origin
+        if device not in origin._device_copies:
+            origin._device_copies[device] = replace(
+                origin,
+                positions=origin.positions.to(device, non_blocking=non_blocking),
+                key_valid=None if origin.key_valid is None else origin.key_valid.to(device, non_blocking=non_blocking),
+                _masks={}, _attention_weights=None, _device_copies={}, _origin=origin,
+            )
+        return origin._device_copies[device]
 
     @property
     def uniform_start(self) -> int | None:
@@ -43,6 +78,7 @@ class SequenceContext:
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         device: torch.device,
+        output_attentions: bool = False,
     ) -> "SequenceContext":
         key_valid = None
         if attention_mask is not None:
@@ -57,7 +93,9 @@ class SequenceContext:
                     f"attention_mask has shape {tuple(attention_mask.shape)} but the cache holds {past_length} tokens "
                     f"and {seq_length} are new, so it must be [{batch_size}, {total}]."
                 )
-            if not bool(attention_mask.all()):
+            # Whether anything is padded is a host-side decision on the mask's data: under
+            # torch.compile take the padded path (exact for unpadded rows too) instead of syncing.
+            if torch.compiler.is_compiling() or not bool(attention_mask.all()):
                 key_valid = attention_mask.to(device=device, dtype=torch.bool)
         if position_ids is None:
             if key_valid is None:
@@ -72,32 +110,113 @@ class SequenceContext:
                 raise ValueError(
                     f"position_ids must be [batch, seq] = [{batch_size}, {seq_length}], got {tuple(position_ids.shape)}."
                 )
-        return cls(positions=position_ids.to(device), key_valid=key_valid, past_length=past_length)
+        return cls(
+            positions=position_ids.to(device), key_valid=key_valid, past_length=past_length,
+            output_attentions=output_attentions,
+        )
+
+    # ------------------------------------------------------------------ softmax-attention masks
+
+    def effective_window(self, num_keys: int, key_start: int, window: int | None) -> int | None:
+        """``window``, or None when it cannot hide any of the keys (every key is within it)."""
+        if window is None:
+            return None
+        last_query = self.past_length + self.positions.shape[1] - 1
+        return None if last_query - key_start < window else window
+
+    def needs_mask(self, num_keys: int, key_start: int, window: int | None = None) -> bool:
+        """False when plain causal attention over the keys is exact: nothing padded, no window that
+        hides a key, and either the keys are exactly the new tokens (prefill from empty: is_causal)
+        or there is one new token that sees every key a cache layer returns (decode)."""
+        if self.key_valid is not None:
+            return True
+        window = self.effective_window(num_keys, key_start, window)
+        seq_length = self.positions.shape[1]
+        if seq_length == 1:
+            # One new token: every key a cache layer returns is visible (window caches keep only the window).
+            return window is not None and num_keys > window
+        return not (key_start == self.past_length == 0 and num_keys == seq_length and window is None)
 
     def attention_mask(self, num_keys: int, key_start: int, window: int | None = None) -> torch.Tensor | None:
         """Boolean [batch, 1, seq, num_keys] mask for softmax attention over keys with absolute indices
-        key_start .. key_start + num_keys - 1, or None when nothing needs masking beyond plain causal
-        attention over the whole sequence (so SDPA can take its flash path).
+        key_start .. key_start + num_keys - 1, or None when ``needs_mask`` is False (plain causal
+        attention over the whole sequence, or one query seeing every key: SDPA's flash path).
 
         Key j is visible to query i iff j <= i, i - j < window (when given; transformers' convention,
         the token itself counts) and j is a real token. The diagonal stays visible so that rows of
         padding queries never become empty (their outputs are ignored).
         """
-        seq_length = self.positions.shape[1]
-        if self.key_valid is None and (
-            (key_start == self.past_length == 0 and num_keys == seq_length and window is None)
-            # One new token: every key a cache layer returns is visible (window caches keep only the window).
-            or (seq_length == 1 and (window is None or num_keys <= window))
-        ):
+        if not self.needs_mask(num_keys, key_start, window):
             return None
-        device = self.positions.device
-        query_index = torch.arange(self.past_length, self.past_length + seq_length, device=device)[:, None]
-        key_index = torch.arange(key_start, key_start + num_keys, device=device)[None, :]
-        visible = key_index <= query_index
-        if window is not None:
-            visible = visible & (query_index - key_index < window)
-        visible = visible[None, None]
-        if self.key_valid is not None:
-            valid = self.key_valid[:, key_start : key_start + num_keys]
-            visible = visible & valid[:, None, None, :]
-        return visible | (key_index == query_index)[None, None]
+        return self.dense_mask(num_keys, key_start, window)
+
+    def dense_mask(self, num_keys: int, key_start: int, window: int | None = None) -> torch.Tensor:
+        """The boolean [batch or 1, 1, seq, num_keys] mask of ``attention_mask``, always built (eager
+        attention needs the causal part spelled out too)."""
+        window = self.effective_window(num_keys, key_start, window)
+        key = ("dense", num_keys, key_start, window)
+        if key not in self._masks:
+            seq_length = self.positions.shape[1]
+            device = self.positions.device
+            query_index = torch.arange(self.past_length, self.past_length + seq_length, device=device)[:, None]
+            key_index = torch.arange(key_start, key_start + num_keys, device=device)[None, :]
+            visible = key_index <= query_index
+            if window is not None:
+                visible = visible & (query_index - key_index < window)
+            visible = visible[None, None]
+            if self.key_valid is not None:
+                valid = self.key_valid[:, key_start : key_start + num_keys]
+                visible = visible & valid[:, None, None, :]
+            self._masks[key] = visible | (key_index == query_index)[None, None]
+        return self._masks[key]
+
+    def block_mask(self, num_keys: int, key_start: int, window: int | None = None):
+        """The same visibility as a flex_attention ``BlockMask`` (blocks of 128 x 128; blocks entirely
+        outside the causal band, the window or a row's padding are skipped by the kernel). Built
+        with a compiled mask builder on CUDA, so no [seq, num_keys] tensor is materialised."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        window = self.effective_window(num_keys, key_start, window)
+        key = ("block", num_keys, key_start, window)
+        if key not in self._masks:
+            query_offset, key_valid = self.past_length, None
+            if self.key_valid is not None:
+                # The keys' validity, padded to whole blocks so the kernel never reads past its end.
+                key_valid = self.key_valid[:, key_start : key_start + num_keys]
+                key_valid = torch.nn.functional.pad(key_valid, (0, -num_keys % _FLEX_BLOCK + _FLEX_BLOCK))
+
+            def visible(batch, head, q_idx, kv_idx):
+                query, key_index = q_idx + query_offset, kv_idx + key_start
+                allowed = key_index <= query
+                if window is not None:
+                    allowed = allowed & (query - key_index < window)
+                if key_valid is not None:
+                    allowed = allowed & key_valid[batch, kv_idx]
+                return allowed | (key_index == query)
+
+            device = self.positions.device
+            batch = None if key_valid is None else key_valid.shape[0]
+            self._masks[key] = create_block_mask(
+                visible, batch, None, self.positions.shape[1], num_keys, device=device,
+                BLOCK_SIZE=_FLEX_BLOCK, _compile=device.type == "cuda" and not torch.compiler.is_compiling(),
+            )
+        return self._masks[key]
+
+    def padding_mask(self, num_keys: int, key_start: int) -> torch.Tensor | None:
+        """[batch, num_keys] int mask (1 = real token) of the keys, None when nothing is padded: the
+        form FlashAttention's varlen path takes (the queries are the last ``seq`` keys)."""
+        if self.key_valid is None:
+            return None
+        return self.key_valid[:, key_start : key_start + num_keys].to(torch.int32)
+
+    # ------------------------------------------------------------------ output_attentions
+
+    def record_attention_weights(self, weights: torch.Tensor | None) -> None:
+        """Called by a softmax layer with its [batch, heads, seq, keys] probabilities."""
+        if self.output_attentions:
+            (self._origin or self)._attention_weights = weights
+
+    def take_attention_weights(self) -> torch.Tensor | None:
+        """The probabilities the layer that just ran recorded (None if it has none); clears them."""
+        weights, self._attention_weights = self._attention_weights, None
+        return weights

@@ -28,12 +28,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..kernels.forgetting_attention import forgetting_attention, forgetting_attention_with_cache
+from transformers.utils import logging
+
+from ..kernels.forgetting_attention import (
+    cumulative_log_forget,
+    forgetting_attention,
+    forgetting_attention_with_cache,
+)
 from .context import SequenceContext
 from .norm import RMSNorm
 from .rotary import apply_rotary, build_rotary
 
 FORGET_GATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
+
+logger = logging.get_logger(__name__)
 
 
 def forget_bias_init(num_heads: int, t_min: float, t_max: float) -> torch.Tensor:
@@ -46,6 +54,23 @@ def forget_bias_init(num_heads: int, t_min: float, t_max: float) -> torch.Tensor
         timescales = torch.exp(math.log(t_min) + (math.log(t_max) - math.log(t_min)) * frac)
     # sigmoid(b) = exp(-1/T)  =>  b = log(p / (1 - p)) with p = exp(-1/T)
     return (-1.0 / timescales - torch.log(-torch.expm1(-1.0 / timescales))).float()
+
+
+def padded_row_boundaries(query_valid: torch.Tensor) -> torch.Tensor | None:
+    """cu_seqlens that cut the flattened [batch * seq] columns wherever a row starts and wherever
+    its run of real tokens starts or ends, or None when some row's real tokens are not one
+    contiguous run (a hole in the mask). Left- and right-padded rows qualify: packed this way,
+    the varlen kernel lets no real token see padding or another row, and the cumulative log
+    forget restarts at each row's first real token, which is what the row computes alone."""
+    batch, seq = query_valid.shape
+    valid = query_valid.long()
+    run_starts = (valid[:, 1:] > valid[:, :-1]).sum(-1) + valid[:, 0]
+    if bool((run_starts > 1).any()):
+        return None
+    row_start = torch.arange(batch, device=valid.device) * seq
+    first = valid.argmax(-1)  # 0 for a row without real tokens: its cuts coincide with the row start
+    cuts = torch.cat([row_start, row_start + first, row_start + first + valid.sum(-1), row_start.new_tensor([batch * seq])])
+    return torch.unique(cuts).to(torch.int32)  # sorted, duplicates (empty pieces) removed
 
 
 class ShiftLinear(nn.Module):
@@ -83,6 +108,7 @@ class ForgettingAttention(nn.Module):
         forget_gate_t_max: float = 256.0,
         rope_theta: float | None = None,
         rms_norm_eps: float = 1e-6,
+        qk_norm_eps: float | None = None,
         backend: str = "auto",
     ):
         super().__init__()
@@ -104,8 +130,9 @@ class ForgettingAttention(nn.Module):
                 forget_bias_init(num_heads, forget_gate_t_min, forget_gate_t_max),
                 requires_grad=forget_gate == "data_independent",
             )
-        self.q_norm = RMSNorm((num_heads, head_dim), eps=rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm((num_kv_heads, head_dim), eps=rms_norm_eps) if qk_norm else None
+        qk_eps = rms_norm_eps if qk_norm_eps is None else qk_norm_eps
+        self.q_norm = RMSNorm((num_heads, head_dim), eps=qk_eps) if qk_norm else None
+        self.k_norm = RMSNorm((num_kv_heads, head_dim), eps=qk_eps) if qk_norm else None
         self.k_shift = ShiftLinear(hidden_size, num_kv_heads) if kv_shift else None
         self.v_shift = ShiftLinear(hidden_size, num_kv_heads) if kv_shift else None
         self.g_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False) if output_gate else None
@@ -154,13 +181,23 @@ class ForgettingAttention(nn.Module):
             cos_sin = self.rotary(context.positions)
             q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
 
-        if cache_layer is not None:
+        # generate()'s static decode step (hf_hybrid/generation): fixed buffers, device-side length.
+        static = seq == 1 and context.key_valid is None and getattr(cache_layer, "static_decode_active", False)
+        if cache_layer is not None and not static:
+            cache_layer.record_token_states(raw_k, raw_v)  # kept only while a crop may need them
             keys, values, c_keys = cache_layer.update(k, v, log_f, raw_k[:, -1], raw_v[:, -1])
-        if context.past_length == 0 and context.key_valid is None:
-            # Whole sequences from the start: the FlashAttention-style kernel (training, prefill).
-            o = forgetting_attention(q, k, v, log_f, backend=self.backend)
+        if static:
+            o = self._attend_static_decode(q, k, v, log_f, raw_k, raw_v, cache_layer)
+        elif context.past_length == 0:
+            # Whole sequences from the start (training, prefill): the keys are the segment's own.
+            o = self._attend_segment(q, k, v, log_f, query_valid)
+        elif cache_layer is None:
+            raise ValueError(
+                f"ForgettingAttention: the context says {context.past_length} tokens are cached, but no cache layer was "
+                "passed; pass the FoxCache layer that holds them (or a context with past_length=0)."
+            )
         else:
-            # Queries at the end of cached keys, or padded rows.
+            # Queries at the end of cached keys.
             o = forgetting_attention_with_cache(
                 q, keys, values, c_keys[:, -seq:], c_keys, context.key_valid, backend=self.backend
             )
@@ -171,3 +208,62 @@ class ForgettingAttention(nn.Module):
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(hidden_states))
         return self.o_proj(o)
+
+    def _attend_segment(self, q, k, v, log_f, query_valid: torch.Tensor | None) -> torch.Tensor:
+        """Attention of a segment that starts at index 0 over its own keys (nothing cached before it);
+        padded positions already carry k = v = 0 and log f = 0."""
+        if query_valid is None:
+            return forgetting_attention(q, k, v, log_f, backend=self.backend)
+        # The Triton kernel takes padded rows as packed varlen pieces (linear memory, fused backward).
+        # The reference would build a [batch * seq]^2 mask that way: it takes the per-row path below.
+        kernel = self.backend == "triton" or (self.backend == "auto" and q.is_cuda)
+        # The boundaries are a host-side decision on the mask's data: torch.compile takes the exact
+        # masked path below instead (drop an all-ones attention_mask to keep the kernel compiled).
+        kernel = kernel and not torch.compiler.is_compiling()
+        boundaries = padded_row_boundaries(query_valid) if kernel else None
+        if boundaries is not None:
+            batch, seq = q.shape[:2]
+            packed = forgetting_attention(
+                q.reshape(1, batch * seq, *q.shape[2:]), k.reshape(1, batch * seq, *k.shape[2:]),
+                v.reshape(1, batch * seq, *v.shape[2:]), log_f.reshape(1, batch * seq, -1),
+                cu_seqlens=boundaries, backend=self.backend,
+            )
+            return packed.view(q.shape)
+        if kernel:
+            logger.warning_once(
+                "ForgettingAttention: attention_mask has padding inside a row (not only at its start or end); "
+                "this forward takes the exact masked path with [batch, heads, seq, seq] scores instead of the kernel."
+            )
+        # Pads hold log f = 0, so one running sum per row gives every real key its row-alone c.
+        c = cumulative_log_forget(log_f)
+        return forgetting_attention_with_cache(q, k, v, c, c, query_valid, backend=self.backend)
+
+    def _attend_static_decode(self, q, k, v, log_f, raw_k, raw_v, cache_layer) -> torch.Tensor:
+        """One token per row against the cache's fixed-capacity buffers (FoxLayerCache.static_decode_update);
+        columns past the new token are masked, so the shapes never change between steps."""
+        keys, values, c_q, c_keys, key_mask = cache_layer.static_decode_update(k, v, log_f, raw_k[:, -1], raw_v[:, -1])
+        if q.dtype in (torch.bfloat16, torch.float16) and self.backend != "reference":
+            return decode_attention_low_precision(q, keys, values, c_q, c_keys, key_mask)
+        return forgetting_attention_with_cache(q, keys, values, c_q, c_keys, key_mask, backend=self.backend)
+
+
+def decode_attention_low_precision(q, keys, values, c_q, c_k, key_mask) -> torch.Tensor:
+    """Forgetting Attention of one query per row in q's (16-bit) dtype: SDPA over the cached K/V as
+    stored, the bias c_q - c_k computed in float32 and rounded once to q's dtype.
+
+    The float32 path (forgetting_attention_with_cache) upcasts every cached key and value at every
+    step, 3x the bytes of the cache itself; a decode step is bound by exactly those bytes. The bias
+    is <= 0 and rounds with a relative error of 2^-8: largest on far keys, whose weights exp(bias)
+    are small; the keys that carry the weight have bias near 0, where the rounding is finest.
+    q [B, 1, H, D]; keys / values [B, T, KV, D]; c_q [B, 1, H]; c_k [B, T, H]; key_mask [B, T] bool.
+    """
+    batch, _, heads, dim = q.shape
+    kv = keys.shape[2]
+    bias = c_q.float().permute(0, 2, 1) - c_k.float().permute(0, 2, 1)  # [B, H, T]
+    bias = bias.masked_fill(~key_mask[:, None, :], float("-inf")).to(q.dtype)
+    # Query head h reads kv head h // group: the group's heads share the query axis (no K/V expansion).
+    out = F.scaled_dot_product_attention(
+        q[:, 0].reshape(batch, kv, heads // kv, dim), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=bias.view(batch, kv, heads // kv, -1),
+    )
+    return out.reshape(batch, 1, heads, dim)

@@ -40,10 +40,12 @@ def scatter_chunk_ends(x: torch.Tensor, chunk_index: torch.Tensor, closes_chunk:
     x [batch, seq, heads, head_dim]; chunk_index / closes_chunk [batch, seq]. Slots of chunks that
     no token in this segment closes stay zero (they are never visible, see chunk_end_attention).
     """
-    out = x.new_zeros(x.shape[0], num_chunks, *x.shape[2:])
-    rows, cols = closes_chunk.nonzero(as_tuple=True)
-    out[rows, chunk_index[rows, cols]] = x[rows, cols]
-    return out
+    # Tokens that close no chunk write to a spare slot num_chunks, dropped at the end: a scatter of
+    # fixed shape (no nonzero(), so torch.compile traces it without a graph break).
+    slot = torch.where(closes_chunk, chunk_index, num_chunks)
+    index = slot.view(*slot.shape, *(1,) * (x.dim() - 2)).expand_as(x)
+    out = x.new_zeros(x.shape[0], num_chunks + 1, *x.shape[2:]).scatter(1, index, x)
+    return out[:, :num_chunks]
 
 
 class RatAttention(nn.Module):
@@ -110,6 +112,20 @@ class RatAttention(nn.Module):
         """W_o (sigmoid(gate_z) * y), the gate and product in one pass (kernels/output_gate)."""
         return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
 
+    def _chunk_rotary(self, context: SequenceContext, chunk_index: torch.Tensor, seq: int):
+        """cos/sin of the chunk indices (None for NoPE). In a decode step every RAT layer of the
+        stack rotates by the same chunk index: the first layer computes the tables and the others
+        reuse them from the forward's context (a handful of kernels per layer fewer per token)."""
+        if self.rotary is None:
+            return None
+        if seq != 1 or torch.compiler.is_compiling() or not hasattr(context, "__dict__"):
+            return self.rotary(chunk_index)
+        shared = context.__dict__.setdefault("_decode_tables", {})
+        key = ("rat_chunk_rotary", self.chunk_size, self.rotary.head_dim, self.rotary.theta, tuple(chunk_index.shape))
+        if key not in shared:
+            shared[key] = self.rotary(chunk_index)
+        return shared[key]
+
     def _fused_decode(self, v: torch.Tensor) -> bool:
         """One kernel for the whole decode step: decoding without gradients (it writes the cache in
         place), on the Triton backend, at a head_dim it takes."""
@@ -123,10 +139,10 @@ class RatAttention(nn.Module):
         batch, L = q.shape[0], self.chunk_size
         position = positions.reshape(-1)[:1]
         if self._fused_decode(v):
-            from ..kernels.chunk_attention.rat_decode_triton import rat_decode_step_triton
+            from ..kernels.chunk_attention import rat_decode_step  # a torch.library op: one node under torch.compile
 
             key_buffer, value_buffer, state_k, state_v = cache_layer.fused_decode_buffers(L)
-            y = rat_decode_step_triton(
+            y = rat_decode_step(
                 q, k, v, gate_logits, self.gate_bias, state_k, state_v, position, L, cos_sin, key_buffer, value_buffer
             )
         else:
@@ -153,7 +169,7 @@ class RatAttention(nn.Module):
         # Unpadded rows share their positions: compute per-position tables once, not per row.
         positions = context.positions[:1] if start is not None else context.positions
         chunk_index = torch.div(positions, L, rounding_mode="floor")
-        cos_sin = self.rotary(chunk_index) if self.rotary is not None else None
+        cos_sin = self._chunk_rotary(context, chunk_index, seq)
         if cache_layer is not None and seq == 1 and start is not None and cache_layer.get_seq_length() > 0:
             return self._decode_step(q, k, v, gate_logits, gate_z, positions, chunk_index, cos_sin, cache_layer)
         if self.fused_gates and cache_layer is None and start == 0:
@@ -175,6 +191,7 @@ class RatAttention(nn.Module):
         if context.query_valid is not None:
             closes_chunk = closes_chunk & context.query_valid
         if cache_layer is not None:
+            cache_layer.record_token_states(k_tilde, v_tilde)  # kept only while a crop may need them
             k_ends, v_ends = cache_layer.update(
                 k_rot, v_tilde, chunk_index.expand(batch, seq), closes_chunk.expand(batch, seq),
                 k_tilde[:, -1], v_tilde[:, -1], start_position=start, chunk_size=L,
@@ -182,7 +199,9 @@ class RatAttention(nn.Module):
         elif start == 0:
             k_ends, v_ends = chunk_ends(k_rot, L), chunk_ends(v_tilde, L)
         else:
-            num_chunks = int((positions[:, -1].max() + 1) // L)
+            # Under torch.compile a static bound (positions < seq without a cache) instead of a
+            # host sync: the extra slots hold no chunk end and no query sees them.
+            num_chunks = seq // L if torch.compiler.is_compiling() else int((positions[:, -1].max() + 1) // L)
             k_ends = scatter_chunk_ends(k_rot, chunk_index, closes_chunk, num_chunks)
             v_ends = scatter_chunk_ends(v_tilde, chunk_index, closes_chunk, num_chunks)
 

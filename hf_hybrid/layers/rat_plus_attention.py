@@ -118,7 +118,18 @@ class RatPlusAttention(nn.Module):
         index = [kv_heads.index(h // rep) for h in heads]
         if index == list(range(x.shape[2])):
             return x
-        return x.index_select(2, torch.tensor(index, device=x.device))
+        return x.index_select(2, self._index_tensor(tuple(index), x.device))
+
+    def _index_tensor(self, index: tuple[int, ...], device) -> torch.Tensor:
+        """A device copy of ``index``, made once: a decode step captured in a CUDA graph cannot copy from the host.
+        Under torch.compile the index is a constant of the graph instead (Dynamo cannot trace the memo)."""
+        if torch.compiler.is_compiling():
+            return torch.tensor(index, device=device)
+        tensors = self.__dict__.setdefault("_index_tensors", {})
+        key = (index, str(device))
+        if key not in tensors:
+            tensors[key] = torch.tensor(index, device=device)
+        return tensors[key]
 
     def _group_attention(self, pattern: AttentionPattern, heads, kv_heads, q, keys, values, q_pos, k_pos, summary, fresh):
         """Attention of one head group. ``fresh``: keys are exactly this call's tokens, unpadded, from position 0."""
@@ -173,8 +184,10 @@ class RatPlusAttention(nn.Module):
         q_pos = context.positions
         k_pos_new = q_pos if context.query_valid is None else q_pos.masked_fill(~context.query_valid, -1)
         if cache_layer is not None:
+            cache_layer.record_token_states(k_tilde, v_tilde)  # kept only while a crop may need them
             per_group = cache_layer.update(
-                k_rot, v_tilde_model, k_pos_new, groups, group_kv, k_tilde[:, -1], v_tilde[:, -1]
+                k_rot, v_tilde_model, k_pos_new, groups, group_kv, k_tilde[:, -1], v_tilde[:, -1],
+                static=seq == 1 and context.key_valid is None,  # fixed buffers in generate()'s static step
             )
         else:
             per_group = []

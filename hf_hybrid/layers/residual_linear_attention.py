@@ -31,6 +31,7 @@ from ..kernels.residual_linear_attention import (
     residual_linear_attention_decode,
     sliding_window_attention,
 )
+from .attention import softmax_attention
 from .context import SequenceContext
 from .fused_norms import norm_backend, qk_norm_rotary, sum_branch_norms
 from .norm import RMSNorm
@@ -92,24 +93,41 @@ class _QKVProjections(nn.Module):
 
 
 class RattentionGlobalAttention(_QKVProjections):
-    """Full causal softmax attention with QK-norm and no positional embedding (the paper's global layers)."""
+    """Full causal softmax attention with QK-norm and no positional embedding (the paper's global layers),
+    through transformers' attention interface (``config._attn_implementation``, read per call;
+    hf_hybrid/layers/attention.py)."""
 
-    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, *, qk_norm=True, rms_norm_eps=1e-6):
+    def __init__(
+        self, hidden_size, num_heads, num_kv_heads, head_dim, *, qk_norm=True, rms_norm_eps=1e-6, config=None, layer_idx=None
+    ):
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, qk_norm, rms_norm_eps)
+        # Read by transformers' attention functions (config: the implementation, set after build too).
+        self.config, self.layer_idx = config, layer_idx
+        self.is_causal = True
+        self.num_key_value_groups = num_heads // num_kv_heads
 
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         q, k, v = self.project(hidden_states)
         q, k = self.normed(q, k)
-        if cache_layer is not None:  # transformers' layout: [batch, heads, seq, head_dim]
-            keys, values = cache_layer.update(k.transpose(1, 2), v.transpose(1, 2))
-            k, v = keys.transpose(1, 2), values.transpose(1, 2)
-        key_start = context.past_length + seq - k.shape[1]
-        mask = context.attention_mask(k.shape[1], key_start)
-        if mask is not None and seq == 1 and context.key_valid is None:
-            mask = None  # one query at the end of an unpadded cache sees every key
-        out = _attend(q, k, v, mask, self.num_heads, self.num_kv_heads)
+        if seq == 1 and context.key_valid is None and getattr(cache_layer, "static_decode_active", False):
+            return self._static_decode(q, k, v, cache_layer)  # generate()'s static step (hf_hybrid/generation)
+        # transformers' layout for caches and attention functions: [batch, heads, seq, head_dim].
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache_layer is not None:
+            k, v = cache_layer.update(k, v)
+        key_start = context.past_length + seq - k.shape[2]
+        out = softmax_attention(self, q, k, v, context, key_start=key_start)
         return self.o_proj(out.reshape(batch, seq, -1))
+
+    def _static_decode(self, q, k, v, cache_layer) -> torch.Tensor:
+        """One token per row against the cache's fixed-capacity buffers (columns after it masked);
+        the query heads of a group share the query axis, so SDPA needs no GQA expansion."""
+        batch = q.shape[0]
+        keys, values, visible = cache_layer.static_decode_update(k.transpose(1, 2), v.transpose(1, 2))
+        qg = q.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible)
+        return self.o_proj(out.reshape(batch, 1, -1))
 
 
 class RattentionLocalAttention(_QKVProjections):
@@ -141,6 +159,8 @@ class RattentionLocalAttention(_QKVProjections):
         self.swa_norm = RMSNorm((num_heads, head_dim), eps=branch_norm_eps) if self.use_swa else None
         self.rla_norm = RMSNorm((num_heads, head_dim), eps=branch_norm_eps) if use_rla else None
         self.rotary = build_rotary(head_dim, rope_theta) if self.use_swa else None
+        # Read by the attention functions softmax_attention dispatches to (no config: "sdpa").
+        self.is_causal, self.num_key_value_groups = True, num_heads // num_kv_heads
 
     @property
     def cache_capacity(self) -> int:
@@ -178,11 +198,18 @@ class RattentionLocalAttention(_QKVProjections):
             if context.key_valid is None:
                 o_swa = sliding_window_attention(q_swa, k_swa, v, self.window_size, backend=self._swa_backend())
             else:
-                mask = context.attention_mask(k_swa.shape[1], 0, self.window_size + 1)
-                o_swa = _attend(q_swa, k_swa, v, mask, self.num_heads, self.num_kv_heads)
+                o_swa = self._masked_swa(q_swa, k_swa, v, context, key_start=0)
         if self.use_rla:
             o_rla, state = residual_linear_attention(q, k, v, self.window_size, self.feature_map, backend=self.backend)
         return o_swa, o_rla, state
+
+    def _masked_swa(self, q_swa, keys, values, context, key_start: int) -> torch.Tensor:
+        """Windowed attention where padding (or cached keys) needs a mask: through the shared
+        softmax_attention, which runs a flex BlockMask on CUDA instead of a dense T x T mask."""
+        return softmax_attention(
+            self, q_swa.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), context,
+            key_start=key_start, window=self.window_size + 1,
+        )
 
     def _decode_in_ring(self, q, k, v, q_swa, k_swa, context, cache_layer):
         """One new token per row, no padding, window full: the token leaving the window (t - w - 1)
@@ -218,9 +245,9 @@ class RattentionLocalAttention(_QKVProjections):
                 # Decode without padding: the last w + 1 keys (fewer while the window fills) are all visible.
                 visible = min(held + 1, self.window_size + 1)
                 keys, values, mask = keys[:, -visible:], values[:, -visible:], None
+                o_swa = _attend(q_swa, keys, values, None, self.num_heads, self.num_kv_heads)
             else:
-                mask = context.attention_mask(held + seq, context.past_length - held, self.window_size + 1)
-            o_swa = _attend(q_swa, keys, values, mask, self.num_heads, self.num_kv_heads)
+                o_swa = self._masked_swa(q_swa, keys, values, context, key_start=context.past_length - held)
         if self.use_rla:
             if seq == 1:
                 # Decode: the oldest of the w + 2 keys leaves the window (for w = -1, the token itself).

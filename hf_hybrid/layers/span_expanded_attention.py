@@ -3,9 +3,12 @@ attention runs in one of five modes - ``full``, ``se``, ``swa``, ``se_nomem``, `
 ``hf_hybrid.kernels.span_expanded_attention`` (the math and our causal reading of the paper's
 retrieval live in its reference.py).
 
-Three paths:
+``full`` mode is plain causal softmax attention and goes through transformers' attention interface
+(``config._attn_implementation``, read per call; hf_hybrid/layers/attention.py), padded batches and
+caches included (with a cache, each row's retrieval state still advances). The other modes take
+three paths:
 
-* no cache: the whole segment goes through the SE-Attn op (``full`` through SDPA). Left-padded rows
+* no cache: the whole segment goes through the SE-Attn op. Left-padded rows
   are run one by one on their real tokens, so chunk and block boundaries follow each row's own
   positions and a padded row computes exactly what it computes alone.
 * cache, nothing cached yet for a row (prefill): the same op, then the row's retrieval state is built.
@@ -33,6 +36,7 @@ from ..kernels.span_expanded_attention import (
     span_expanded_attention,
     span_expanded_mask,
 )
+from .attention import softmax_attention
 from .context import SequenceContext
 from .rotary import apply_rotary, build_rotary
 
@@ -86,9 +90,16 @@ class SpanExpandedAttention(nn.Module):
         settings: SESettings,
         partial_rotary_factor: float = 1.0,
         attention_bias: bool = False,
+        *,
+        config=None,
+        layer_idx: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # Read by transformers' attention functions in `full` mode (config: the implementation).
+        self.config, self.layer_idx = config, layer_idx
+        self.is_causal = True
+        self.num_key_value_groups = num_heads // num_kv_heads
         self.settings = settings
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=attention_bias)
@@ -124,10 +135,16 @@ class SpanExpandedAttention(nn.Module):
         q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
         chunk_size = self._chunk_size(se_chunk_size, mode, cached=cache_layer is not None)
         if cache_layer is None:
-            out = self._attend_rows(q, k, v, context, mode, chunk_size)
+            out = self._full(q, k, v, context) if mode == "full" else self._attend_rows(q, k, v, context, mode, chunk_size)
         else:
             out = self._attend_cached(q, k, v, context, cache_layer, mode, chunk_size)
         return self.o_proj(out.reshape(batch, seq, -1))
+
+    def _full(self, q, k, v, context: SequenceContext) -> torch.Tensor:
+        """`full` mode: causal attention of [B, T, H, D] queries over [B, S, H_kv, D] keys (the last T
+        of them are the new tokens) through transformers' attention interface."""
+        key_start = context.past_length + q.shape[1] - k.shape[1]
+        return softmax_attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), context, key_start=key_start)
 
     def _chunk_size(self, requested: int | None, mode: str, cached: bool) -> int:
         if requested is not None:
@@ -144,12 +161,6 @@ class SpanExpandedAttention(nn.Module):
     # ------------------------------------------------------------------ whole segments
 
     def _op(self, q, k, v, mode: str, chunk_size: int) -> torch.Tensor:
-        if mode == "full":
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
-            return out.transpose(1, 2)
         s = self.settings
         return span_expanded_attention(
             q, k, v, mode=mode, chunk_size=chunk_size, block_size=s.block_size, top_k=s.top_k,
@@ -171,7 +182,8 @@ class SpanExpandedAttention(nn.Module):
     def _attend_cached(self, q, k, v, context: SequenceContext, cache_layer, mode: str, chunk_size: int) -> torch.Tensor:
         cache_layer.check_chunk_size(chunk_size)
         keys, values = cache_layer.update(k, v)  # [batch, past + seq, kv_heads, head_dim], index space
-        past = context.past_length
+        cache_layer.record_queries(q, self._extend_row)  # kept only while a crop may need them
+        past, full = context.past_length, mode == "full"
         out = torch.zeros_like(q)
         for row in range(q.shape[0]):
             if context.key_valid is None:
@@ -186,11 +198,17 @@ class SpanExpandedAttention(nn.Module):
             q_new, k_row, v_row = q[row, new], keys[row, real_keys], values[row, real_keys]
             if state.length + new.numel() != real_keys.numel():
                 raise RuntimeError("SE cache out of sync with attention_mask: every cached real token must stay a real token.")
-            out[row, new] = self._extend_row(state, q_new, k_row, v_row, mode, chunk_size)
-        return out
+            row_out = self._extend_row(state, q_new, k_row, v_row, mode, chunk_size, compute_output=not full)
+            if not full:
+                out[row, new] = row_out
+        # `full` attends over all rows at once (the rows above only advanced their retrieval state).
+        return self._full(q, keys, values, context) if full else out
 
-    def _extend_row(self, state: SERowState, q_new, k_row, v_row, mode: str, chunk_size: int) -> torch.Tensor:
-        """Outputs of a row's new queries (positions state.length ...), then advance its state."""
+    def _extend_row(
+        self, state: SERowState, q_new, k_row, v_row, mode: str, chunk_size: int, compute_output: bool = True
+    ) -> torch.Tensor | None:
+        """Outputs of a row's new queries (positions state.length ...; None unless compute_output),
+        then advance its state."""
         s = self.settings
         start, count = state.length, q_new.shape[0]
         _extend_summaries(state, q_new, k_row, v_row, s.block_size)
@@ -199,7 +217,9 @@ class SpanExpandedAttention(nn.Module):
         group_first = (positions // chunk_size) * chunk_size + ((positions % chunk_size) // s.select_every) * s.select_every
         firsts = torch.unique_consecutive(group_first)
         group_sums = torch.stack([_group_sum(state, prefix, start, int(f), chunk_size) for f in firsts])
-        if start == 0:
+        if not compute_output:
+            out = None
+        elif start == 0:
             out = self._op(q_new[None], k_row[None], v_row[None], mode, chunk_size)[0]
         else:
             out = self._attend_continuation(state, q_new, k_row, v_row, mode, chunk_size, firsts, group_first, group_sums)

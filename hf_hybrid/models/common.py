@@ -3,18 +3,95 @@ weight init, and generate() integration (each model brings its own Cache class).
 
 Each architecture subclasses these in its own modeling file and supplies only what differs:
 ``build_mixer`` (the token mixer of layer i), its config class and its cache class.
+
+Outputs, for every model class (re-declared forwards and task heads included): ``hidden_states``
+and ``attentions`` are collected by :meth:`HybridModel.forward` (``output_hidden_states`` /
+``output_attentions``, defaulting to the config's), and ``return_dict`` is resolved in one place,
+a wrapper every subclass's forward gets (``HybridPreTrainedModel.__init_subclass__``): the forward
+bodies always build ModelOutputs, the wrapper returns ``to_tuple()`` when return_dict is False.
+Inputs no model can run (wrong rank, no tokens) fail early with ``check_input_shapes``, in
+forward() and in generate().
 """
 from __future__ import annotations
+
+import functools
+import inspect
+from contextvars import ContextVar
 
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import ModelOutput, logging
 
+from ..generation.graph_decode import DecodeGraphMixin
 from ..layers.backbone import DecoderLayer
 from ..layers.context import SequenceContext
+from ..layers.loss import lm_head_and_loss
 from ..layers.norm import RMSNorm
+from .cache_layer import DEFAULT_CROP_WINDOW
+
+logger = logging.get_logger(__name__)
+
+# True while a model forward runs: a model called from inside another one's forward (the backbone
+# of a head) returns a ModelOutput whatever its config's return_dict, so its caller can read fields.
+_INSIDE_FORWARD: ContextVar[bool] = ContextVar("hf_hybrid_inside_forward", default=False)
+
+
+def _return_dict_from_config(forward):
+    """Wrap a model's forward: ``return_dict`` (keyword, else ``config.return_dict``) picks a
+    ModelOutput or ``ModelOutput.to_tuple()``; the forward itself always builds a ModelOutput and
+    gets ``return_dict=True`` when it takes keywords (transformers' generic heads read it)."""
+    parameters = inspect.signature(forward).parameters.values()
+    takes_return_dict = any(p.kind is p.VAR_KEYWORD or p.name == "return_dict" for p in parameters)
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return_dict = kwargs.pop("return_dict", None)
+        compiling = torch.compiler.is_compiling()  # dynamo does not trace ContextVars
+        nested = not compiling and _INSIDE_FORWARD.get()
+        if return_dict is None:
+            return_dict = True if nested else getattr(self.config, "return_dict", True)
+        if takes_return_dict:
+            kwargs["return_dict"] = True
+        token = None if compiling else _INSIDE_FORWARD.set(True)
+        try:
+            outputs = forward(self, *args, **kwargs)
+        finally:
+            if token is not None:
+                _INSIDE_FORWARD.reset(token)
+        return outputs.to_tuple() if not return_dict and isinstance(outputs, ModelOutput) else outputs
+
+    wrapper._resolves_return_dict = True
+    return wrapper
+
+
+def check_input_shapes(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int, caller: str = "forward()") -> None:
+    """Raise a ValueError naming the argument and the fix for inputs no model can run: input_ids
+    that are not [batch, seq], inputs_embeds that are not [batch, seq, hidden_size], no tokens."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError(f"{caller}: pass exactly one of input_ids or inputs_embeds.")
+    if input_ids is not None:
+        name, tensor = "input_ids", input_ids
+        if input_ids.dim() != 2:
+            fix = " For one sequence, add the batch dimension: input_ids[None]." if input_ids.dim() == 1 else ""
+            raise ValueError(
+                f"{caller}: input_ids must be a 2-D [batch, seq] tensor of token ids; got shape {tuple(input_ids.shape)}.{fix}"
+            )
+    else:
+        name, tensor = "inputs_embeds", inputs_embeds
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
+            fix = " For one sequence, add the batch dimension: inputs_embeds[None]." if inputs_embeds.dim() == 2 else ""
+            raise ValueError(
+                f"{caller}: inputs_embeds must be a 3-D [batch, seq, hidden_size={hidden_size}] tensor; "
+                f"got shape {tuple(inputs_embeds.shape)}.{fix}"
+            )
+    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+        raise ValueError(
+            f"{caller}: {name} has shape {tuple(tensor.shape)}: every row needs at least one token "
+            "(start a prompt with the BOS token, e.g. torch.full((batch, 1), config.bos_token_id))."
+        )
 
 
 class HybridPreTrainedModel(PreTrainedModel):
@@ -22,7 +99,20 @@ class HybridPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
+    # Softmax layers go through transformers' attention interface (hf_hybrid/layers/attention.py) and
+    # read config._attn_implementation per call; mixers without a softmax form accept every value.
     _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # One place for return_dict: every model class's forward (its own or inherited, e.g. a
+        # task head's) returns a ModelOutput, or its tuple when return_dict resolves to False.
+        forward = cls.forward
+        if forward is not nn.Module.forward and not getattr(forward, "_resolves_return_dict", False):
+            cls.forward = _return_dict_from_config(forward)
 
     def save_pretrained(self, save_directory, *args, card_repo_id=None, card_training_data=None, **kwargs):
         """transformers' save_pretrained, plus self-contained remote code and a filled model card (hub.py)."""
@@ -92,10 +182,23 @@ class HybridModel(HybridPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        """``output_hidden_states``: the embeddings and every layer's output (the last one after the
+        final norm), as transformers' Llama returns them. ``output_attentions``: each layer's
+        attention probabilities [batch, heads, seq, keys] where it has them (softmax layers run with
+        attn_implementation="eager"), None for the others. Both default to the config's values."""
+        check_input_shapes(input_ids, inputs_embeds, self.config.hidden_size)
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        if output_attentions and self.config._attn_implementation != "eager":
+            logger.warning_once(
+                f"output_attentions=True: only softmax layers run with attn_implementation='eager' return attention "
+                f"probabilities (this model uses {self.config._attn_implementation!r}, so every entry is None). "
+                "Call model.set_attn_implementation('eager') first to get them."
+            )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -107,21 +210,38 @@ class HybridModel(HybridPreTrainedModel):
             self._check_cache(past_key_values)
         batch, seq = inputs_embeds.shape[:2]
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        context = SequenceContext.build(batch, seq, past_length, attention_mask, position_ids, inputs_embeds.device)
+        context = SequenceContext.build(
+            batch, seq, past_length, attention_mask, position_ids, inputs_embeds.device,
+            output_attentions=bool(output_attentions),
+        )
         mixer_kwargs = {name: kwargs[name] for name in self.mixer_forward_kwargs if kwargs.get(name) is not None}
 
         hidden_states = inputs_embeds
+        all_hidden_states = [] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
         for layer_idx, layer in enumerate(self.layers):
+            if all_hidden_states is not None:
+                all_hidden_states.append(hidden_states)
             cache_layer = past_key_values.layers[layer_idx] if past_key_values is not None else None
             hidden_states = layer(hidden_states, context, cache_layer, **mixer_kwargs)
+            if all_attentions is not None:
+                all_attentions.append(context.take_attention_weights())
+        hidden_states = self.norm(hidden_states)
+        if all_hidden_states is not None:
+            all_hidden_states.append(hidden_states)
         return BaseModelOutputWithPast(
-            last_hidden_state=self.norm(hidden_states),
+            last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
+            hidden_states=None if all_hidden_states is None else tuple(all_hidden_states),
+            attentions=None if all_attentions is None else tuple(all_attentions),
         )
 
 
-class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
-    """Language-model head over a :class:`HybridModel`; subclasses set ``base_model_class``."""
+class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin):
+    """Language-model head over a :class:`HybridModel`; subclasses set ``base_model_class``.
+
+    On CUDA, generate() decodes through a CUDA graph of the whole step where the cache supports
+    it (DecodeGraphMixin, hf_hybrid/generation/graph_decode.py; opt out: decode_cuda_graph=False)."""
 
     base_model_class: type[HybridModel]
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -157,6 +277,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        check_input_shapes(input_ids, inputs_embeds, self.config.hidden_size)
+        static = self._static_decode_step(input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, labels, kwargs)
+        if static is not None:  # generate()'s decode step on static buffers / a CUDA graph
+            return static
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -166,18 +290,27 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        # logits_to_keep: an int keeps the last N positions (0 = all), a tensor selects indices.
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index")}
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        # LM head + ForCausalLMLoss; in training on CUDA with Liger the two run fused and logits is
+        # None unless skip_logits=False is passed (hf_hybrid/layers/loss.py).
+        logits, loss = lm_head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+
+    def _prepare_model_inputs(self, *args, **kwargs):
+        """generate()'s prompt, checked before transformers indexes into it (an empty prompt would
+        otherwise fail with an IndexError deep inside generate())."""
+        inputs_tensor, input_name, model_kwargs = super()._prepare_model_inputs(*args, **kwargs)
+        if input_name == "inputs_embeds":
+            check_input_shapes(None, inputs_tensor, self.config.hidden_size, caller="generate()")
+        elif input_name == "input_ids":
+            check_input_shapes(inputs_tensor, None, self.config.hidden_size, caller="generate()")
+        return inputs_tensor, input_name, model_kwargs
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() would build a DynamicCache from config.layer_types; build the model's own cache instead."""
+        self._note_generation_config(generation_config)  # the static decode step's capacity and eligibility
         if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache_class = self.base_model_class.cache_class
@@ -187,3 +320,16 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 f"{type(self).__name__}: it decodes with its own {cache_class.__name__}. Leave cache_implementation unset."
             )
         model_kwargs["past_key_values"] = cache_class(self.config)
+        self._prepare_cache_for_crops(generation_config, model_kwargs["past_key_values"])
+
+    @staticmethod
+    def _prepare_cache_for_crops(generation_config, cache) -> None:
+        """Assisted decoding crops rejected draft tokens off the cache: let a crop reach back over
+        the whole generation (at least the default window), and record the past of an assistant's
+        cache, as transformers does for the caches it builds (the target's is switched on by
+        generate() itself). Recording keeps only what a crop since the previous one needs."""
+        if hasattr(cache, "set_crop_window"):
+            new_tokens = generation_config.max_new_tokens or 0
+            cache.set_crop_window(max(new_tokens, DEFAULT_CROP_WINDOW))
+        if getattr(generation_config, "is_assistant", False):
+            cache.activate_past_recording()

@@ -1,8 +1,34 @@
-"""Registration of hf-hybrid architectures with transformers (Auto classes, layer-type names)."""
+"""Registration of hf-hybrid architectures with transformers (Auto classes, layer-type names).
+
+One table per architecture says which Auto class loads which model class; the Auto registration
+and the ``config.auto_map`` of saved checkpoints (remote_code.py) both read it.
+"""
 from __future__ import annotations
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-from transformers import configuration_utils
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    configuration_utils,
+)
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+)
+
+# The Auto class of a task head, told by the transformers generic head it builds on.
+_HEAD_AUTO_CLASSES = (
+    (GenericForSequenceClassification, AutoModelForSequenceClassification),
+    (GenericForTokenClassification, AutoModelForTokenClassification),
+    (GenericForQuestionAnswering, AutoModelForQuestionAnswering),
+)
+
+# model_type -> {"AutoModel": class, "AutoModelForCausalLM": class, ...}
+_ARCHITECTURE_CLASSES: dict[str, dict[str, type]] = {}
 
 
 def register_layer_types(*names: str) -> None:
@@ -18,9 +44,32 @@ def register_layer_types(*names: str) -> None:
         configuration_utils.ALLOWED_LAYER_TYPES = configuration_utils.ALLOWED_LAYER_TYPES + missing
 
 
-def register_architecture(config_class, model_class, causal_lm_class, layer_types: tuple[str, ...] = ()) -> None:
-    """AutoConfig / AutoModel / AutoModelForCausalLM learn ``config_class.model_type`` (idempotent)."""
+def _head_auto_class(head_class: type):
+    for generic, auto_class in _HEAD_AUTO_CLASSES:
+        if issubclass(head_class, generic):
+            return auto_class
+    raise TypeError(
+        f"{head_class.__name__} is not a task head: it must subclass one of "
+        f"{[generic.__name__ for generic, _ in _HEAD_AUTO_CLASSES]} (see hf_hybrid/models/heads.py)."
+    )
+
+
+def register_architecture(
+    config_class, model_class, causal_lm_class, layer_types: tuple[str, ...] = (), task_heads: tuple[type, ...] = ()
+) -> None:
+    """AutoConfig, AutoModel, AutoModelForCausalLM and, for each task head, its Auto class learn
+    ``config_class.model_type`` (idempotent)."""
     register_layer_types(*layer_types)
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
-    AutoModel.register(config_class, model_class, exist_ok=True)
-    AutoModelForCausalLM.register(config_class, causal_lm_class, exist_ok=True)
+    classes = {AutoModel: model_class, AutoModelForCausalLM: causal_lm_class}
+    classes.update({_head_auto_class(head): head for head in task_heads})
+    for auto_class, model in classes.items():
+        auto_class.register(config_class, model, exist_ok=True)
+    _ARCHITECTURE_CLASSES[config_class.model_type] = {auto.__name__: model for auto, model in classes.items()}
+
+
+def architecture_classes(model_type: str) -> dict[str, type]:
+    """{Auto class name: model class} of a registered architecture (what ``config.auto_map`` names)."""
+    if model_type not in _ARCHITECTURE_CLASSES:
+        raise KeyError(f"model_type {model_type!r} is not an hf-hybrid architecture; known: {sorted(_ARCHITECTURE_CLASSES)}.")
+    return dict(_ARCHITECTURE_CLASSES[model_type])

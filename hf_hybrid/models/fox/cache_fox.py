@@ -8,27 +8,29 @@
 * shift_key / shift_value [batch, kv_heads, head_dim]: the un-shifted k~, v~ of the last token,
   the "previous token" of KV-shift for the next segment (None without KV-shift).
 
-Any number of new tokens can follow (decode or chunked prefill).
+Any number of new tokens can follow (decode or chunked prefill). Crops (assisted decoding): while
+past recording is on, the un-shifted k~, v~ of the last ``crop_window`` tokens are kept for KV-shift.
 """
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache_layer import TensorMapLayer
+from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, TensorMapLayer, restore_into, tokens_to_keep
 
 
-class FoxLayerCache(TensorMapLayer):
+class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
     _layer_type = "fox"
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # while past recording is on (StateHistoryMixin), see crop()
 
     def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
         super().__init__()
         self.cum_log_forget: torch.Tensor | None = None
         self.shift_key: torch.Tensor | None = None
         self.shift_value: torch.Tensor | None = None
+        self._leave_static_decode()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -53,6 +55,7 @@ class FoxLayerCache(TensorMapLayer):
         Returns (keys, values, cum_log_forget) over all cached tokens, the segment included."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._leave_static_decode()  # keys / values below become ordinary tensors again
         last = (
             self.cum_log_forget[:, -1:]
             if self.cum_log_forget is not None and self.cum_log_forget.shape[1]
@@ -64,6 +67,73 @@ class FoxLayerCache(TensorMapLayer):
         self.cum_log_forget = c_new if self.cum_log_forget is None else torch.cat([self.cum_log_forget, c_new], dim=1)
         self.shift_key, self.shift_value = shift_key, shift_value
         return self.keys, self.values, self.cum_log_forget
+
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py): like transformers' StaticCache,
+    # K/V and the cumulative log forget live in buffers of generate()'s max_length; a decode step
+    # writes column ``_static_length`` (a device counter) and attends over the whole buffer with the
+    # columns past it masked, so the step has the same shapes at every position.
+    @property
+    def static_decode_active(self) -> bool:
+        """True while the cache decodes into its fixed buffers and has room for one more token."""
+        return self._static_on and self._static_used < self._key_buffer.shape[1]
+
+    def _leave_static_decode(self) -> None:
+        self._static_on = False
+        self._key_buffer = self._value_buffer = self._cum_buffer = self._columns = self._static_length = None
+
+    def prepare_static_decode(self, capacity: int, config) -> bool:
+        """Move the cache into buffers of ``capacity`` columns (once). False before the prefill or when full."""
+        if self._static_on and self._key_buffer.shape[1] == capacity:
+            return self.static_decode_active
+        used = self.get_seq_length()
+        if not used or used >= capacity:
+            return False
+        keys, values, cum = self.keys, self.values, self.cum_log_forget
+
+        def buffer(x):
+            out = x.new_zeros(x.shape[0], capacity, *x.shape[2:])
+            out[:, :used] = x
+            return out
+
+        self._key_buffer, self._value_buffer, self._cum_buffer = buffer(keys), buffer(values), buffer(cum)
+        self._columns = torch.arange(capacity, device=keys.device)
+        self._static_length = torch.full((1,), used, dtype=torch.long, device=keys.device)
+        self.shift_key = None if self.shift_key is None else self.shift_key.clone()  # own storage, updated in place
+        self.shift_value = None if self.shift_value is None else self.shift_value.clone()
+        self._static_used = used
+        self._static_on = True
+        self._refresh_static_views()
+        return True
+
+    def _refresh_static_views(self) -> None:
+        used = self._static_used
+        self.keys, self.values = self._key_buffer[:, :used], self._value_buffer[:, :used]
+        self.cum_log_forget = self._cum_buffer[:, :used]
+
+    def static_decode_update(self, key_states, value_states, log_forget, shift_key=None, shift_value=None):
+        """One new token per row [batch, 1, ...], written at the device column ``_static_length``.
+        Returns (key buffer, value buffer, c of the new token [batch, 1, heads], c buffer, key mask
+        [batch, capacity]: True for the columns up to the new one)."""
+        column = self._static_length
+        c_new = self._cum_buffer.index_select(1, column - 1) + log_forget.float()
+        self._key_buffer.index_copy_(1, column, key_states.to(self._key_buffer.dtype))
+        self._value_buffer.index_copy_(1, column, value_states.to(self._value_buffer.dtype))
+        self._cum_buffer.index_copy_(1, column, c_new)
+        for held, new in ((self.shift_key, shift_key), (self.shift_value, shift_value)):
+            if held is not None and new is not None:
+                held.copy_(new)
+        key_mask = (self._columns <= column).expand(key_states.shape[0], -1)
+        self._static_length.add_(1)
+        self.static_decode_advance()
+        return self._key_buffer, self._value_buffer, c_new, self._cum_buffer, key_mask
+
+    def static_decode_advance(self) -> None:
+        """The host part of one decode step (what a replayed graph does not run)."""
+        self._static_used += 1
+        self._refresh_static_views()
+
+    def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self._key_buffer, self._value_buffer, self._cum_buffer, self._static_length, self.shift_key, self.shift_value)
 
     def get_seq_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1]
@@ -79,6 +149,7 @@ class FoxLayerCache(TensorMapLayer):
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def _map_tensors(self, fn) -> None:
+        self._leave_static_decode()  # the mapped tensors below replace the buffers' views
         for name in ("keys", "values", "cum_log_forget", "shift_key", "shift_value"):
             tensor = getattr(self, name)
             if tensor is not None:
@@ -87,15 +158,37 @@ class FoxLayerCache(TensorMapLayer):
     def reset(self) -> None:
         self.keys = self.values = self.cum_log_forget = self.shift_key = self.shift_value = None
         self.is_initialized = False
+        self._leave_static_decode()
+        self.state_history.reset(0)
+
+    # Crop (assisted decoding) -------------------------------------------------------------------
+    def _carried_state(self):
+        return None if self.shift_key is None else (self.shift_key, self.shift_value)
+
+    def _recorded_length(self) -> int:
+        return self.get_seq_length()
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError(
-            "FoxLayerCache cannot be cropped: KV-shift needs the un-shifted key of the new last token, which "
-            "the cache does not keep. Assisted decoding and other strategies that crop the cache are not supported."
-        )
+        """Keep the first ``max_length`` tokens (negative: remove ``-max_length``), as Cache.crop:
+        K/V and the cumulative log forget are cut; KV-shift's "previous token" becomes the last kept
+        token's un-shifted k~, v~, recorded while past recording is on (the last ``crop_window``)."""
+        length = self.get_seq_length()
+        keep = tokens_to_keep(max_length, length)
+        state = self._state_after(keep)
+        if keep == 0:
+            self.reset()
+        elif keep < length:
+            if self.static_decode_active:
+                self._leave_static_decode()
+            self.keys, self.values = self.keys[:, :keep], self.values[:, :keep]
+            self.cum_log_forget = self.cum_log_forget[:, :keep]
+            if state is not None:
+                self.shift_key = restore_into(self.shift_key, state[0])
+                self.shift_value = restore_into(self.shift_value, state[1])
+        self._forget_state_history(keep)
 
 
-class FoxCache(Cache):
+class FoxCache(CroppableCacheMixin, Cache):
     """One :class:`FoxLayerCache` per layer of a FoX model."""
 
     def __init__(self, config, **kwargs):

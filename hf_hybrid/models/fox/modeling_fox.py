@@ -12,6 +12,7 @@ from torch import nn
 
 from ...layers.forgetting_attention import ForgettingAttention
 from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
 from .cache_fox import FoxCache
 from .configuration_fox import FoxConfig
 
@@ -39,6 +40,7 @@ class FoxModel(FoxPreTrainedModel, HybridModel):
             forget_gate_t_max=config.forget_gate_t_max,
             rope_theta=config.rope_theta if config.use_rope else None,
             rms_norm_eps=config.rms_norm_eps,
+            qk_norm_eps=config.qk_norm_eps,
             backend=config.kernel_backend,
         )
 
@@ -47,4 +49,23 @@ class FoxForCausalLM(FoxPreTrainedModel, HybridForCausalLM):
     base_model_class = FoxModel
 
 
-__all__ = ["FoxPreTrainedModel", "FoxModel", "FoxForCausalLM"]
+class FoxForSequenceClassification(HybridForSequenceClassification, FoxPreTrainedModel):
+    base_model_class = FoxModel
+
+
+class FoxForTokenClassification(HybridForTokenClassification, FoxPreTrainedModel):
+    base_model_class = FoxModel
+
+
+class FoxForQuestionAnswering(HybridForQuestionAnswering, FoxPreTrainedModel):
+    base_model_class = FoxModel
+
+
+__all__ = [
+    "FoxPreTrainedModel",
+    "FoxModel",
+    "FoxForCausalLM",
+    "FoxForSequenceClassification",
+    "FoxForTokenClassification",
+    "FoxForQuestionAnswering",
+]

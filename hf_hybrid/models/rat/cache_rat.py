@@ -8,22 +8,27 @@
 
 Chunk ends are stored by slot = chunk index, per row: with left padding, rows close chunks at
 different steps, and a query of chunk c only ever reads slots < c, which are all complete.
+
+Crops (assisted decoding, ``Cache.crop``): while past recording is on, RAT layers keep k~, v~ after
+each of the last ``crop_window`` tokens (handed over by the layer) and restore the open chunk's
+state from them; see ``models/cache_layer.py``.
 """
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from ..cache_layer import TensorMapLayer
+from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, TensorMapLayer, restore_into, tokens_to_keep
 
 
-class RatLayerCache(TensorMapLayer):
+class RatLayerCache(StateHistoryMixin, TensorMapLayer):
     """Cache of one RAT layer. ``keys`` / ``values`` hold the chunk ends, [batch, chunks, heads, head_dim]."""
 
     _layer_type = "rat"  # lets DynamicCache(config=...) build it from config.layer_types
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # while past recording is on (StateHistoryMixin), see crop()
+    chunk_size: int | None = None  # set by RatCache; lets a crop drop the chunk ends it removes
 
     def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
         super().__init__()
@@ -94,6 +99,7 @@ class RatLayerCache(TensorMapLayer):
     def _advance_one_token(self, chunk_size: int) -> None:
         """Bookkeeping of one decoded token (all rows at the same position): room for its chunk's
         slot, the slot counted once the token closes the chunk, the length advanced."""
+        self._record_carried_state()  # the previous token's state, before the step overwrites it
         position = self.cumulative_length
         self._grow(position // chunk_size + 1)
         if (position + 1) % chunk_size == 0:
@@ -156,6 +162,24 @@ class RatLayerCache(TensorMapLayer):
             self._value_buffer[rows, slots] = value_states[rows, cols].to(self._value_buffer.dtype)
         return self.keys, self.values
 
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py): the decode step above already
+    # runs on fixed buffers with the slot and chunk restart taken from the device position, so a
+    # CUDA graph of it only needs the buffers reserved up front and the host bookkeeping replayed.
+    def prepare_static_decode(self, capacity: int, config) -> bool:
+        """Reserve chunk-end slots for ``capacity`` tokens (a no-op once done). False before the prefill."""
+        if not self.is_initialized or self.state_key is None:
+            return False
+        self._static_chunk_size = config.chunk_size
+        self.reserve(capacity, config.chunk_size)
+        return True
+
+    def static_decode_advance(self) -> None:
+        """The host part of one decode step (what a replayed graph does not run)."""
+        self._advance_one_token(self._static_chunk_size)
+
+    def static_decode_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._key_buffer, self._value_buffer, self.state_key, self.state_value
+
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
@@ -188,23 +212,47 @@ class RatLayerCache(TensorMapLayer):
         self._key_buffer = self._value_buffer = None
         self.is_initialized = False
         self.cumulative_length = self.num_slots = 0
+        self.state_history.reset(0)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "RatLayerCache cannot be cropped: the recurrent state cannot be rolled back. Assisted decoding and "
-            "other strategies that crop the cache are not supported for RAT layers."
-        )
+    # Crop (assisted decoding) -------------------------------------------------------------------
+    def _carried_state(self):
+        return None if self.state_key is None else (self.state_key, self.state_value)
+
+    def _recorded_length(self) -> int:
+        return self.cumulative_length
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (negative: remove ``-max_length``), as Cache.crop.
+
+        The open chunk's recurrent state becomes k~, v~ after the last kept token, from the states
+        the layer recorded while past recording is on (the last ``crop_window`` tokens); chunk ends
+        of chunks the kept tokens do not close are dropped (their slots are rewritten when the
+        chunk closes again, and no query reads a slot of its own or a later chunk meanwhile)."""
+        keep = tokens_to_keep(max_length, self.cumulative_length)
+        state = self._state_after(keep)
+        if keep == 0:
+            self.reset()
+        elif keep < self.cumulative_length:
+            self.state_key = restore_into(self.state_key, state[0])
+            self.state_value = restore_into(self.state_value, state[1])
+            if self.chunk_size is not None:
+                self.num_slots = min(self.num_slots, keep // self.chunk_size)
+                self._refresh_views()
+            self.cumulative_length = keep
+        self._forget_state_history(keep)
 
 
 def rat_cache_layer(config, layer_type: str) -> CacheLayerMixin:
     if layer_type == "rat":
-        return RatLayerCache()
+        layer = RatLayerCache()
+        layer.chunk_size = config.chunk_size
+        return layer
     if layer_type == "sliding_attention":
         return DynamicSlidingWindowLayer(sliding_window=config.sliding_window)
     return DynamicLayer()
 
 
-class RatCache(Cache):
+class RatCache(CroppableCacheMixin, Cache):
     """Per-layer caches for a RAT / RAT-SWA / attention stack, built from ``config.layer_types``."""
 
     def __init__(self, config, **kwargs):

@@ -19,6 +19,13 @@ class RatConfig(PretrainedConfig):
     * Attention-SWA:  ``"full_attention"`` and ``"sliding_attention"`` interleaved
     * RAT-SWA:        ``"rat"`` and ``"sliding_attention"`` interleaved (``RatConfig.hybrid_layer_types``)
 
+    Attention implementation (``attn_implementation=`` of from_pretrained / from_config, or
+    ``model.set_attn_implementation``): ``"sliding_attention"`` and ``"full_attention"`` layers go
+    through transformers' attention interface (``"eager"``, ``"sdpa"``, ``"flex_attention"``,
+    ``"flash_attention_2"``; see ``hf_hybrid.layers.attention``). ``"rat"`` layers have no plain
+    softmax form (attention over chunk-end keys merged with the token's own recurrent key, chunk-index
+    RoPE), so they run their own kernels whatever is chosen; ``output_attentions`` gives None for them.
+
     Args:
         chunk_size (`int`, defaults to 16): L, the chunk length of the intra-chunk recurrence. ``1`` gives the
             attention-like baseline, a value >= the sequence length the RNN baseline.

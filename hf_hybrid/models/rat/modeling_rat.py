@@ -16,6 +16,7 @@ from torch import nn
 from ...layers.attention import SoftmaxAttention
 from ...layers.rat_attention import RatAttention
 from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
 from .cache_rat import RatCache
 from .configuration_rat import RatConfig
 
@@ -48,6 +49,8 @@ class RatModel(RatPreTrainedModel, HybridModel):
             config.head_dim,
             rope_theta,
             sliding_window=config.sliding_window if layer_type == "sliding_attention" else None,
+            config=config,  # the layer reads config._attn_implementation at every call
+            layer_idx=layer_idx,
         )
 
 
@@ -55,4 +58,23 @@ class RatForCausalLM(RatPreTrainedModel, HybridForCausalLM):
     base_model_class = RatModel
 
 
-__all__ = ["RatPreTrainedModel", "RatModel", "RatForCausalLM"]
+class RatForSequenceClassification(HybridForSequenceClassification, RatPreTrainedModel):
+    base_model_class = RatModel
+
+
+class RatForTokenClassification(HybridForTokenClassification, RatPreTrainedModel):
+    base_model_class = RatModel
+
+
+class RatForQuestionAnswering(HybridForQuestionAnswering, RatPreTrainedModel):
+    base_model_class = RatModel
+
+
+__all__ = [
+    "RatPreTrainedModel",
+    "RatModel",
+    "RatForCausalLM",
+    "RatForSequenceClassification",
+    "RatForTokenClassification",
+    "RatForQuestionAnswering",
+]

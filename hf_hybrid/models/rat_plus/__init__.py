@@ -1,12 +1,23 @@
 from .cache_rat_plus import DilatedStore, FullStore, RatPlusCache, RatPlusLayerCache
 from .configuration_rat_plus import RatPlusConfig
-from .modeling_rat_plus import RatPlusCausalLMOutput, RatPlusForCausalLM, RatPlusModel, RatPlusPreTrainedModel
+from .modeling_rat_plus import (
+    RatPlusCausalLMOutput,
+    RatPlusForCausalLM,
+    RatPlusForQuestionAnswering,
+    RatPlusForSequenceClassification,
+    RatPlusForTokenClassification,
+    RatPlusModel,
+    RatPlusPreTrainedModel,
+)
 
 
 def register() -> None:
     from ..registry import register_architecture
 
-    register_architecture(RatPlusConfig, RatPlusModel, RatPlusForCausalLM)
+    register_architecture(
+        RatPlusConfig, RatPlusModel, RatPlusForCausalLM,
+        task_heads=(RatPlusForSequenceClassification, RatPlusForTokenClassification, RatPlusForQuestionAnswering),
+    )
 
 
 __all__ = [
@@ -16,6 +27,9 @@ __all__ = [
     "RatPlusCausalLMOutput",
     "RatPlusConfig",
     "RatPlusForCausalLM",
+    "RatPlusForQuestionAnswering",
+    "RatPlusForSequenceClassification",
+    "RatPlusForTokenClassification",
     "RatPlusLayerCache",
     "RatPlusModel",
     "RatPlusPreTrainedModel",

@@ -18,6 +18,10 @@ reach the same position at different steps, share one tensor.
 
 A cache is tied to the pattern it was filled with: the compact stores cannot serve another one,
 so a call with a different ``sparse_config`` on the same cache raises.
+
+Crops (assisted decoding, ``Cache.crop``): while past recording is on, each layer keeps the float32
+k~, v~ after each of the last ``crop_window`` tokens, and dilated stores keep the columns added
+since the last crop (up to ``crop_window``) beyond their window; see ``RatPlusLayerCache.crop``.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from transformers.cache_utils import Cache
 
 from ...kernels.topk_block_attention import block_summaries
 from ...sparse import AttentionPattern
-from ..cache_layer import TensorMapLayer
+from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, TensorMapLayer, restore_into, tokens_to_keep
 
 _FAR = torch.iinfo(torch.int64).max
 
@@ -81,6 +85,22 @@ class FullStore:
             self.complete = self.complete | fresh
         return self.summary, self.complete
 
+    def can_crop(self, keep: int, removed: int) -> bool:
+        return True
+
+    def crop(self, keep: int, removed: int) -> None:
+        """Keep the first ``keep`` columns (keep >= 1). Blocks completed only by dropped tokens
+        lose their summary; it is computed again when they complete."""
+        self.keys, self.values, self.positions = self.keys[:, :keep], self.values[:, :keep], self.positions[:, :keep]
+        if self.summary is None:
+            return
+        size = self.pattern.block_size
+        row_last = self.positions.amax(dim=1)  # -1 for a row of padding only
+        num_blocks = (int(row_last.max()) + 1) // size
+        block_last = (torch.arange(num_blocks, device=row_last.device) + 1) * size - 1
+        self.summary = self.summary[:, :num_blocks]
+        self.complete = self.complete[:, :num_blocks] & (block_last[None] <= row_last[:, None])
+
     @property
     def num_entries(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1]
@@ -91,6 +111,9 @@ class DilatedStore:
 
     tensor_names = ("sink_keys", "sink_values", "sink_valid", "end_keys", "end_values", "end_valid",
                     "window_keys", "window_values", "window_positions")
+    # Columns kept beyond the local window, so that a crop of that many tokens still finds the
+    # window it needs (set by the layer cache while past recording is on).
+    extra_window = 0
 
     def __init__(self, pattern: AttentionPattern):
         self.pattern = pattern
@@ -141,7 +164,7 @@ class DilatedStore:
         recent_keys = torch.cat([self.window_keys, keys], dim=1)
         recent_values = torch.cat([self.window_values, values], dim=1)
         recent_positions = torch.cat([self.window_positions, positions], dim=1)
-        window = self.pattern.local_window
+        window = self.pattern.local_window + self.extra_window
         keep = recent_keys.shape[1] - min(window, recent_keys.shape[1])
         self.window_keys, self.window_values = recent_keys[:, keep:], recent_values[:, keep:]
         self.window_positions = recent_positions[:, keep:]
@@ -158,6 +181,30 @@ class DilatedStore:
         )
         return all_keys, all_values, all_positions, None
 
+    def trim_window(self) -> None:
+        """Back to the last local_window columns (after a crop: later crops reach back only to it)."""
+        if self.window_keys is not None and self.window_keys.shape[1] > self.pattern.local_window:
+            drop = self.window_keys.shape[1] - self.pattern.local_window
+            self.window_keys, self.window_values = self.window_keys[:, drop:], self.window_values[:, drop:]
+            self.window_positions = self.window_positions[:, drop:]
+
+    def can_crop(self, keep: int, removed: int) -> bool:
+        """Whether the window still holds the last local_window columns after dropping ``removed``."""
+        return self.window_keys.shape[1] - removed >= min(self.pattern.local_window, keep)
+
+    def crop(self, keep: int, removed: int) -> None:
+        """Drop the last ``removed`` columns (``keep`` >= 1 remain): from the window, and the sinks
+        and block ends those tokens were."""
+        held = self.window_keys.shape[1] - removed
+        self.window_keys, self.window_values = self.window_keys[:, :held], self.window_values[:, :held]
+        self.window_positions = self.window_positions[:, :held]
+        row_last = self.window_positions.amax(dim=1) if held else torch.full_like(self.sink_valid[:, 0], -1, dtype=torch.long)
+        device = row_last.device
+        sink_pos = torch.arange(self.sink_valid.shape[1], device=device)
+        self.sink_valid = self.sink_valid & (sink_pos[None] <= row_last[:, None])
+        end_pos = torch.arange(self.end_valid.shape[1], device=device) * self.pattern.dilation + self.pattern.dilation - 1
+        self.end_valid = self.end_valid & (end_pos[None] <= row_last[:, None])
+
     @property
     def num_entries(self) -> int:
         if self.sink_keys is None:
@@ -169,11 +216,116 @@ def make_store(pattern: AttentionPattern) -> FullStore | DilatedStore:
     return DilatedStore(pattern) if pattern.kind == "dilated" else FullStore(pattern)
 
 
-class RatPlusLayerCache(TensorMapLayer):
+# ------------------------------------------------------------------ static decode (hf_hybrid/generation)
+# generate()'s decode step on fixed buffers, capturable in a CUDA graph: every row is at the same
+# position p (no padding), held in a device tensor, and each store writes the new token at a
+# column computed from p on the device. Keys carry their positions (-1 = nothing there), so the
+# layer's position masks (dilated_mask) select exactly the eager stores' keys.
+
+
+class StaticFullStore:
+    """Dense pattern: column p holds position p, for generate()'s whole max_length."""
+
+    def __init__(self, store: FullStore, capacity: int):
+        used = store.keys.shape[1]
+        self.pattern = store.pattern
+        self.keys = store.keys.new_zeros(store.keys.shape[0], capacity, *store.keys.shape[2:])
+        self.values = torch.zeros_like(self.keys)
+        self.positions = store.positions.new_full((store.positions.shape[0], capacity), -1)
+        self.keys[:, :used], self.values[:, :used], self.positions[:, :used] = store.keys, store.values, store.positions
+
+    def decode(self, keys, values, position):
+        """One token per row [batch, 1, kv, dim] at ``position`` ([1] long tensor)."""
+        self.keys.index_copy_(1, position, keys)
+        self.values.index_copy_(1, position, values)
+        self.positions.index_copy_(1, position, position.expand(self.positions.shape[0], 1))
+        return self.keys, self.values, self.positions, None
+
+    def to_store(self, tokens: int) -> FullStore:
+        """Back to the eager layout after ``tokens`` tokens (for a later multi-token update)."""
+        store = FullStore(self.pattern)
+        store.keys, store.values = self.keys[:, :tokens].clone(), self.values[:, :tokens].clone()
+        store.positions = self.positions[:, :tokens].clone()
+        return store
+
+    def tensors(self):
+        return self.keys, self.values, self.positions
+
+
+class StaticDilatedStore:
+    """Dilated pattern as columns [sinks (I) | block ends (capacity // D + 1) | ring of the last W + 1
+    tokens]: block-end slot p // D is written every step but gets its position (becomes visible)
+    only from the token that closes the block; ring slot p % (W + 1). Sinks and block ends that
+    also sit in the ring are hidden (position -1) as in DilatedStore.update, so every key counts once."""
+
+    def __init__(self, store: DilatedStore, capacity: int):
+        pattern = self.pattern = store.pattern
+        dilation, window, sinks = pattern.dilation, pattern.local_window, pattern.num_sink_tokens
+        batch, _, heads, dim = store.end_keys.shape
+        self.ring = window + 1
+        self.first_end, self.first_ring = sinks, sinks + capacity // dilation + 1
+        columns = self.first_ring + self.ring
+        device = store.end_keys.device
+        self.keys = store.end_keys.new_zeros(batch, columns, heads, dim)
+        self.values = torch.zeros_like(self.keys)
+        self.stored = torch.full((batch, columns), -1, dtype=torch.long, device=device)  # position held, -1: none
+        self.keys[:, :sinks], self.values[:, :sinks] = store.sink_keys, store.sink_values
+        self.stored[:, :sinks] = torch.where(store.sink_valid, torch.arange(sinks, device=device), -1)
+        ends = store.end_keys.shape[1]
+        span = slice(self.first_end, self.first_end + ends)
+        self.keys[:, span], self.values[:, span] = store.end_keys, store.end_values
+        self.stored[:, span] = torch.where(store.end_valid, torch.arange(ends, device=device) * dilation + dilation - 1, -1)
+        held = min(window, store.window_keys.shape[1])  # the store may keep extra columns for crops
+        if held:
+            positions = store.window_positions[:, -held:]
+            cols = self.first_ring + positions % self.ring  # unpadded rows: the same columns in every row
+            self.keys[:, cols[0]], self.values[:, cols[0]] = store.window_keys[:, -held:], store.window_values[:, -held:]
+            self.stored[:, cols[0]] = positions
+        kinds = torch.zeros(columns, dtype=torch.long, device=device)  # 0 sink, 1 block end, 2 ring
+        kinds[self.first_end : self.first_ring], kinds[self.first_ring :] = 1, 2
+        self.kinds = kinds
+
+    def decode(self, keys, values, position):
+        dilation, window = self.pattern.dilation, self.pattern.local_window
+        batch = keys.shape[0]
+        end_col = self.first_end + torch.div(position, dilation, rounding_mode="floor")
+        ring_col = self.first_ring + position % self.ring
+        closes = (position + 1) % dilation == 0
+        for col, held in ((end_col, torch.where(closes, position, -1)), (ring_col, position)):
+            self.keys.index_copy_(1, col, keys)
+            self.values.index_copy_(1, col, values)
+            self.stored.index_copy_(1, col, held.expand(batch, 1))
+        # Hide sinks and block ends inside the ring's span (the ring holds them), and sinks that are block ends.
+        first_recent = (position - window).clamp(min=0)
+        hidden = (self.kinds < 2) & (self.stored >= first_recent)
+        hidden = hidden | ((self.kinds == 0) & ((self.stored + 1) % dilation == 0))
+        return self.keys, self.values, self.stored.masked_fill(hidden, -1), None
+
+    def to_store(self, tokens: int) -> DilatedStore:
+        """Back to the eager layout after ``tokens`` tokens (for a later multi-token update)."""
+        pattern, sinks = self.pattern, self.pattern.num_sink_tokens
+        store = DilatedStore(pattern)
+        store.sink_keys, store.sink_values = self.keys[:, :sinks].clone(), self.values[:, :sinks].clone()
+        store.sink_valid = self.stored[:, :sinks] >= 0
+        span = slice(self.first_end, self.first_end + tokens // pattern.dilation)
+        store.end_keys, store.end_values = self.keys[:, span].clone(), self.values[:, span].clone()
+        store.end_valid = self.stored[:, span] >= 0
+        kept = min(pattern.local_window, tokens)
+        positions = torch.arange(tokens - kept, tokens, device=self.keys.device)
+        cols = self.first_ring + positions % self.ring
+        store.window_keys, store.window_values = self.keys[:, cols], self.values[:, cols]
+        store.window_positions = positions.expand(self.keys.shape[0], kept).clone()
+        return store
+
+    def tensors(self):
+        return self.keys, self.values, self.stored
+
+
+class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
     """Cache of one RAT+ layer: recurrence state + one store per head group (see the module docstring)."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # while past recording is on (StateHistoryMixin), see crop()
 
     def __init__(self, **kwargs):  # DynamicCache-style constructors may pass unrelated kwargs
         super().__init__()
@@ -182,6 +334,7 @@ class RatPlusLayerCache(TensorMapLayer):
         self.state_value: torch.Tensor | None = None
         self.groups: list[tuple[AttentionPattern, tuple[int, ...]]] | None = None
         self.stores: list[FullStore | DilatedStore] = []
+        self.static_decode_active = False  # stores are StaticFullStore / StaticDilatedStore (generate()'s static step)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -200,12 +353,14 @@ class RatPlusLayerCache(TensorMapLayer):
         group_kv_heads: list[list[int]],
         state_key: torch.Tensor,
         state_value: torch.Tensor,
+        static: bool = False,
     ) -> list[tuple]:
         """Store a segment for every head group and return, per group, (keys, values, positions, summary).
 
         key_states / value_states [batch, seq, kv_heads, head_dim]: rotated k~ and v~; positions
         [batch, seq] with -1 for padding; group_kv_heads[g]: the kv heads group g reads;
-        state_key / state_value: float32 k~, v~ of the segment's last token.
+        state_key / state_value: float32 k~, v~ of the segment's last token. ``static``: one
+        unpadded token per row, which a cache in static decode mode writes into its fixed buffers.
         """
         if self.groups is None:
             self.lazy_initialization(key_states, value_states)
@@ -216,13 +371,65 @@ class RatPlusLayerCache(TensorMapLayer):
                 "sparse_config differs from the one this cache was filled with; a RAT+ cache only keeps what its "
                 "pattern needs. Pass the same sparse_config for every call that shares a cache, or start a new cache."
             )
+        if self.static_decode_active:
+            if static and self.cumulative_length < self._static_capacity:  # room in the fixed buffers
+                return self._static_update(key_states, value_states, positions, group_kv_heads, state_key, state_value)
+            self._leave_static_decode()
         self.cumulative_length += key_states.shape[1]
         self.state_key, self.state_value = state_key, state_value
+        self._size_windows_for_crops()
         out = []
         for store, kv_heads in zip(self.stores, group_kv_heads):
             index = torch.tensor(kv_heads, device=key_states.device)
             out.append(store.update(key_states.index_select(2, index), value_states.index_select(2, index), positions))
         return out
+
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py) -------------------------------
+    def prepare_static_decode(self, capacity: int, config) -> bool:
+        """Move the stores into fixed buffers for ``capacity`` tokens (once). Dense and dilated
+        patterns in a single head group; top-k (data-dependent block choice), layers with several
+        head groups and caches recording their past for crops keep the eager step (False)."""
+        if self.static_decode_active:
+            if self._static_capacity == capacity:
+                return self.cumulative_length < capacity
+            self._leave_static_decode()  # another generate() length: new buffers
+        if (self.groups is None or len(self.groups) != 1 or self.state_key is None or self.record_past
+                or self.cumulative_length >= capacity):
+            return False
+        pattern, store = self.groups[0][0], self.stores[0]
+        if pattern.kind == "dense":
+            static = StaticFullStore(store, capacity)
+        elif pattern.kind == "dilated" and self.cumulative_length >= pattern.num_sink_tokens:
+            static = StaticDilatedStore(store, capacity)
+        else:
+            return False
+        self.stores = [static]
+        self._static_capacity = capacity
+        # Own storage for the recurrence state: the step copies the new state into it.
+        self.state_key, self.state_value = self.state_key.contiguous().clone(), self.state_value.contiguous().clone()
+        self.static_decode_active = True
+        return True
+
+    def _leave_static_decode(self) -> None:
+        if self.static_decode_active:
+            self.stores = [store.to_store(self.cumulative_length) for store in self.stores]
+            self.static_decode_active = False
+
+    def _static_update(self, key_states, value_states, positions, group_kv_heads, state_key, state_value) -> list[tuple]:
+        if len(group_kv_heads) != 1 or len(group_kv_heads[0]) != key_states.shape[2]:
+            raise ValueError("RatPlusLayerCache: the static decode step takes one head group reading every kv head.")
+        self.state_key.copy_(state_key)
+        self.state_value.copy_(state_value)
+        out = [self.stores[0].decode(key_states, value_states, positions[0])]
+        self.static_decode_advance()
+        return out
+
+    def static_decode_advance(self) -> None:
+        """The host part of one decode step (what a replayed graph does not run)."""
+        self.cumulative_length += 1
+
+    def static_decode_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.state_key, self.state_value, *(t for store in self.stores for t in store.tensors()))
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -255,6 +462,7 @@ class RatPlusLayerCache(TensorMapLayer):
         return total
 
     def _map_tensors(self, fn) -> None:
+        self._leave_static_decode()  # the eager stores' tensors are the ones to map
         for owner, name in self._tensors():
             tensor = getattr(owner, name)
             if tensor is not None:
@@ -263,17 +471,64 @@ class RatPlusLayerCache(TensorMapLayer):
     def reset(self) -> None:
         self.state_key = self.state_value = None
         self.groups, self.stores = None, []
+        self.static_decode_active = False
         self.is_initialized = False
         self.cumulative_length = 0
+        self.state_history.reset(0)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "RatPlusLayerCache cannot be cropped: the recurrence state cannot be rolled back and dilated stores "
-            "drop old tokens. Assisted decoding and other strategies that crop the cache are not supported."
-        )
+    # Crop (assisted decoding) -------------------------------------------------------------------
+    def _carried_state(self):
+        return None if self.state_key is None else (self.state_key, self.state_value)
+
+    def _recorded_length(self) -> int:
+        return self.cumulative_length
+
+    def crop_error(self, removed: int) -> ValueError | None:
+        if removed:
+            self._leave_static_decode()  # crops work on the eager stores
+        error = StateHistoryMixin.crop_error(self, removed)
+        keep = self.cumulative_length - removed
+        if error is None and removed and keep > 0 and not all(store.can_crop(keep, removed) for store in self.stores):
+            error = ValueError(
+                f"crop removes {removed} tokens but a dilated store kept only local_window + crop_window={self.crop_window} "
+                "columns (the extra columns are kept while past recording is on). Raise it with cache.set_crop_window(n) "
+                "before the forward."
+            )
+        return error
+
+    def _size_windows_for_crops(self) -> None:
+        """Dilated stores keep crop_window columns beyond their window while past recording is on."""
+        for store in self.stores:
+            if isinstance(store, DilatedStore):
+                store.extra_window = self.crop_window if self.record_past else 0
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (negative: remove ``-max_length``), as Cache.crop.
+
+        The float32 recurrence state comes back from the per-token states recorded while past
+        recording is on (the last ``crop_window`` tokens); the stores drop the removed columns,
+        the sinks, block ends and block summaries those tokens made."""
+        keep = tokens_to_keep(max_length, self.cumulative_length)
+        removed = self.cumulative_length - keep
+        error = self.crop_error(removed)
+        if error is not None:
+            raise error
+        state = self._state_after(keep)
+        if keep == 0:
+            self.reset()
+        elif removed:
+            for store in self.stores:
+                store.crop(keep, removed)
+            self.state_key = restore_into(self.state_key, state[0])
+            self.state_value = restore_into(self.state_value, state[1])
+            self.cumulative_length = keep
+        for store in self.stores:  # the columns kept for crops: only those added from now on
+            if isinstance(store, DilatedStore):
+                store.trim_window()
+        self._forget_state_history(keep)
 
 
-class RatPlusCache(Cache):
+class RatPlusCache(CroppableCacheMixin, Cache):
     """One :class:`RatPlusLayerCache` per layer of a RAT+ model."""
 
     def __init__(self, config, **kwargs):

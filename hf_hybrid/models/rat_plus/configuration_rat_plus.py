@@ -29,6 +29,12 @@ class RatPlusConfig(PretrainedConfig):
     r"""
     RAT+: dense attention over recurrent keys/values, trained once, sparsified per call at inference.
 
+    Attention implementation: a RAT+ layer has no plain softmax form (recurrent keys/values, output
+    gate, per-call dilated / top-k patterns), so it runs its own kernels whatever
+    ``attn_implementation`` says; every implementation transformers accepts (``"eager"``,
+    ``"sdpa"``, ``"flex_attention"``, ``"flash_attention_2"``) is accepted and changes nothing, and
+    ``output_attentions`` gives None for every layer.
+
     Args:
         training_dilations (`list[int | dict]`, defaults to `[1, 64]`): active recurrence learning. In
             training mode, a forward with ``labels`` (and no explicit ``sparse_config``) runs one forward

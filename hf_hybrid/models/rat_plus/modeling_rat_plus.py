@@ -23,7 +23,7 @@ forward per pattern. The patterns come from ``config.training_dilations`` (defau
 the forward keyword ``training_dilations=``; it applies in training mode when ``labels`` are
 given and no ``sparse_config`` is passed (an explicit ``sparse_config`` trains that one pattern,
 e.g. for single-pattern resolution adaptation), and in any mode when ``training_dilations`` is
-passed explicitly. The returned logits are those of the first pattern; ``pattern_losses`` holds
+passed explicitly. The returned logits (hidden_states, attentions) are the first pattern's; ``pattern_losses`` holds
 each pattern's loss (detached) for logging.
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ...layers.rat_plus_attention import RatPlusAttention
 from ...sparse import SparseInferenceConfig
 from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
 from .cache_rat_plus import RatPlusCache
 from .configuration_rat_plus import RatPlusConfig
 
@@ -124,7 +125,7 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         joint = labels is not None and sparse_config is None and (self.training or training_dilations is not None)
         if not joint:
             out = super().forward(past_key_values=past_key_values, use_cache=use_cache, sparse_config=sparse_config, **common)
-            return RatPlusCausalLMOutput(loss=out.loss, logits=out.logits, past_key_values=out.past_key_values)
+            return RatPlusCausalLMOutput(**out)
         if past_key_values is not None:
             raise ValueError("The joint training objective runs full forwards; do not pass past_key_values with it.")
         patterns, weights = self.config.training_patterns(training_dilations)
@@ -133,8 +134,30 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         return RatPlusCausalLMOutput(
             loss=loss,
             logits=outputs[0].logits,
+            hidden_states=outputs[0].hidden_states,  # the first pattern's, like the logits
+            attentions=outputs[0].attentions,
             pattern_losses=torch.stack([out.loss.detach() for out in outputs]),
         )
 
 
-__all__ = ["RatPlusCausalLMOutput", "RatPlusForCausalLM", "RatPlusModel", "RatPlusPreTrainedModel"]
+class RatPlusForSequenceClassification(HybridForSequenceClassification, RatPlusPreTrainedModel):
+    base_model_class = RatPlusModel
+
+
+class RatPlusForTokenClassification(HybridForTokenClassification, RatPlusPreTrainedModel):
+    base_model_class = RatPlusModel
+
+
+class RatPlusForQuestionAnswering(HybridForQuestionAnswering, RatPlusPreTrainedModel):
+    base_model_class = RatPlusModel
+
+
+__all__ = [
+    "RatPlusCausalLMOutput",
+    "RatPlusForCausalLM",
+    "RatPlusModel",
+    "RatPlusPreTrainedModel",
+    "RatPlusForSequenceClassification",
+    "RatPlusForTokenClassification",
+    "RatPlusForQuestionAnswering",
+]

@@ -1,18 +1,31 @@
 from .cache_rattention import RattentionCache, RattentionGlobalLayerCache, RattentionLocalLayerCache
 from .configuration_rattention import RATTENTION_LAYER_TYPES, RattentionConfig
-from .modeling_rattention import RattentionForCausalLM, RattentionModel, RattentionPreTrainedModel
+from .modeling_rattention import (
+    RattentionForCausalLM,
+    RattentionForQuestionAnswering,
+    RattentionForSequenceClassification,
+    RattentionForTokenClassification,
+    RattentionModel,
+    RattentionPreTrainedModel,
+)
 
 
 def register() -> None:
     from ..registry import register_architecture
 
-    register_architecture(RattentionConfig, RattentionModel, RattentionForCausalLM, layer_types=RATTENTION_LAYER_TYPES)
+    register_architecture(
+        RattentionConfig, RattentionModel, RattentionForCausalLM, layer_types=RATTENTION_LAYER_TYPES,
+        task_heads=(RattentionForSequenceClassification, RattentionForTokenClassification, RattentionForQuestionAnswering),
+    )
 
 
 __all__ = [
     "RattentionCache",
     "RattentionConfig",
     "RattentionForCausalLM",
+    "RattentionForQuestionAnswering",
+    "RattentionForSequenceClassification",
+    "RattentionForTokenClassification",
     "RattentionGlobalLayerCache",
     "RattentionLocalLayerCache",
     "RattentionModel",

@@ -17,13 +17,25 @@ reads the leaving token from its slot and overwrites it in place (``read_slot`` 
 device-side slot index) instead of concatenating and re-slicing the window, so the step is a
 fixed set of kernels on fixed buffers (CUDA-graph capturable); ``window()`` returns the tokens
 oldest first for the paths that need the order (padding masks, several new tokens).
+
+Crops (assisted decoding, ``Cache.crop``): while past recording is on, a local layer keeps a
+checkpoint of S and the tokens that left the window since (at most ``crop_window``); a crop
+rebuilds the window and folds the tokens before it into S (``RattentionLocalLayerCache.crop``).
 """
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..cache_layer import TensorMapLayer
+from ...kernels.residual_linear_attention import feature_map_fn
+from ..cache_layer import (
+    DEFAULT_CROP_WINDOW,
+    CroppableCacheMixin,
+    TensorMapLayer,
+    TokenHistory,
+    crop_limit_error,
+    tokens_to_keep,
+)
 
 _TENSORS = ("keys", "values", "raw_keys", "state")
 
@@ -36,7 +48,10 @@ class RattentionLocalLayerCache(TensorMapLayer):
     _layer_type = "local"  # lets DynamicCache(config=...) build it from config.layer_types
     is_sliding = True
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # while past recording is on, see crop()
+    record_past = False
+    crop_window = DEFAULT_CROP_WINDOW
+    feature_map = "softmax"  # the RLA's phi (set by RattentionCache): a crop folds tokens into S with it
 
     def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
         super().__init__()
@@ -78,6 +93,9 @@ class RattentionLocalLayerCache(TensorMapLayer):
 
     def write_slot(self, slot: torch.Tensor, key_states, value_states, raw_keys, state) -> None:
         """Overwrite ring slot ``slot`` with one new token [batch, 1, kv_heads, head_dim] (in place)."""
+        if self.record_past:  # the token in the slot leaves the window (into S)
+            self._record_leaving(*(None if x is None else x.index_select(1, slot) for x in (self.keys, self.values, self.raw_keys)),
+                                 end=self.cumulative_length - self.capacity + 1)
         for held, new in ((self.keys, key_states), (self.values, value_states), (self.raw_keys, raw_keys)):
             if held is not None:
                 held.index_copy_(1, slot, new.to(held.dtype))
@@ -112,11 +130,28 @@ class RattentionLocalLayerCache(TensorMapLayer):
             # Own storage, so a view never pins the whole prefill and the ring can be written in place.
             return torch.roll(x, shift, dims=1) if shift else x.clone()
 
+        if self.record_past:  # the tokens before the last ``capacity`` leave the window (into S)
+            leaving = max(value_states.shape[1] - capacity, 0)
+            self._record_leaving(*(None if x is None else x[:, :leaving] for x in (key_states, value_states, raw_keys)),
+                                 end=self.cumulative_length - capacity)
         self.keys, self.values, self.raw_keys = tail(key_states), tail(value_states), tail(raw_keys)
         self.state = state
         if self.is_full():  # a fill kernel with the value as argument: no host-to-device copy
             self._next_column = torch.full((1,), self.cumulative_length, dtype=torch.long, device=self.values.device)
         return self.keys, self.values
+
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py): the ring step above already
+    # runs on fixed buffers with a device-side slot; a CUDA graph of it needs the window full.
+    def prepare_static_decode(self, capacity: int, config) -> bool:
+        """True once the window is a full ring (fixed buffers from then on)."""
+        return self.is_full() and self.keys is not None and self._next_column is not None
+
+    def static_decode_advance(self) -> None:
+        """The host part of one ring decode step (write_slot's token count)."""
+        self.cumulative_length += 1
+
+    def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.keys, self.values, self.raw_keys, self.state, self._next_column
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -142,12 +177,97 @@ class RattentionLocalLayerCache(TensorMapLayer):
         self.cumulative_length = 0
         self.capacity = 0
         self._next_column = None
+        if self.record_past:
+            self._start_crop_record()
+
+    # Crop (assisted decoding) -------------------------------------------------------------------
+    # While past recording is on, the cache keeps a checkpoint of S (all tokens before
+    # ``_left_window.start``) and the tokens that left the window since (the last crop_window of
+    # them; older ones are folded into the checkpoint). A crop to p rebuilds the window of p from
+    # those tokens and the current window, and S by folding the tokens before that window into the
+    # checkpoint: memory stays constant in the sequence length.
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+        self._start_crop_record()
+
+    def _start_crop_record(self) -> None:
+        self._crop_base = None if self.state is None else self.state.clone()
+        self._left_window = TokenHistory()
+        self._left_window.reset(max(self.cumulative_length - self.capacity, 0))
+
+    def _fold(self, state: torch.Tensor | None, raw_keys: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor | None:
+        """S + sum_j phi(raw key_j) v_j^T over the given tokens [batch, n, kv_heads, head_dim]."""
+        if raw_keys is None or raw_keys.shape[1] == 0:
+            return state
+        update = torch.einsum("bsnf,bsnd->bnfd", feature_map_fn(raw_keys, self.feature_map), values.float())
+        return update if state is None else state + update
+
+    def _record_leaving(self, keys, values, raw_keys, end: int) -> None:
+        """Tokens end - n .. end - 1 ([batch, n, ...]; keys / raw_keys None without that branch) left the window."""
+        if values.shape[1] == 0:
+            return
+        history = self._left_window
+        if history.end != end - values.shape[1]:
+            raise RuntimeError(f"{type(self).__name__}: tokens left the window out of order while recording past states.")
+        empty = values[..., :0]  # stands for a branch the layer does not have
+        tokens = tuple(empty if x is None else x for x in (keys, values, raw_keys))
+        if history.tensors is not None:
+            tokens = tuple(torch.cat([old, new], dim=1) for old, new in zip(history.tensors, tokens))
+        overflow = tokens[0].shape[1] - self.crop_window
+        if overflow > 0:  # beyond what a crop may need: into the checkpoint
+            raw = None if raw_keys is None else tokens[2][:, :overflow]
+            self._crop_base = self._fold(self._crop_base, raw, tokens[1][:, :overflow])
+            tokens = tuple(t[:, overflow:] for t in tokens)
+        history.tensors, history.end = tuple(t.contiguous() for t in tokens), end
+
+    def crop_error(self, removed: int) -> ValueError | None:
+        """Why removing the last ``removed`` tokens is impossible now (None when it is possible)."""
+        keep = self.cumulative_length - removed
+        history = getattr(self, "_left_window", None)
+        if removed == 0 or keep <= 0:
+            return None
+        if not self.record_past or history is None or max(keep - self.capacity, 0) < history.start:
+            removable = 0 if history is None else self.cumulative_length - history.start - self.capacity
+            return crop_limit_error(self, removed, max(removable, 0))
+        return None
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError(
-            "RattentionLocalLayerCache cannot be cropped: tokens that left the window are summed into the RLA state "
-            "and cannot be taken out again. Assisted decoding and other strategies that crop the cache are not supported."
-        )
+        """Keep the first ``max_length`` tokens (negative: remove ``-max_length``), as Cache.crop.
+
+        The window becomes the last w + 1 kept tokens and S the fold of every kept token before
+        them, from the checkpoint and the tokens recorded while past recording is on."""
+        length = self.cumulative_length
+        keep = tokens_to_keep(max_length, length)
+        if keep == length:
+            if self.record_past:
+                self._start_crop_record()
+            return
+        if keep == 0:
+            self.reset()
+            return
+        error = self.crop_error(length - keep)
+        if error is not None:
+            raise error
+        capacity, history = self.capacity, self._left_window
+        first = max(keep - capacity, 0)  # the first token of the new window
+        window = self.window()[:3]
+        empty = self.values[..., :0]
+        held = tuple(empty if x is None else x for x in window)
+        if history.tensors is not None:
+            held = tuple(torch.cat([old, new], dim=1) for old, new in zip(history.tensors, held))
+        # held covers the tokens history.start .. length - 1
+        lo, hi = first - history.start, keep - history.start
+        state = self._fold(self._crop_base, None if self.raw_keys is None else held[2][:, :lo], held[1][:, :lo])
+        keys, values, raw_keys = (None if x is None else part[:, lo:hi] for x, part in zip(window, held))
+        self.cumulative_length = first
+        self.update(keys, values, raw_keys, None if state is None else state.clone(), capacity=capacity)
+        self._start_crop_record()
+
+    def _map_crop_tensors(self, fn) -> None:
+        if getattr(self, "_left_window", None) is not None:
+            self._left_window.map(fn)
+        if getattr(self, "_crop_base", None) is not None:
+            self._crop_base = fn(self._crop_base)
 
 
 class RattentionGlobalLayerCache(DynamicLayer):
@@ -157,6 +277,63 @@ class RattentionGlobalLayerCache(DynamicLayer):
 
     def __init__(self, **kwargs):
         super().__init__()
+        self._key_buffer = self._value_buffer = self._columns = self._static_length = None
+        self._static_used = 0
+
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py), like transformers' StaticLayer:
+    # keys / values become views of [batch, kv_heads, capacity, head_dim] buffers; a decode step
+    # writes column ``_static_length`` (device counter) and masks the columns after it.
+    @property
+    def static_decode_active(self) -> bool:
+        """True while keys / values are still the buffers' views (any update, reorder or crop replaces
+        them) and the buffers have room for one more token."""
+        return (
+            self._key_buffer is not None and self.keys is not None and self.keys.data_ptr() == self._key_buffer.data_ptr()
+            and self.keys.shape[2] == self._static_used < self._key_buffer.shape[2]
+        )
+
+    def prepare_static_decode(self, capacity: int, config) -> bool:
+        if self.static_decode_active and self._key_buffer.shape[2] == capacity:
+            return True
+        if self._key_buffer is not None and self.keys is not None and self.keys.data_ptr() == self._key_buffer.data_ptr():
+            return False  # the buffers are full: the eager update takes over from here
+        used = self.get_seq_length()
+        if not self.is_initialized or not used or used >= capacity:
+            return False
+
+        def buffer(x):
+            out = x.new_zeros(*x.shape[:2], capacity, x.shape[3])
+            out[:, :, :used] = x
+            return out
+
+        self._key_buffer, self._value_buffer = buffer(self.keys), buffer(self.values)
+        self._columns = torch.arange(capacity, device=self.keys.device)
+        self._static_length = torch.full((1,), used, dtype=torch.long, device=self.keys.device)
+        self._static_used = used
+        self._refresh_static_views()
+        return True
+
+    def _refresh_static_views(self) -> None:
+        self.keys = self._key_buffer[:, :, : self._static_used]
+        self.values = self._value_buffer[:, :, : self._static_used]
+
+    def static_decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """One token per row [batch, kv_heads, 1, head_dim] at the device column ``_static_length``.
+        Returns (key buffer, value buffer, visible [1, 1, 1, capacity] bool: the columns up to it)."""
+        column = self._static_length
+        self._key_buffer.index_copy_(2, column, key_states.to(self._key_buffer.dtype))
+        self._value_buffer.index_copy_(2, column, value_states.to(self._value_buffer.dtype))
+        visible = (self._columns <= column).view(1, 1, 1, -1)
+        self._static_length.add_(1)
+        self.static_decode_advance()
+        return self._key_buffer, self._value_buffer, visible
+
+    def static_decode_advance(self) -> None:
+        self._static_used += 1
+        self._refresh_static_views()
+
+    def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self._key_buffer, self._value_buffer, self._static_length
 
     def nbytes(self) -> int:
         if not self.is_initialized or self.keys is None:
@@ -164,11 +341,14 @@ class RattentionGlobalLayerCache(DynamicLayer):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
-class RattentionCache(Cache):
+class RattentionCache(CroppableCacheMixin, Cache):
     """One cache layer per entry of ``config.layer_types`` ("local" or "global")."""
 
     def __init__(self, config, **kwargs):
         layers = [RattentionLocalLayerCache() if t == "local" else RattentionGlobalLayerCache() for t in config.layer_types]
+        for layer in layers:
+            if isinstance(layer, RattentionLocalLayerCache):
+                layer.feature_map = config.feature_map
         super().__init__(layers=layers)
 
     def nbytes_per_layer(self) -> list[int]:

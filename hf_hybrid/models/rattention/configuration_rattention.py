@@ -15,6 +15,13 @@ register_layer_types(*RATTENTION_LAYER_TYPES)  # also when this module is import
 
 class RattentionConfig(PretrainedConfig):
     r"""
+    Attention implementation (``attn_implementation=`` of from_pretrained / from_config, or
+    ``model.set_attn_implementation``): ``"global"`` layers go through transformers' attention
+    interface (``"eager"``, ``"sdpa"``, ``"flex_attention"``, ``"flash_attention_2"``; see
+    ``hf_hybrid.layers.attention``). ``"local"`` layers (SWA + residual linear attention, summed after
+    per-branch norms) have no plain softmax form and run their own ops whatever is chosen;
+    ``output_attentions`` gives None for them.
+
     Args:
         window_size (`int`, defaults to 512): the paper's w. A local layer's sliding-window attention
             lets query i see keys j with 0 <= i - j <= w (the token plus w to its left); its residual

@@ -16,6 +16,7 @@ from torch import nn
 
 from ...layers.residual_linear_attention import RattentionGlobalAttention, RattentionLocalAttention
 from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
 from .cache_rattention import RattentionCache
 from .configuration_rattention import RattentionConfig
 
@@ -37,6 +38,8 @@ class RattentionModel(RattentionPreTrainedModel, HybridModel):
                 config.head_dim,
                 qk_norm=config.qk_norm,
                 rms_norm_eps=config.rms_norm_eps,
+                config=config,  # the layer reads config._attn_implementation at every call
+                layer_idx=layer_idx,
             )
         return RattentionLocalAttention(
             config.hidden_size,
@@ -58,4 +61,23 @@ class RattentionForCausalLM(RattentionPreTrainedModel, HybridForCausalLM):
     base_model_class = RattentionModel
 
 
-__all__ = ["RattentionPreTrainedModel", "RattentionModel", "RattentionForCausalLM"]
+class RattentionForSequenceClassification(HybridForSequenceClassification, RattentionPreTrainedModel):
+    base_model_class = RattentionModel
+
+
+class RattentionForTokenClassification(HybridForTokenClassification, RattentionPreTrainedModel):
+    base_model_class = RattentionModel
+
+
+class RattentionForQuestionAnswering(HybridForQuestionAnswering, RattentionPreTrainedModel):
+    base_model_class = RattentionModel
+
+
+__all__ = [
+    "RattentionPreTrainedModel",
+    "RattentionModel",
+    "RattentionForCausalLM",
+    "RattentionForSequenceClassification",
+    "RattentionForTokenClassification",
+    "RattentionForQuestionAnswering",
+]

@@ -1,12 +1,23 @@
 from .cache_se_hybrid import SEAttentionLayerCache, SEHybridCache, SEMambaLayerCache
 from .configuration_se_hybrid import SE_HYBRID_LAYER_TYPES, SEHybridConfig
-from .modeling_se_hybrid import SEHybridForCausalLM, SEHybridModel, SEHybridPreTrainedModel, SEMambaMixer
+from .modeling_se_hybrid import (
+    SEHybridForCausalLM,
+    SEHybridForQuestionAnswering,
+    SEHybridForSequenceClassification,
+    SEHybridForTokenClassification,
+    SEHybridModel,
+    SEHybridPreTrainedModel,
+    SEMambaMixer,
+)
 
 
 def register() -> None:
     from ..registry import register_architecture
 
-    register_architecture(SEHybridConfig, SEHybridModel, SEHybridForCausalLM, layer_types=SE_HYBRID_LAYER_TYPES)
+    register_architecture(
+        SEHybridConfig, SEHybridModel, SEHybridForCausalLM, layer_types=SE_HYBRID_LAYER_TYPES,
+        task_heads=(SEHybridForSequenceClassification, SEHybridForTokenClassification, SEHybridForQuestionAnswering),
+    )
 
 
 __all__ = [
@@ -14,6 +25,9 @@ __all__ = [
     "SEHybridCache",
     "SEHybridConfig",
     "SEHybridForCausalLM",
+    "SEHybridForQuestionAnswering",
+    "SEHybridForSequenceClassification",
+    "SEHybridForTokenClassification",
     "SEHybridModel",
     "SEHybridPreTrainedModel",
     "SEMambaLayerCache",

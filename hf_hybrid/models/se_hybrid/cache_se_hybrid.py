@@ -10,13 +10,19 @@
   complete memory block, the queries of the open block, and the running chunk / group query sums.
   ``full`` decodes with the keys/values alone; ``se`` retrieves from the summaries without
   recomputing them; the state is kept in every mode so the mode may change between calls.
+
+Crops (assisted decoding, ``Cache.crop``): while past recording is on, Mamba layers keep a checkpoint
+of the SSM state and the scan inputs since (rescanned on a crop), attention layers a checkpoint of
+the row states and the queries since (advanced by the layer's own step); at most ``crop_window``.
 """
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
+from ...kernels.ssd_scan import ssd_scan
 from ...layers.span_expanded_attention import SERowState
+from ..cache_layer import DEFAULT_CROP_WINDOW, CroppableCacheMixin, TokenHistory, crop_limit_error, tokens_to_keep
 from .configuration_se_hybrid import canonical_layer_type
 
 
@@ -27,13 +33,106 @@ class SEMambaLayerCache(LinearAttentionLayer):
         super().__init__(**kwargs)
         self.parent = parent
 
+    # Crop (assisted decoding) -------------------------------------------------------------------
+    # transformers' layer crops the conv state (it keeps the conv inputs while past recording is
+    # on); the SSM state is rebuilt: a checkpoint of it and the scan inputs (x, dt, B) of the
+    # tokens since (the last crop_window; older ones are scanned into the checkpoint), from which
+    # a crop scans up to the kept length. The mixer hands the inputs over (record_scan_inputs).
+    crop_window = DEFAULT_CROP_WINDOW
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def activate_past_recording(self) -> None:
+        super().activate_past_recording()
+        self._start_scan_record()
+
+    def _start_scan_record(self) -> None:
+        state = self.recurrent_states[0]
+        self._scan_base = None if state is None else state.clone()
+        self._scan_inputs = TokenHistory()
+
+    def record_scan_inputs(self, x, dt, B, *, A, dt_bias, dt_limit) -> None:
+        """A segment's SSM inputs before discretisation: x [batch, seq, heads, P], dt [batch, seq,
+        heads] (raw, softplus(dt + dt_bias) clamped to dt_limit), B [batch, seq, groups, N], and A."""
+        if not self.record_past:
+            return
+        self._scan_params = dict(A=A, dt_bias=dt_bias, dt_limit=tuple(dt_limit))
+        history = self._scan_inputs
+        history.append((x, dt, B), end=history.end + x.shape[1], limit=x.shape[1] + len(history))
+        overflow = len(history) - self.crop_window
+        if overflow > 0:  # beyond what a crop may need: into the checkpoint
+            self._scan_base = self._scan(self._scan_base, *(t[:, :overflow] for t in history.tensors))
+            history.tensors = tuple(t[:, overflow:].contiguous() for t in history.tensors)
+        # The conv inputs transformers keeps while recording: only what a crop may need, and at
+        # least the kernel's span (zeros before the first token), which the next conv reads.
+        conv, kernel = self.conv_states[0], self.conv_kernel_size[0]
+        if conv is not None:
+            conv = conv[..., -(kernel + self.crop_window) :]
+            if conv.shape[-1] < kernel:
+                conv = torch.cat([conv.new_zeros(*conv.shape[:-1], kernel - conv.shape[-1]), conv], dim=-1)
+            self.conv_states[0] = conv
+
+    def _scan(self, state, x, dt, B):
+        """The SSM state after x, dt, B from ``state`` (zeros when None)."""
+        if x.shape[1] == 0:
+            return state
+        params = self._scan_params
+        _, final = ssd_scan(
+            x, dt, params["A"], B, torch.zeros_like(B), dt_bias=params["dt_bias"], dt_softplus=True,
+            dt_limit=params["dt_limit"], initial_state=state, return_final_state=True,
+        )
+        return final
+
+    def crop_error(self, removed: int) -> ValueError | None:
+        """Why removing the last ``removed`` tokens is impossible now (None when it is possible)."""
+        history = getattr(self, "_scan_inputs", None)
+        if removed and (not self.record_past or history is None or removed > len(history)):
+            return crop_limit_error(self, removed, 0 if history is None else len(history))
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (0: none; transformers' convention)."""
+        if tokens_to_remove > 0:
+            raise ValueError("SEMambaLayerCache.crop takes -n (remove the last n tokens); crop the SEHybridCache instead.")
+        removed = -tokens_to_remove
+        error = self.crop_error(removed)
+        if error is not None:
+            raise error
+        if not self.record_past:  # nothing removed, nothing recorded
+            return
+        history, conv = self._scan_inputs, self.conv_states[0]
+        if conv is None:  # nothing cached yet
+            return
+        width = removed + self.conv_kernel_size[0]
+        if conv.shape[-1] < width:
+            # fewer inputs than the crop and the kernel span: the sequence starts there (zeros before it)
+            self.conv_states[0] = torch.cat([conv.new_zeros(*conv.shape[:-1], width - conv.shape[-1]), conv], dim=-1)
+        super().crop(tokens_to_remove)
+        if removed:
+            kept = len(history) - removed
+            state = self._scan(self._scan_base, *(t[:, :kept] for t in history.tensors))
+            if state is None:  # back to before the first token
+                self.recurrent_states[0].zero_()
+            else:
+                self.recurrent_states[0].copy_(state)
+        self._start_scan_record()
+
+    def reset(self) -> None:
+        super().reset()
+        if self.record_past:
+            self._start_scan_record()
+
 
 class SEAttentionLayerCache(CacheLayerMixin):
     """Keys/values of one attention layer and the per-row SE retrieval state."""
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # while past recording is on, see crop()
+    record_past = False
+    crop_window = DEFAULT_CROP_WINDOW
 
     def __init__(self, **kwargs):
         super().__init__()
@@ -103,11 +202,82 @@ class SEAttentionLayerCache(CacheLayerMixin):
         self.is_initialized = False
         self.cumulative_length = 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("SEAttentionLayerCache cannot be cropped (the Mamba-2 state cannot be rolled back either).")
+    # Crop (assisted decoding) -------------------------------------------------------------------
+    # While past recording is on: a checkpoint of the row states and the queries of the tokens
+    # since (the last crop_window; older ones are advanced into the checkpoint). A crop advances
+    # the checkpoint over the kept queries with the layer's own row-state step (handed over with
+    # the queries), so the retrieval state is exactly what the kept tokens alone would give.
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+        self._start_query_record()
+
+    def _start_query_record(self) -> None:
+        self._base_rows = [row.map_tensors(lambda t: t) for row in self.rows]  # tensors are replaced, never written
+        self._queries = TokenHistory()
+        self._queries.reset(self.cumulative_length)
+
+    def record_queries(self, queries: torch.Tensor, advance_row) -> None:
+        """A segment's queries [batch, seq, heads, head_dim], after update() and before the row
+        states advance; ``advance_row(state, q, k_row, v_row, mode, chunk_size, compute_output=False)``
+        is the layer's step of a row state."""
+        if not self.record_past:
+            return
+        self._advance_row = advance_row
+        history = self._queries
+        history.append((queries,), end=self.cumulative_length, limit=queries.shape[1] + len(history))
+        overflow = len(history) - self.crop_window
+        if overflow > 0:  # beyond what a crop may need: into the checkpoint
+            self._base_rows = self._advanced_rows(overflow)
+            history.tensors = (history.tensors[0][:, overflow:].contiguous(),)
+
+    def _advanced_rows(self, count: int) -> list[SERowState]:
+        """The checkpoint's row states advanced over the first ``count`` recorded queries."""
+        start = self._queries.start
+        bases = self._base_rows or [SERowState() for _ in range(self.keys.shape[0])]  # recording began empty
+        rows = []
+        for index, base in enumerate(bases):
+            row = base.map_tensors(lambda t: t)
+            if count:
+                if row.length != start:
+                    raise ValueError("SEAttentionLayerCache crops rows without padding only (assisted decoding is batch 1).")
+                end = start + count
+                self._advance_row(row, self._queries.tensors[0][index, :count], self.keys[index, :end], self.values[index, :end],
+                                  None, self.chunk_size, compute_output=False)
+            rows.append(row)
+        return rows
+
+    def crop_error(self, removed: int) -> ValueError | None:
+        """Why removing the last ``removed`` tokens is impossible now (None when it is possible)."""
+        length = self.cumulative_length
+        history = getattr(self, "_queries", None)
+        if removed and length - removed > 0 and (not self.record_past or history is None or length - removed < history.start or history.end != length):
+            return crop_limit_error(self, removed, 0 if history is None else max(length - history.start, 0))
+        return None
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (negative: remove ``-max_length``), as Cache.crop."""
+        length = self.cumulative_length
+        keep = tokens_to_keep(max_length, length)
+        if keep == length:
+            if self.record_past:
+                self._start_query_record()
+            return
+        if keep == 0:
+            self.reset()
+            if self.record_past:
+                self._start_query_record()
+            return
+        error = self.crop_error(length - keep)
+        if error is not None:
+            raise error
+        history = self._queries
+        self.rows = self._advanced_rows(keep - history.start)
+        self.keys, self.values = self.keys[:, :keep], self.values[:, :keep]
+        self.cumulative_length = keep
+        self._start_query_record()
 
 
-class SEHybridCache(Cache):
+class SEHybridCache(CroppableCacheMixin, Cache):
     """Per-layer caches for an SE hybrid stack, built from ``config.layer_types``."""
 
     def __init__(self, config, **kwargs):

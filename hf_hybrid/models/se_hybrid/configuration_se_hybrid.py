@@ -34,6 +34,13 @@ class SEHybridConfig(PretrainedConfig):
     A Mamba-2 hybrid causal LM whose attention layers can run as full attention or Span-Expanded
     Attention (SE-Attn) and its ablations.
 
+    Attention implementation (``attn_implementation=`` of from_pretrained / from_config, or
+    ``model.set_attn_implementation``): attention layers in ``full`` mode go through transformers'
+    attention interface (``"eager"``, ``"sdpa"``, ``"flex_attention"``, ``"flash_attention_2"``; see
+    ``hf_hybrid.layers.attention``). The SE modes (``se``, ``swa``, ``se_nomem``, ``se_random``: chunked
+    attention with retrieved memory blocks) and the Mamba-2 layers have no plain softmax form and run
+    their own ops whatever is chosen; ``output_attentions`` gives None for them.
+
     Args:
         layer_types (`list[str]`): per layer ``"mamba"`` (alias ``"linear_attention"``) (transformers' Bamba Mamba-2 mixer: in_proj,
             conv1d, SSM scan, gated RMSNorm, out_proj) or ``"attention"`` (alias ``"full_attention"``). Default: one attention layer

@@ -3,12 +3,12 @@ attention or Span-Expanded Attention, as transformers models.
 
 Block (shared backbone, ``hf_hybrid.layers.backbone``): x + mixer(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
 Mixer per ``config.layer_types``:
-  * ``mamba``     -> :class:`SEMambaMixer`: transformers' own Mamba-2 mixer from Bamba
-                     (``transformers.models.bamba.modeling_bamba.BambaMixer``: in_proj -> causal
-                     depthwise conv1d -> selective SSM scan (chunked, pure PyTorch on CPU; the hub
-                     kernels when installed) -> gated RMSNorm -> out_proj). Chosen over Mamba2Mixer
-                     because Bamba is already a Mamba-2 + attention hybrid: its mixer reads its state
-                     from a hybrid Cache, and Bamba checkpoints convert parameter for parameter.
+  * ``mamba``     -> :class:`SEMambaMixer`: transformers' Mamba-2 mixer from Bamba (its parameters
+                     and math: in_proj -> causal depthwise conv1d -> selective SSM scan -> gated
+                     RMSNorm -> out_proj), running on ``hf_hybrid.kernels`` ops (``causal_conv1d``,
+                     ``ssd_scan``, ``mamba2_decode_step``: Triton on CUDA, a chunked memory-lean
+                     reference on CPU). Bamba because it is already a Mamba-2 + attention hybrid:
+                     Bamba checkpoints convert parameter for parameter.
   * ``attention`` -> :class:`~hf_hybrid.layers.span_expanded_attention.SpanExpandedAttention` with
                      ``config.attention_mode`` (or the forward keyword ``attention_mode``).
 Cache: :class:`SEHybridCache` (Mamba conv/SSM states; attention K/V + block summaries).
@@ -17,30 +17,117 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 from transformers.models.bamba.modeling_bamba import BambaMixer
 
+from ...kernels.causal_conv1d import causal_conv1d
+from ...kernels.ssd_scan import mamba2_decode_step, ssd_scan
 from ...layers.span_expanded_attention import SESettings, SpanExpandedAttention
 from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
 from .cache_se_hybrid import SEHybridCache, SEMambaLayerCache
 from .configuration_se_hybrid import SE_ATTENTION_MODES, SEHybridConfig, canonical_layer_type
 
 
+try:  # fires accelerate's offload hooks of conv1d, whose weight the ops read directly (as Bamba does)
+    from transformers.integrations.accelerate import force_accelerate_hooks
+
+    _force_conv1d_hooks = force_accelerate_hooks("conv1d")
+except ImportError:  # transformers without it: nothing to fire
+    def _force_conv1d_hooks(forward):
+        return forward
+
+
 class SEMambaMixer(BambaMixer):
-    """transformers' Bamba Mamba-2 mixer behind the backbone's mixer signature (parameters unchanged)."""
+    """transformers' Bamba Mamba-2 mixer (its parameters and names, so Bamba checkpoints load as they
+    are) running on this package's ops: ``causal_conv1d`` and ``ssd_scan`` (Triton on CUDA; on CPU a
+    chunked reference that holds one chunk's tile at a time, instead of Bamba's ``torch_forward``
+    that builds every chunk's tiles at once), and the fused decode step for single tokens.
+
+    Order of operations (Bamba's): in_proj -> [gate z | xBC | dt]; xBC -> causal depthwise conv1d
+    + SiLU -> [x | B | C]; y = SSD(x, dt = clamp(softplus(dt + dt_bias)), A = -exp(A_log), B, C) + D x;
+    out_proj(gated RMSNorm(y * silu(z)) per group). Padding tokens (``context.query_valid``) are
+    zeroed before in_proj (and after it when in_proj has a bias) and after the conv, so they never
+    enter the conv window or the SSM state.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.kernel_backend = getattr(config, "kernel_backend", "auto")
 
     def forward(self, hidden_states, context, cache_layer=None, **unused):
-        cache = None
-        if cache_layer is not None:
-            if not isinstance(cache_layer, SEMambaLayerCache) or cache_layer.parent is None:
-                raise TypeError("Mamba layers need an SEHybridCache; build it with SEHybridCache(model.config).")
-            cache = cache_layer.parent
-        # Padding tokens are zeroed before and after the convolution, so they never enter the SSM state.
-        return super().forward(hidden_states, cache_params=cache, attention_mask=context.query_valid)
+        if cache_layer is not None and not isinstance(cache_layer, SEMambaLayerCache):
+            raise TypeError("Mamba layers need an SEHybridCache; build it with SEHybridCache(model.config).")
+        return self._mix(hidden_states, context.query_valid, cache_layer)
+
+    @_force_conv1d_hooks
+    def _mix(self, hidden_states, valid, cache_layer):
+        batch, seq, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        keep = None if valid is None else valid[..., None].to(dtype)
+        if keep is not None:
+            hidden_states = hidden_states * keep
+        gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        if keep is not None and self.use_bias:
+            xBC = xBC * keep  # in_proj's bias would otherwise put padding into the conv window
+        A = -torch.exp(self.A_log.float())
+        conv_weight, conv_bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        backend = _mamba_backend(self)
+        states = self._cached_states(cache_layer)
+        if states is not None and seq == 1 and not cache_layer.record_past:
+            y = mamba2_decode_step(
+                xBC[:, 0], dt[:, 0], states[0], states[1], conv_weight, conv_bias, A, D=self.D, dt_bias=self.dt_bias,
+                head_dim=self.head_dim, dt_limit=self.time_step_limit, activation=self.activation, backend=backend,
+            )
+        else:
+            conv_state = None if states is None else states[0][..., -self.conv_kernel_size:]
+            xBC_conv = causal_conv1d(xBC, conv_weight, conv_bias, conv_state, self.activation, backend=backend)
+            if cache_layer is not None:  # after the conv, which read the previous state
+                cache_layer.update_conv_state(xBC.transpose(1, 2), conv_kernel_size=self.conv_kernel_size)
+            if keep is not None:
+                xBC_conv = xBC_conv * keep
+            group_width = self.n_groups * self.ssm_state_size
+            x, B, C = xBC_conv.split([self.intermediate_size, group_width, group_width], dim=-1)
+            x = x.reshape(batch, seq, self.num_heads, self.head_dim)
+            B = B.reshape(batch, seq, self.n_groups, self.ssm_state_size)
+            y = ssd_scan(
+                x, dt, A, B,
+                C.reshape(batch, seq, self.n_groups, self.ssm_state_size),
+                D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.time_step_limit,
+                initial_state=None if states is None else states[1], return_final_state=cache_layer is not None,
+                chunk_size=self.chunk_size, backend=backend,
+            )
+            if cache_layer is not None:
+                y, final_state = y
+                cache_layer.update_recurrent_state(final_state)
+                cache_layer.record_scan_inputs(  # kept only while a crop may need them (assisted decoding)
+                    x, dt, B, A=A, dt_bias=self.dt_bias, dt_limit=self.time_step_limit,
+                )
+        y = y.reshape(batch, seq, self.intermediate_size)
+        if torch.is_grad_enabled() and (y.requires_grad or gate.requires_grad):
+            # Recomputed in the backward: the gated norm's float32 temporaries (~5 per token) are not kept.
+            y = checkpoint(self.norm, y, gate, use_reentrant=False)
+        else:
+            y = self.norm(y, gate)
+        return self.out_proj(y.to(dtype))
+
+    @staticmethod
+    def _cached_states(cache_layer):
+        """(conv state, SSM state) carried from earlier tokens, or None before the first segment."""
+        if cache_layer is None or not cache_layer.has_previous_state[0]:
+            return None
+        return cache_layer.conv_states[0], cache_layer.recurrent_states[0]
 
     def reset_extra_parameters(self) -> None:
         """Mamba-2's S4D-real A (A_log = log 1..H), D = 1 and dt_bias = 1, as Bamba initialises them."""
         self.init_bamba_weights()
+
+
+def _mamba_backend(mixer: SEMambaMixer) -> str:
+    """config.kernel_backend when it names a backend the Mamba ops have, else "auto" (Triton on CUDA)."""
+    backend = getattr(mixer, "kernel_backend", "auto")
+    return backend if backend in ("reference", "triton") else "auto"
 
 
 def se_settings(config: SEHybridConfig) -> SESettings:
@@ -78,6 +165,8 @@ class SEHybridModel(SEHybridPreTrainedModel, HybridModel):
             se_settings(config),
             partial_rotary_factor=config.partial_rotary_factor,
             attention_bias=config.attention_bias,
+            config=config,  # `full` mode reads config._attn_implementation at every call
+            layer_idx=layer_idx,
         )
 
     def _check_cache(self, cache) -> None:
@@ -136,4 +225,24 @@ class SEHybridForCausalLM(SEHybridPreTrainedModel, HybridForCausalLM):
         )
 
 
-__all__ = ["SEHybridForCausalLM", "SEHybridModel", "SEHybridPreTrainedModel", "SEMambaMixer"]
+class SEHybridForSequenceClassification(HybridForSequenceClassification, SEHybridPreTrainedModel):
+    base_model_class = SEHybridModel
+
+
+class SEHybridForTokenClassification(HybridForTokenClassification, SEHybridPreTrainedModel):
+    base_model_class = SEHybridModel
+
+
+class SEHybridForQuestionAnswering(HybridForQuestionAnswering, SEHybridPreTrainedModel):
+    base_model_class = SEHybridModel
+
+
+__all__ = [
+    "SEHybridForCausalLM",
+    "SEHybridModel",
+    "SEHybridPreTrainedModel",
+    "SEMambaMixer",
+    "SEHybridForSequenceClassification",
+    "SEHybridForTokenClassification",
+    "SEHybridForQuestionAnswering",
+]

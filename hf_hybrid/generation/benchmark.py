@@ -1,0 +1,169 @@
+"""ms per new token of model.generate(): our architectures (CUDA-graph decode step and eager) vs
+transformers' LlamaForCausalLM with a static cache (which generate() compiles automatically).
+
+    python -m hf_hybrid.generation.benchmark --batch 32 --prompt 2048
+    python -m hf_hybrid.generation.benchmark --batch 8 --prompt 16384 --models llama,rat
+
+Every model has the same shape: 8 layers of the 1.3B configuration (hidden 2048, 16 heads x 128,
+intermediate 5632, vocab 32000), random weights, bf16, greedy decoding without EOS. A model's ms
+per token is (time of generate(N2) - time of generate(N1)) / (N2 - N1), so prefill, compilation
+and graph capture cancel out; each time is the best of ``--repeats`` runs after a warm-up run.
+Llama decodes into one user-made StaticCache of fixed length (reset before each run), so both
+lengths reuse one compiled graph.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+SHAPE = dict(
+    hidden_size=2048, num_attention_heads=16, head_dim=128, intermediate_size=5632, vocab_size=32000,
+    num_hidden_layers=8,
+)
+MODELS = ("llama", "rat", "rat_plus_d16", "rattention", "fox")
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import hf_hybrid  # noqa: F401  (registers the architectures)
+    from hf_hybrid.models.fox import FoxConfig
+    from hf_hybrid.models.rat import RatConfig
+    from hf_hybrid.models.rat_plus import RatPlusConfig
+    from hf_hybrid.models.rattention import RattentionConfig
+    from hf_hybrid.sparse import SparseInferenceConfig
+
+    if name == "llama":
+        config = LlamaConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
+    elif name == "rat":
+        config = RatConfig(**SHAPE, chunk_size=16)
+    elif name == "rat_plus_d16":
+        # The pattern hf_hybrid/bench/layers.py times (block ends only, besides the token itself).
+        sparse = SparseInferenceConfig(dilation=16, local_window=0, num_sink_tokens=0)
+        config = RatPlusConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions, sparse_config=sparse)
+    elif name == "rattention":
+        config = RattentionConfig(**SHAPE, num_key_value_heads=16)
+    elif name == "fox":
+        config = FoxConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
+    else:
+        raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS}.")
+    config.pad_token_id, config.eos_token_id = 0, None
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def ms_per_token(model, ids: torch.Tensor, short: int, long: int, repeats: int, **generate_kwargs) -> tuple[float, dict | None]:
+    mask = torch.ones_like(ids)
+    cache = generate_kwargs.pop("static_cache", None)
+
+    def run(tokens):
+        if cache is not None:
+            cache.reset()
+            generate_kwargs["past_key_values"] = cache
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **generate_kwargs)
+
+    _timed(lambda: run(short))  # warm-up: compilation, autotuning
+    t_short = min(_timed(lambda: run(short)) for _ in range(repeats))
+    t_long = min(_timed(lambda: run(long)) for _ in range(repeats))
+    return 1000 * (t_long - t_short) / (long - short), getattr(model, "last_decode_report", None)
+
+
+def decode_loop_ms(model, ids: torch.Tensor, steps: int, mode: str = "graph") -> float:
+    """ms per token of the graphed decode step in a bare greedy loop: no generate(), no host sync
+    per step. What the device needs per token; generate()'s own per-step host work (input
+    preparation, logits processing, a stop check that syncs) comes on top of it."""
+    from .graph_decode import DecodeGraphSession
+
+    session = DecodeGraphSession(model, mode)
+    session.max_length = ids.shape[1] + steps + 8
+    previous, model._decode_graph_session = model._decode_graph_session, session
+    try:
+        with torch.no_grad():
+            out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+            def loop(n):
+                nonlocal token
+                for _ in range(n):
+                    token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+            loop(3)  # eager warm-up step, capture, first replay
+            elapsed = _timed(lambda: loop(steps))
+        if session.static_steps != steps + 3:
+            raise RuntimeError(f"decode loop: only {session.static_steps} of {steps + 3} steps were static: {session.report()}")
+    finally:
+        model._decode_graph_session = previous
+        session.release()
+    return 1000 * elapsed / steps
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--short", type=int, default=8, help="N1 new tokens")
+    parser.add_argument("--long", type=int, default=40, help="N2 new tokens")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--eager", action="store_true", help="also time our models with decode_cuda_graph=False")
+    parser.add_argument("--eager-models", default="", help="comma list: time these with decode_cuda_graph=False too")
+    parser.add_argument("--floor", action="store_true", help="also time the graphed step in a bare loop (decode_loop_ms)")
+    parser.add_argument("--json", help="append the rows to this JSON-lines file")
+    args = parser.parse_args(argv)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    rows = []
+    ids = torch.randint(3, 32000, (args.batch, args.prompt), device=device)
+    for name in args.models.split(","):
+        model = build_model(name, device, dtype, args.prompt + args.long + 16)
+        variants = {}
+        if name == "llama":
+            from transformers import StaticCache
+
+            cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.long)
+            variants["static_compiled"] = dict(static_cache=cache)
+        else:
+            variants["graph"] = dict(decode_cuda_graph=None)
+            if args.eager or name in args.eager_models.split(","):
+                variants["eager"] = dict(decode_cuda_graph=False)
+        for variant, kwargs in variants.items():
+            ms, report = ms_per_token(model, ids, args.short, args.long, args.repeats, **kwargs)
+            row = dict(model=name, variant=variant, batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),
+                       tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=report)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        if args.floor and name != "llama":
+            ms = decode_loop_ms(model, ids, args.long)
+            row = dict(model=name, variant="bare_graph_loop", batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),
+                       tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=None)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del model
+        torch.cuda.empty_cache()
+    base = next((r["ms_per_token"] for r in rows if r["model"] == "llama"), None)
+    if base:
+        for r in rows:
+            print(f"{r['model']:>14} {r['variant']:>16}: {r['ms_per_token']:8.3f} ms/token  {base / r['ms_per_token']:6.2f}x llama-static")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

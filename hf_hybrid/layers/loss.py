@@ -1,0 +1,84 @@
+"""The causal-LM head and loss of HybridForCausalLM: logits = lm_head(hidden), loss = ForCausalLMLoss.
+
+In training the logits are usually not wanted, only the loss: there, on CUDA with Liger installed
+(backbone_fusion.py), the LM head and the cross-entropy run fused, chunk by chunk, and the float32
+logits of the whole sequence ([T, vocab] x 4 bytes, plus their gradient) never exist. The loss is
+transformers' ForCausalLMLoss: labels shifted left by one (the last position predicts nothing),
+``ignore_index`` (-100) skipped, mean over the counted tokens, or a sum divided by
+``num_items_in_batch`` when the Trainer passes it (gradient accumulation).
+
+Which path runs (``skip_logits``, Liger's name for the same switch):
+- ``skip_logits=None`` (default): fused when training with labels, the fusion applies and the
+  LM head is a plain nn.Linear (a PEFT-wrapped head keeps the plain path), with logits_to_keep=0;
+- ``skip_logits=False``: always the plain path, ``outputs.logits`` is filled (callers that need
+  the logits in training, e.g. for distillation or logging, pass it);
+- ``skip_logits=True``: no logits are returned; the loss is fused where the fusion applies.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .backbone_fusion import fused_backbone_applies, fused_linear_cross_entropy
+
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index")
+
+
+def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """labels[..., 1:] padded with ignore_index at the end: position t is scored on token t + 1."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+
+
+def causal_lm_loss_from_hidden(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """ForCausalLMLoss(hidden_states @ lm_head_weight.T, labels) computed from the hidden states:
+    fused (Liger) where the fusion applies, else through float32 logits as transformers does."""
+    targets = shifted_labels(labels, ignore_index).reshape(-1).to(hidden_states.device)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    if fused_backbone_applies(hidden):
+        loss = fused_linear_cross_entropy(hidden, lm_head_weight, targets, ignore_index, reduction)
+    else:
+        logits = F.linear(hidden, lm_head_weight).float()
+        loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _fuse_loss(model, hidden_states, labels, logits_to_keep, skip_logits) -> bool:
+    if labels is None or skip_logits is False:
+        return False
+    if skip_logits:
+        return True
+    return (
+        model.training
+        and isinstance(logits_to_keep, int) and logits_to_keep == 0
+        and fused_backbone_applies(hidden_states)
+    )
+
+
+def lm_head_and_loss(model, hidden_states, labels, logits_to_keep, kwargs: dict):
+    """(logits, loss) of a causal LM with ``model.lm_head`` and ``model.loss_function``; logits is
+    None when the fused loss ran (see the module docstring). ``kwargs``: the forward's extra keywords
+    (num_items_in_batch, ignore_index and skip_logits are read from it)."""
+    skip_logits = kwargs.get("skip_logits")
+    loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
+    # logits_to_keep: an int keeps the last N positions (0 = all), a tensor selects indices.
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
+    if plain_head and _fuse_loss(model, hidden_states, labels, logits_to_keep, skip_logits):
+        return None, causal_lm_loss_from_hidden(hidden_states[:, keep, :], model.lm_head.weight, labels, **loss_kwargs)
+    logits = model.lm_head(hidden_states[:, keep, :])
+    loss = None
+    if labels is not None:
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
+    return (None if skip_logits and labels is not None else logits), loss

@@ -1,0 +1,279 @@
+"""The static decode step generate() takes on CUDA (hf_hybrid/generation/graph_decode.py), run on
+the CPU without capturing a graph (``decode_cuda_graph="eager"``): the same forward on the
+preallocated buffers, device-side positions and split host bookkeeping a CUDA graph replays.
+
+Each covered architecture: static generate() == eager generate() (greedy and sampling with a fixed
+seed), its per-step logits == the uncached full forward, left-padded prompts and beam search
+take the eager path and stay exact, and ``static_decode_advance`` does exactly the host part of a
+decode step (what a replayed graph relies on). The GPU tests (graph == eager token for token,
+speed) are in tests/gpu/test_graph_decode_gpu.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_hybrid  # noqa: F401  (registers the architectures)
+from hf_hybrid.generation.graph_decode import resolve_decode_mode
+from hf_hybrid.sparse import SparseInferenceConfig
+from hf_hybrid.models.fox import FoxConfig
+from hf_hybrid.models.rat import RatConfig
+from hf_hybrid.models.rat_plus import RatPlusConfig
+from hf_hybrid.models.rattention import RattentionConfig
+
+VOCAB = 61
+
+
+def rat_model(**overrides):
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        chunk_size=4, pad_token_id=0,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(RatConfig(**settings)).eval()
+
+
+def fox_model(**overrides):
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, kernel_backend="reference",
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FoxConfig(**settings)).eval()
+    with torch.no_grad():  # spread-out forget gates (bias 0 makes every f about 0.5)
+        for layer in model.model.layers:
+            if layer.self_attn.f_proj is not None:
+                layer.self_attn.f_proj.bias.uniform_(-1.0, 3.0)
+    return model
+
+
+def rattention_model(**overrides):
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, window_size=3, pad_token_id=0,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(RattentionConfig(**settings)).eval()
+
+
+def rat_plus_model(**overrides):
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, training_dilations=[1, 8],
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(RatPlusConfig(**settings)).eval()
+
+
+def dilated(dilation, window, sinks):
+    return SparseInferenceConfig(dilation=dilation, local_window=window, num_sink_tokens=sinks)
+
+
+MODELS = {
+    "rat": rat_model,
+    "rat_nope_one_group": lambda: rat_model(use_rope=False, num_qk_groups=1),
+    "fox_pro": fox_model,
+    "fox_llama_rope": lambda: fox_model(block_type="llama", use_rope=True),
+    "rattention": rattention_model,
+    "rattention_swa_only": lambda: rattention_model(use_residual_linear_attention=False),
+    "rat_plus_dense": rat_plus_model,
+    "rat_plus_d4_w2_i2": lambda: rat_plus_model(sparse_config=dilated(4, 2, 2)),
+    "rat_plus_d3_w0_i0": lambda: rat_plus_model(sparse_config=dilated(3, 0, 0)),
+    "rat_plus_d4_w5_i3": lambda: rat_plus_model(sparse_config=dilated(4, 5, 3)),
+}
+
+
+def generate(model, ids, mode, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            ids, decode_cuda_graph=mode, return_dict_in_generate=True, output_logits=True, **kwargs
+        )
+    return out, model.last_decode_report
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_static_greedy_equals_eager_and_uncached_forward(name):
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))
+    new = 11  # crosses several chunk boundaries
+    eager, eager_report = generate(model, ids, False, max_new_tokens=new, do_sample=False)
+    static, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
+    assert eager_report is None
+    assert report["static_steps"] == new - 1 and not report["eager_decode_steps"], report
+    assert torch.equal(static.sequences, eager.sequences)
+    static_logits, eager_logits = torch.stack(static.logits, 1), torch.stack(eager.logits, 1)
+    torch.testing.assert_close(static_logits, eager_logits, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        full = model(static.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
+    torch.testing.assert_close(static_logits, full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_static_sampling_with_a_seed_equals_eager(name):
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=9, do_sample=True, top_k=20, temperature=0.9)
+    eager, _ = generate(model, ids, False, seed=5, **kwargs)
+    static, report = generate(model, ids, "eager", seed=5, **kwargs)
+    assert report["static_steps"] == 8
+    assert torch.equal(static.sequences, eager.sequences)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_left_padded_prompts_decode_eagerly_and_exactly(name):
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    eager, _ = generate(model, ids, False, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    static, report = generate(model, ids, "eager", attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert report["static_steps"] == 0 and "left padding" in next(iter(report["eager_decode_steps"]))
+    assert torch.equal(static.sequences, eager.sequences)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_beam_search_decodes_eagerly_and_exactly(name):
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=5, num_beams=3, do_sample=False)
+    with torch.no_grad():
+        eager = model.generate(ids, decode_cuda_graph=False, **kwargs)
+        static = model.generate(ids, decode_cuda_graph="eager", **kwargs)
+        report = model.last_decode_report
+        uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert report["static_steps"] == 0 and "beam search" in next(iter(report["eager_decode_steps"]))
+    assert torch.equal(static, eager) and torch.equal(static, uncached)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_advance_does_the_host_part_of_a_decode_step(name):
+    """A replayed graph runs no Python: static_decode_advance() must leave every cache layer's host
+    state (token count, slot counts, view shapes) exactly where a real decode step leaves it."""
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        for layer in cache.layers:
+            assert layer.prepare_static_decode(32, model.config)
+        stepped, advanced = copy.deepcopy(cache), copy.deepcopy(cache)
+        for _ in range(6):  # through a chunk boundary
+            position = stepped.get_seq_length()
+            model(ids[:, :1], past_key_values=stepped, position_ids=torch.full((2, 1), position), use_cache=True)
+            for layer in advanced.layers:
+                layer.static_decode_advance()
+            for a, b in zip(stepped.layers, advanced.layers):
+                assert host_state(a) == host_state(b)
+
+
+def host_state(layer) -> dict:
+    """Python-side attributes of a cache layer: ints, bools and the shapes of held tensors."""
+    out = {}
+    for name, value in vars(layer).items():
+        if isinstance(value, (int, bool)):
+            out[name] = value
+        elif isinstance(value, torch.Tensor):
+            out[name] = (tuple(value.shape), value.stride())
+    return out
+
+
+def test_opt_out_and_mode_errors():
+    model = rat_model()
+    ids = torch.randint(1, VOCAB, (1, 5))
+    model.config.decode_cuda_graph = False
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert model.last_decode_report is None
+    with pytest.raises(ValueError, match="decode_cuda_graph"):
+        resolve_decode_mode("yes", torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA device"):
+        resolve_decode_mode(True, torch.device("cpu"))
+    assert resolve_decode_mode(None, torch.device("cpu")) is None  # auto: no graphs off CUDA
+
+
+def test_rattention_window_filling_during_decode_goes_static_once_full():
+    """A prompt shorter than the window: the ring is not full yet, so the first steps are eager,
+    then the static step takes over; the tokens equal the eager generation throughout."""
+    model = rattention_model(window_size=5)
+    ids = torch.randint(1, VOCAB, (2, 2), generator=torch.Generator().manual_seed(7))
+    eager, _ = generate(model, ids, False, max_new_tokens=10, do_sample=False)
+    static, report = generate(model, ids, "eager", max_new_tokens=10, do_sample=False)
+    assert torch.equal(static.sequences, eager.sequences)
+    assert 0 < report["static_steps"] < 9 and sum(report["eager_decode_steps"].values()) == 9 - report["static_steps"]
+
+
+def test_rat_plus_top_k_and_head_groups_decode_eagerly():
+    """Patterns without a static step (top-k, several head groups per layer) keep the eager step."""
+    configs = [
+        SparseInferenceConfig(top_k=2, block_size=4, local_window=2, num_sink_tokens=1),
+        SparseInferenceConfig(dilation=4, local_window=1, num_sink_tokens=1, head_overrides={0: "dense"}),
+    ]
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(8))
+    for sparse in configs:
+        model = rat_plus_model(sparse_config=sparse)
+        eager, _ = generate(model, ids, False, max_new_tokens=5, do_sample=False)
+        static, report = generate(model, ids, "eager", max_new_tokens=5, do_sample=False)
+        assert torch.equal(static.sequences, eager.sequences)
+        assert report["static_steps"] == 0 and sum(report["eager_decode_steps"].values()) == 4
+
+
+def test_rat_plus_cache_continues_eagerly_after_static_steps():
+    """A multi-token update on a cache left in static mode converts the stores back exactly."""
+    model = rat_plus_model(sparse_config=dilated(4, 2, 2))
+    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = model(ids[:, :7], use_cache=True).past_key_values
+        for layer in cache.layers:
+            assert layer.prepare_static_decode(32, model.config)
+        pieces = []
+        for t in range(7, 12):  # static steps
+            pieces.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        assert all(layer.static_decode_active for layer in cache.layers)
+        pieces.append(model(ids[:, 12:17], past_key_values=cache, use_cache=True).logits)  # leaves static mode
+        pieces.append(model(ids[:, 17:], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full[:, 7:], atol=1e-4, rtol=0)
+
+
+def test_fox_bf16_static_step_is_close_to_the_float32_cached_attention():
+    """In bf16 the static FoX step attends in bf16 (no float32 copy of the cache per step); its
+    logits stay within bf16 noise of the eager step, which upcasts the cache."""
+    model = fox_model(kernel_backend="auto").to(torch.bfloat16)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10))
+    eager, _ = generate(model, ids, False, max_new_tokens=6, do_sample=False)
+    static, report = generate(model, ids, "eager", max_new_tokens=6, do_sample=False)
+    assert report["static_steps"] == 5
+    with torch.no_grad():
+        full = model(static.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
+    static_logits = torch.stack(static.logits, 1)
+    scale = full.abs().max()
+    assert (static_logits - full).abs().max() / scale < 0.03
+    steps = int((static.sequences == eager.sequences).all(0).long().cumprod(0).sum()) - ids.shape[1]
+    common = torch.stack(eager.logits, 1)[:, : steps + 1]  # logits of the steps whose inputs agree
+    assert (static_logits[:, : steps + 1] - common).abs().max() / scale < 0.03
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cache_keeps_decoding_exactly_past_its_static_capacity(name):
+    """After generate() the cache is still in static mode with buffers for max_length (rounded
+    up to 16); decoding on by hand past them switches to the eager update, exactly."""
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(12))
+    out, report = generate(model, ids, "eager", max_new_tokens=4, do_sample=False)
+    assert report["static_steps"] == 3
+    sequence, cache = out.sequences, out.past_key_values
+    extra = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(13))
+    sequence = torch.cat([sequence, extra], dim=1)  # capacity 16: the buffers fill up on the way
+    with torch.no_grad():
+        full = model(sequence, use_cache=False).logits
+        start = cache.get_seq_length()
+        pieces = [model(sequence[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                  for t in range(start, sequence.shape[1])]
+    torch.testing.assert_close(torch.cat(pieces, 1), full[:, start:], atol=1e-4, rtol=0)
