@@ -11,6 +11,7 @@ COMMANDS = {
     "convert": ("hf_hybrid.conversion.cli", "main", "convert dense-to-rat-plus SRC DST (Llama -> RAT+) | convert fox SRC DST [--to fla|official]"),
     "adapt": ("hf_hybrid.adapt", "main_adapt", "resolution adaptation of a RAT+ checkpoint (joint objective, Trainer)"),
     "bench": ("hf_hybrid.bench.__main__", "main", "op / layer / model benchmarks vs SDPA on the GPU (table, JSON, PNG)"),
+    "reproduce": ("hf_hybrid.reproduce.__main__", "main", "small-scale reproductions of each paper's claim (rat, rat_plus, fox, rattention, se)"),
     "eval": ("hf_hybrid.eval.cli", "main", "per-token loss / perplexity vs context length and needle heatmaps for saved models"),
 }
 
