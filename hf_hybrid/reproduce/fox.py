@@ -15,7 +15,6 @@ beats the LLaMA block. The deciding comparison (FoX (Pro) vs Transformer (Pro)) 
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from ..adapt import synthetic_language
 from ..eval.positions import per_token_loss
 from ..models.fox import FoxConfig, FoxForCausalLM
 from .report import Reproduction
+from .training import adamw_warmup_cosine, autocast_for
 
 PAPER = ("FoX (Forgetting Transformer, Lin et al. 2025) Figure 2 (left): per-token loss L(i) up to 4x the training "
          "context length, FoX vs Transformer (RoPE), Pro vs LLaMA block")
@@ -63,16 +63,9 @@ def build_model(kind: str, settings: dict, seed: int) -> FoxForCausalLM:
 def train(model, data: torch.Tensor, settings: dict, device: torch.device) -> dict:
     """AdamW (0.9, 0.95), weight decay 0.1, 5% warmup then cosine to 10% (the paper's recipe, shortened)."""
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    steps, warmup = settings["steps"], max(1, settings["steps"] // 20)
-
-    def lr_at(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    steps = settings["steps"]
+    opt, sched = adamw_warmup_cosine(model, settings["lr"], steps)
+    autocast = autocast_for(device)
     start, losses = time.time(), []
     for step in range(steps):
         batch = data[step * settings["batch"] : (step + 1) * settings["batch"]].to(device)
@@ -130,7 +123,7 @@ def run(settings: dict, out: Path, seeds: tuple[int, ...]) -> Reproduction:
         for kind in settings["models"]:
             model = build_model(kind, settings, seed)
             info = train(model, data, settings, device)
-            with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False):
+            with autocast_for(device):
                 positions = per_token_loss(model, held_out, batch_size=settings["batch"])
             loss = positions.to_dict()["loss"]
             info.update(summarize(loss, seq), per_token_loss=[round(v, 4) for v in loss])

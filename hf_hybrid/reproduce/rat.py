@@ -15,7 +15,6 @@ language loss (mean and per seed), loss per position bucket, MQAR recall accurac
 """
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..eval.recall import recall_accuracy
 from ..models.rat.configuration_rat import RatConfig
 from ..models.rat.modeling_rat import RatForCausalLM
 from .report import Reproduction
+from .training import adamw_warmup_cosine, autocast_for
 
 PAPER = "RAT paper Fig. 4(b)/(c): pretraining loss rises with chunk size L, attention (L=1) <= RAT <= RNN (L=T); RAT-SWA matches attention"
 
@@ -91,16 +91,9 @@ def mqar_vocab_size(settings: dict) -> int:
 def train(model, language: torch.Tensor, mqar: torch.Tensor, settings: dict, device: torch.device) -> float:
     """AdamW (0.9, 0.95), wd 0.1, 5% warmup + cosine to 10%, clip 1; bf16 autocast on CUDA. Returns seconds."""
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    steps, warmup = settings["steps"], max(1, settings["steps"] // 20)
-
-    def lr_at(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    steps = settings["steps"]
+    opt, sched = adamw_warmup_cosine(model, settings["lr"], steps)
+    autocast = autocast_for(device)
     n_lang, n_mqar = language.shape[0] // steps, mqar.shape[0] // steps
     start = time.time()
     for step in range(steps):
@@ -133,7 +126,7 @@ def run_seed(settings: dict, seed: int, backend: str, device: torch.device) -> d
     for name, spec in model_specs(settings).items():
         model = build_model(spec, settings, vocab_size, seed, backend)
         seconds = train(model, language, mqar, settings, device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with autocast_for(device):
             positions = per_token_loss(model, held_out, batch_size=batch)
             recall = recall_accuracy(model, mqar_eval, mqar_labels, batch_size=batch)
         results[name] = {

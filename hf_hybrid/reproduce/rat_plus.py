@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from ..adapt import dilation_patterns, evaluate_patterns, synthetic_language
 from ..models.rat_plus.configuration_rat_plus import RatPlusConfig
 from ..models.rat_plus.modeling_rat_plus import RatPlusForCausalLM
 from .report import Reproduction
+from .training import adamw_warmup_cosine, autocast_for
 
 PAPER = "RAT+ Table 3 (and Table 12 'w/o adapt'): a dense-trained RAT+ keeps its loss under dilation D, dense attention collapses"
 
@@ -61,27 +61,15 @@ def build_model(kind: str, settings: dict, backend: str) -> RatPlusForCausalLM:
     return RatPlusForCausalLM(config)
 
 
-def _autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 def train(model, data: torch.Tensor, settings: dict, device: torch.device) -> dict:
     """AdamW (0.9, 0.95), weight decay 0.1, 5% warmup then cosine to 10%, grad clip 1, bf16 autocast on CUDA."""
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    steps, warmup = settings["steps"], max(1, settings["steps"] // 20)
-
-    def lr_at(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    steps = settings["steps"]
+    opt, sched = adamw_warmup_cosine(model, settings["lr"], steps)
     start, losses = time.time(), []
     for step in range(steps):
         batch = data[step * settings["batch"] : (step + 1) * settings["batch"]].to(device)
-        with _autocast(device):
+        with autocast_for(device):
             out = model(batch, labels=batch)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -132,7 +120,7 @@ def calibrate_steps(settings: dict, models: list[str], backend: str, device: tor
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.time()
-            with _autocast(device):
+            with autocast_for(device):
                 model(batch, labels=batch).loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -156,7 +144,7 @@ def train_models(settings: dict, models: list[str], backend: str, device: torch.
     for kind in models:
         model = build_model(kind, settings, backend)
         info = train(model, data, settings, device)
-        with _autocast(device):
+        with autocast_for(device):
             losses = evaluate_patterns(model, held_out, patterns, batch_size=settings["batch"])
         info["params"] = sum(p.numel() for p in model.parameters())
         info["eval_loss"] = {name: round(value, 4) for name, value in losses.items()}

@@ -21,7 +21,6 @@ claim (RATTENTION ~ full, RATTENTION better than SWA at the same w, constant loc
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from ..adapt import synthetic_language
 from ..models.rattention import RattentionConfig, RattentionForCausalLM
 from .report import Reproduction
+from .training import adamw_warmup_cosine, autocast_for
 
 PAPER = "RATTENTION (Wang et al., 2025) Table 1 / Fig. 4: RATTENTION(w) matches full attention and beats SWA(w)"
 
@@ -71,26 +71,15 @@ def build_model(kind: dict, settings: dict, seed: int) -> RattentionForCausalLM:
     return RattentionForCausalLM(config)
 
 
-def _autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-
-
 def train(model, data: torch.Tensor, settings: dict, device: torch.device) -> dict:
     """AdamW (0.9, 0.95), weight decay 0.1, 5% warmup then cosine to 10%, grad clip 1."""
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    steps, warmup = settings["steps"], max(1, settings["steps"] // 20)
-
-    def lr_at(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    steps = settings["steps"]
+    opt, sched = adamw_warmup_cosine(model, settings["lr"], steps)
     start, losses = time.time(), []
     for step in range(steps):
         batch = data[step * settings["batch"] : (step + 1) * settings["batch"]].to(device)
-        with _autocast(device):
+        with autocast_for(device):
             loss = model(batch, labels=batch, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -112,7 +101,7 @@ def evaluate(model, data: torch.Tensor, settings: dict, far_from: int) -> dict:
     per_token = []
     for start in range(0, data.shape[0], settings["batch"]):
         batch = data[start : start + settings["batch"]].to(device)
-        with _autocast(device):
+        with autocast_for(device):
             logits = model(batch, use_cache=False).logits
         per_token.append(F.cross_entropy(logits[:, :-1].float().transpose(1, 2), batch[:, 1:], reduction="none").cpu())
     per_token = torch.cat(per_token)  # [sequences, seq_len - 1], column t predicts token t + 1
@@ -124,7 +113,7 @@ def cache_bytes(model, length: int, vocab: int) -> dict[str, int]:
     (every tensor a cache layer holds: window keys/values, raw keys and RLA state, or full K/V)."""
     device = next(model.parameters()).device
     prompt = torch.randint(3, vocab + 3, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
-    with torch.no_grad(), _autocast(device):
+    with torch.no_grad(), autocast_for(device):
         cache = model(prompt, use_cache=True).past_key_values
     sizes = {"local": 0, "global": 0}
     for layer_type, layer in zip(model.config.layer_types, cache.layers):
