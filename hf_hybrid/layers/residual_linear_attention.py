@@ -244,7 +244,7 @@ class RattentionLocalAttention(_QKVProjections):
             if seq == 1 and context.key_valid is None:
                 # Decode without padding: the last w + 1 keys (fewer while the window fills) are all visible.
                 visible = min(held + 1, self.window_size + 1)
-                keys, values, mask = keys[:, -visible:], values[:, -visible:], None
+                keys, values = keys[:, -visible:], values[:, -visible:]
                 o_swa = _attend(q_swa, keys, values, None, self.num_heads, self.num_kv_heads)
             else:
                 o_swa = self._masked_swa(q_swa, keys, values, context, key_start=context.past_length - held)
