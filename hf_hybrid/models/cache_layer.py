@@ -52,7 +52,10 @@ DEFAULT_CROP_WINDOW = 256
 
 def tokens_to_keep(max_length: int, seq_length: int) -> int:
     """Tokens a ``crop(max_length)`` keeps: transformers >= 5.17 passes ``-n`` (remove the last n,
-    0 = remove none); older callers pass the length to keep (a positive number)."""
+    0 = remove none); older callers pass the length to keep (a positive number). transformers'
+    assisted decoding passes a 0-d tensor (its count of rejected draft tokens): taken as a host int,
+    so that cache lengths stay ints and positions are not computed from a device counter."""
+    max_length = int(max_length)
     keep = seq_length + max_length if max_length <= 0 else min(max_length, seq_length)
     if keep < 0:
         raise ValueError(f"crop({max_length}) removes more tokens than the {seq_length} the cache holds.")
