@@ -36,10 +36,11 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-from datasets import Dataset
+if TYPE_CHECKING:  # datasets is needed only to build Dataset objects: imported where one is made
+    from datasets import Dataset
 
 PAD, BOS, EOS, DOT = 0, 1, 2, 3
 DETERMINERS = ("the", "a", "this", "that", "every", "some", "my", "our")
@@ -290,12 +291,14 @@ def make_language_dataset(num_examples: int, length: int = 512, language: Synthe
     for index in range(num_examples):
         ids = language.sample(random.Random(f"language/{seed}/{index}"), length)
         rows.append({"input_ids": ids, "labels": list(ids), "length": length})
+    from datasets import Dataset
+
     return Dataset.from_list(rows)
 
 
 def oracle_loss_by_position(documents, language: SyntheticLanguage = SyntheticLanguage(), window: int | None = None) -> np.ndarray:
     """Mean oracle loss per position over equal-length documents (ids, or a Dataset with input_ids)."""
-    rows = documents["input_ids"] if isinstance(documents, Dataset) else documents
+    rows = documents["input_ids"] if hasattr(documents, "column_names") else documents  # a Dataset
     losses = [language.oracle_losses(row, window) for row in rows]
     if len({len(l) for l in losses}) != 1:
         raise ValueError("oracle_loss_by_position needs documents of equal length.")

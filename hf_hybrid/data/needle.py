@@ -38,9 +38,10 @@ from __future__ import annotations
 import random
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from datasets import Dataset
+if TYPE_CHECKING:  # datasets is needed only to build Dataset objects: imported where one is made
+    from datasets import Dataset
 
 IGNORE_INDEX = -100
 
@@ -570,4 +571,6 @@ def make_needle_dataset(
                 # one RNG stream per (length, index): depths move the same needle
                 rng = random.Random(f"needle/{seed}/{spec}/{length}/{index}")
                 rows.append(needle_example(rng, spec, length, depth, vocab=vocab, tokenizer=tokenizer))
+    from datasets import Dataset
+
     return Dataset.from_list(rows)

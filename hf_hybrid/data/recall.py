@@ -10,7 +10,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from datasets import Dataset
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # datasets is needed only to build Dataset objects: imported where one is made
+    from datasets import Dataset
 
 IGNORE_INDEX = -100
 
@@ -74,4 +77,6 @@ def make_mqar_dataset(
     """A ``datasets.Dataset`` of equal-length MQAR examples (columns input_ids, labels)."""
     rng = random.Random(seed)
     rows = [mqar_example(rng, vocab, num_pairs, num_queries, noise_length) for _ in range(num_examples)]
+    from datasets import Dataset
+
     return Dataset.from_list(rows)

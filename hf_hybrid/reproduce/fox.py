@@ -35,7 +35,7 @@ PRESETS = {
     "cpu": dict(hidden=32, layers=2, heads=2, seq_len=48, extrapolate=4, batch=8, steps=250, lr=3e-3, vocab=16,
                 eval_sequences=32, copy_distance=12, rope_theta=1500.0,
                 models=["fox_pro", "transformer_pro", "fox_llama"], smooth=9),
-    "gpu": dict(hidden=256, layers=4, heads=4, seq_len=512, extrapolate=4, batch=32, steps=1200, lr=2e-3, vocab=64,
+    "gpu": dict(hidden=256, layers=4, heads=4, seq_len=512, extrapolate=4, batch=32, steps=900, lr=2e-3, vocab=64,
                 eval_sequences=64, copy_distance=64, rope_theta=15625.0,
                 models=["fox_pro", "transformer_pro", "fox_llama", "transformer_llama"], smooth=51),
 }

@@ -4,7 +4,10 @@ Trains, on the same generated data (``hf_hybrid.adapt.synthetic_language``: an o
 long-range copies, so tokens far outside a small window still help), with the same optimiser,
 steps and parameter count (the RLA branch adds only a per-head RMSNorm scale):
 
-* ``full``          - every layer global (full causal attention),
+* ``full``          - the same stack with the local layers' window spanning the whole context (full
+                      causal attention everywhere, RoPE in the local slots and NoPE in the global
+                      ones, as the paper's base model); an all-NoPE stack of global layers does not
+                      learn the language's local rule at T = 1024 in this budget (first H100 run),
 * ``swa_w{w}``      - local-global stack ([local] * (k - 1) + [global]) whose local layers are
                       sliding-window attention only (``use_residual_linear_attention=False``),
 * ``rattention_w{w}`` - the same stack whose local layers are SWA(w) + residual linear attention,
@@ -44,9 +47,10 @@ PRESETS = {
 }
 
 
-def model_kinds(windows) -> dict[str, dict]:
-    """name -> RattentionConfig overrides for full attention and, per window, SWA and RATTENTION."""
-    kinds = {"full": dict(window_size=max(windows), all_global=True, use_residual_linear_attention=False)}
+def model_kinds(windows, context: int) -> dict[str, dict]:
+    """name -> RattentionConfig overrides for full attention (local windows of ``context`` tokens, at
+    least every length the run feeds) and, per window, SWA and RATTENTION."""
+    kinds = {"full": dict(window_size=context, use_residual_linear_attention=False)}
     for w in windows:
         kinds[f"swa_w{w}"] = dict(window_size=w, use_residual_linear_attention=False)
         kinds[f"rattention_w{w}"] = dict(window_size=w, use_residual_linear_attention=True)
@@ -56,10 +60,7 @@ def model_kinds(windows) -> dict[str, dict]:
 def build_model(kind: dict, settings: dict, seed: int) -> RattentionForCausalLM:
     torch.manual_seed(seed)
     layers, every = settings["layers"], settings["global_every"]
-    if kind.get("all_global"):
-        layer_types = ["global"] * layers
-    else:
-        layer_types = RattentionConfig.default_layer_types(layers, every=every)
+    layer_types = RattentionConfig.default_layer_types(layers, every=every)
     config = RattentionConfig(
         vocab_size=settings["vocab"] + 3, hidden_size=settings["hidden"], intermediate_size=settings["hidden"] * 11 // 4,
         num_hidden_layers=layers, num_attention_heads=settings["heads"], num_key_value_heads=settings["kv_heads"],
@@ -132,7 +133,7 @@ def run(settings: dict, out: Path, seeds: tuple[int, ...]) -> Reproduction:
     if max(windows) + 1 >= settings["seq_len"]:
         raise ValueError(f"windows {windows} must be < seq_len - 1 ({settings['seq_len']}) so that the window matters.")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kinds = model_kinds(windows)
+    kinds = model_kinds(windows, max(settings["seq_len"], *settings["prefill_lengths"]))
     far_from = max(windows) + 1  # targets whose past the largest window does not cover
     language = dict(vocab_size=settings["vocab"], copy_rate=settings["copy_rate"], min_copy_distance=settings["min_copy_distance"])
     raw = {"models": {name: {"per_seed": {}} for name in kinds}, "cache_bytes": {}, "far_from": far_from}

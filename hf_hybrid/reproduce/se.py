@@ -133,6 +133,7 @@ def run_seed(settings: dict, seed: int, device) -> dict:
             "pretrain_seconds": round(time.time() - start, 1),
             "cells": {},
         }
+    print(f"seed {seed} pretrained in {result['pretrain_seconds']}s: recall at L {result['recall_at_L']:.3f}", flush=True)
     pretrained = copy.deepcopy(model.state_dict())
     ft_ids, ft_labels = mqar_tensors(settings["finetune_steps"] * batch, long, settings, seed + 1)
     for mode, adapter in CELLS:
@@ -154,6 +155,8 @@ def run_seed(settings: dict, seed: int, device) -> dict:
                 "trainable_parameters": trainable,
                 "seconds": round(time.time() - start, 1),
             }
+        cell = result["cells"][cell_name(mode, adapter)]
+        print(f"seed {seed} {cell_name(mode, adapter)}: recall {cell['recall_full']:.3f} ({cell['seconds']}s)", flush=True)
         del peft_model
     model.config.attention_mode = "full"
     result["parameters"] = sum(p.numel() for p in model.parameters())

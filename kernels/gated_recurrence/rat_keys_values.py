@@ -74,16 +74,38 @@ def _check(op, k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin) -> None
                 raise ValueError(f"{op}: cos_sin's {name} must be [batch or 1, seq, 1, head_dim]; got {tuple(t.shape)}.")
 
 
+# Both kernels unroll a chunk's L token steps in full. Up to 16 steps that is what was measured
+# (docs/benchmarks_rat.md); at L = 64 the backward's TritonGPU passes run for minutes (an H100
+# training run made no progress in 4.5 minutes; an sm_90 compile on CPU, hf_hybrid/bench/sm90.py,
+# was still in make_ttgir after 8), so longer chunks take the op-by-op Triton path instead.
+MAX_FUSED_CHUNK = 16
+
+
 def triton_supports(v: torch.Tensor, chunk_size: int) -> bool:
     """Shapes the kernels are built and tested for: D/2 a power of two in [8, 128] (column tiles of
-    each half), L a power of two <= 128 (both kernels unroll a chunk's L token steps)."""
+    each half), L a power of two <= MAX_FUSED_CHUNK."""
     dim = v.shape[-1]
     half = dim // 2
     return (
         v.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and dim % 2 == 0 and half >= 8 and half & (half - 1) == 0 and half <= 128
-        and chunk_size & (chunk_size - 1) == 0 and chunk_size <= 128
+        and chunk_size & (chunk_size - 1) == 0 and chunk_size <= MAX_FUSED_CHUNK
     )
+
+
+def rat_keys_values_unfused(k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin=None, backend="auto"):
+    """The reference's composition with each op on ``backend``: the float32 gate, two
+    ``gated_recurrence`` launches and one ``rotary`` (Triton on CUDA). Any chunk size; the layer's
+    unfused path computes the same."""
+    from ..fused_norm import rotary
+    from . import gated_recurrence
+
+    heads, dim = v.shape[2], v.shape[3]
+    gate = torch.sigmoid(gate_logits.float() + gate_bias.float().view(heads, dim))
+    k_tilde = gated_recurrence(expand_groups(k_groups, heads), gate, chunk_size, backend=backend)
+    v_tilde = gated_recurrence(v, gate, chunk_size, backend=backend)
+    k_rot = rotary(k_tilde, cos_sin, backend=backend)  # None: k~ itself
+    return k_rot.to(k_groups.dtype), v_tilde.to(v.dtype)
 
 
 def rat_keys_values(
@@ -98,18 +120,20 @@ def rat_keys_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RoPE(k~), v~) of a whole sequence, differentiable in k_groups, v, gate_logits and gate_bias
     (see the module docstring and :func:`rat_keys_values_reference` for shapes). backend: "auto"
-    (Triton on CUDA where :func:`triton_supports`, the reference elsewhere), "triton", "reference"."""
+    (the fused Triton kernel on CUDA where :func:`triton_supports`, op-by-op Triton for other shapes,
+    the reference off CUDA), "triton", "reference"."""
     op = "rat_keys_values"
     _check(op, k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin)
     impl = resolve_backend(backend, v.device, op)
     if impl == "triton" and not triton_supports(v, chunk_size):
         if backend == "triton":
             raise ValueError(
-                f"{op}: the Triton kernel needs chunk_size and head_dim / 2 to be powers of two (chunk_size <= 128, "
-                f"8 <= head_dim / 2 <= 128) and a float dtype; got chunk_size={chunk_size}, head_dim={v.shape[-1]}, "
-                f"{v.dtype}. Pass backend='reference'."
+                f"{op}: the Triton kernel needs chunk_size and head_dim / 2 to be powers of two (chunk_size <= "
+                f"{MAX_FUSED_CHUNK}, 8 <= head_dim / 2 <= 128) and a float dtype; got chunk_size={chunk_size}, "
+                f"head_dim={v.shape[-1]}, {v.dtype}. Pass backend='auto' (op-by-op Triton for such shapes) or 'reference'."
             )
-        impl = "reference"
+        # Not the slow reference on a GPU: the same math through the op-by-op Triton kernels.
+        return rat_keys_values_unfused(k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin, backend="auto")
     if impl == "reference":
         return rat_keys_values_reference(k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin)
     from . import rat_keys_values_fwd  # the torch.library op around the kernels (one node under torch.compile)

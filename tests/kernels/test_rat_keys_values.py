@@ -113,6 +113,42 @@ def test_explicit_triton_refuses_a_chunk_it_cannot_tile():
         rat_keys_values(k, v, logits, bias, 3, backend="triton")
 
 
+@needs_triton
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_chunks_past_the_fused_kernel_take_the_op_by_op_triton_path(chunk):
+    """L > MAX_FUSED_CHUNK: explicit 'triton' refuses (naming the way out), and the op-by-op Triton
+    composition the 'auto' backend uses there equals the reference, forward and every gradient."""
+    from hf_hybrid.kernels.gated_recurrence.rat_keys_values import MAX_FUSED_CHUNK, rat_keys_values_unfused
+
+    assert chunk > MAX_FUSED_CHUNK
+    leaves, cos_sin = make_inputs(2, 2 * chunk + 5, 2, 4, 16, chunk)
+    with pytest.raises(ValueError, match="backend='auto'"):
+        rat_keys_values(*leaves, chunk, cos_sin, backend="triton")
+    got, got_grads = outputs_and_grads(lambda: rat_keys_values_unfused(*leaves, chunk, cos_sin, backend="triton"), leaves)
+    want, want_grads = outputs_and_grads(lambda: rat_keys_values_reference(*leaves, chunk, cos_sin), leaves)
+    for a, b in zip(list(got) + list(got_grads), list(want) + list(want_grads)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_gpu_auto_backend_never_falls_back_to_the_reference_for_long_chunks(monkeypatch, chunk):
+    import importlib
+
+    module = importlib.import_module("hf_hybrid.kernels.gated_recurrence.rat_keys_values")  # the package re-exports the function under this name
+    def refuse(*args, **kwargs):
+        raise AssertionError("the PyTorch reference ran on CUDA")
+
+    monkeypatch.setattr(module, "rat_keys_values_reference", refuse)
+    leaves, cos_sin = make_inputs(2, 1000, 2, 8, 64, chunk, dtype=torch.bfloat16)
+    exact_leaves = [x.detach().float().requires_grad_() for x in leaves]
+    got, got_grads = outputs_and_grads(lambda: rat_keys_values(*leaves, chunk, cos_sin), leaves)
+    monkeypatch.undo()
+    want, want_grads = outputs_and_grads(lambda: rat_keys_values_reference(*exact_leaves, chunk, cos_sin), exact_leaves)
+    for a, b in zip(list(got) + list(got_grads), list(want) + list(want_grads)):
+        assert rel(a, b) < 2e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq", [4096, 1000])
 def test_gpu_bf16_real_shapes(seq):
