@@ -27,7 +27,7 @@ from ..kernels.chunk_attention import block_end_attention, chunk_end_attention, 
 from ..kernels.chunk_attention.rat_decode import rat_decode_inputs_reference, rat_decode_supported
 from ..kernels.fused_norm import rotary as rotate
 from ..kernels.gated_recurrence import gated_recurrence, rat_keys_values
-from ..kernels.gated_recurrence.rat_keys_values import expand_groups
+from ..kernels._common import expand_groups
 from ..kernels.output_gate import sigmoid_gate
 from .context import SequenceContext
 from .projections import project_shared_input

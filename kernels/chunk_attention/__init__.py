@@ -5,7 +5,7 @@ import torch
 
 from .._backend import resolve_backend
 from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad, optional, placeholder
-from ..gated_recurrence.rat_keys_values import expand_groups
+from .._common import expand_groups
 from ..output_gate import sigmoid_gate_reference
 from .reference import (
     block_end_attention_reference,

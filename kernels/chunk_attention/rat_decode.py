@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..fused_norm.reference import rotary_reference
-from ..gated_recurrence.rat_keys_values import expand_groups
+from .._common import expand_groups
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 

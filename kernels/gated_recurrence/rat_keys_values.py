@@ -19,16 +19,11 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._common import expand_groups
 from ..fused_norm.reference import rotary_reference
 from .reference import gated_recurrence_reference
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
-
-
-def expand_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[B, T, G, D] -> [B, T, heads, D]; head h reads group h % G (RAT's q/k sharing)."""
-    batch, seq, groups, dim = x.shape
-    return x.unsqueeze(2).expand(batch, seq, heads // groups, groups, dim).reshape(batch, seq, heads, dim)
 
 
 def rat_keys_values_reference(

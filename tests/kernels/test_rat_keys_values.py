@@ -7,7 +7,7 @@ import torch
 
 from hf_hybrid.kernels._backend import triton_interpreting
 from hf_hybrid.kernels.gated_recurrence import rat_keys_values, rat_keys_values_reference
-from hf_hybrid.kernels.gated_recurrence.rat_keys_values import expand_groups
+from hf_hybrid.kernels._common import expand_groups
 from hf_hybrid.kernels.gated_recurrence.reference import gated_recurrence_reference
 from hf_hybrid.layers.rotary import RotaryEmbedding
 from sm90_check import sm90_report
