@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_hybrid  # noqa: F401  (registers rat_plus)
 from hf_hybrid.adapt import adapt, evaluate_patterns, lm_dataset, synthetic_language
+from hf_hybrid.models.compat import cache_of
 from hf_hybrid.sparse import SparseInferenceConfig
 
 PATTERNS = {
@@ -69,7 +70,7 @@ def main(argv=None) -> dict:
             out = model.generate(prompt, sparse_config=pattern, return_dict_in_generate=True, **greedy)
             uncached = model.generate(prompt, sparse_config=pattern, use_cache=False, **greedy)
         assert torch.equal(out.sequences, uncached), f"{name}: cached generation differs from uncached"
-        cache = out.past_key_values
+        cache = cache_of(out)  # out.past_key_values before transformers 5.24, out.cache since
         # The last generated token is never fed back, so the cache holds total - 1 tokens.
         entries = cache.num_entries_per_layer()
         for layer, held in enumerate(entries):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models.compat import cache_of
+
 
 def cache_nbytes(cache) -> int:
     """Bytes held by a transformers Cache: every tensor of every layer (K/V, chunk ends, states)."""
@@ -27,4 +29,4 @@ def cache_nbytes_at_context(model, context_length: int = 4096, batch_size: int =
     device = next(model.parameters()).device
     ids = torch.randint(3, model.config.vocab_size, (batch_size, context_length), device=device)
     out = model(ids, use_cache=True, logits_to_keep=1, **forward_kwargs)
-    return cache_nbytes(out.past_key_values)
+    return cache_nbytes(cache_of(out))

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from ..models.compat import CACHE_NAME, cache_of
+
 SHAPE = dict(
     hidden_size=2048, num_attention_heads=16, head_dim=128, intermediate_size=5632, vocab_size=32000,
     num_hidden_layers=8,
@@ -73,7 +75,7 @@ def ms_per_token(model, ids: torch.Tensor, short: int, long: int, repeats: int, 
     def run(tokens):
         if cache is not None:
             cache.reset()
-            generate_kwargs["past_key_values"] = cache
+            generate_kwargs[CACHE_NAME] = cache  # also Llama's generate(), which takes only the installed name
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **generate_kwargs)
 
@@ -95,7 +97,7 @@ def decode_loop_ms(model, ids: torch.Tensor, steps: int, mode: str = "graph") ->
     try:
         with torch.no_grad():
             out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
 
             def loop(n):
                 nonlocal token

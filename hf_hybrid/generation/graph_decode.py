@@ -57,6 +57,8 @@ import contextlib
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..models.compat import CACHE_NAME, cache_field, rename_cache_kwarg
+
 DECODE_GRAPH_MODES = (None, True, False, "eager")
 # Buffers are allocated in multiples of this many tokens: keeps attention masks and key counts
 # at sizes the fused SDPA kernels take without padding.
@@ -241,7 +243,7 @@ class DecodeGraphSession:
         finally:
             self.active = False
         self.static_steps += 1
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+        return CausalLMOutputWithPast(logits=logits, **cache_field(past_key_values))
 
     def _count_eager(self, input_ids, reason: str) -> None:
         if input_ids is not None and input_ids.shape[1] == 1 and reason != "no filled cache":
@@ -272,6 +274,7 @@ class DecodeGraphMixin:
     def generate(self, *args, decode_cuda_graph=None, **kwargs):
         setting = decode_cuda_graph if decode_cuda_graph is not None else getattr(self.config, "decode_cuda_graph", None)
         mode = resolve_decode_mode(setting, self.device)
+        rename_cache_kwarg(kwargs, CACHE_NAME)  # a cache passed under either name reaches generate() under its own
         session = DecodeGraphSession(self, mode) if mode is not None else None
         previous, self._decode_graph_session = self._decode_graph_session, session
         try:

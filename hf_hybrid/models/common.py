@@ -31,6 +31,7 @@ from ..layers.context import SequenceContext
 from ..layers.loss import lm_head_and_loss
 from ..layers.norm import RMSNorm
 from .cache_layer import DEFAULT_CROP_WINDOW
+from .compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
 
 logger = logging.get_logger(__name__)
 
@@ -42,12 +43,14 @@ _INSIDE_FORWARD: ContextVar[bool] = ContextVar("hf_hybrid_inside_forward", defau
 def _return_dict_from_config(forward):
     """Wrap a model's forward: ``return_dict`` (keyword, else ``config.return_dict``) picks a
     ModelOutput or ``ModelOutput.to_tuple()``; the forward itself always builds a ModelOutput and
-    gets ``return_dict=True`` when it takes keywords (transformers' generic heads read it)."""
+    gets ``return_dict=True`` when it takes keywords (transformers' generic heads read it). A
+    ``cache=`` keyword (transformers >= 5.24's name) reaches the forward as ``past_key_values``."""
     parameters = inspect.signature(forward).parameters.values()
     takes_return_dict = any(p.kind is p.VAR_KEYWORD or p.name == "return_dict" for p in parameters)
 
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
+        rename_cache_kwarg(kwargs, "past_key_values")
         return_dict = kwargs.pop("return_dict", None)
         compiling = torch.compiler.is_compiling()  # dynamo does not trace ContextVars
         nested = not compiling and _INSIDE_FORWARD.get()
@@ -98,7 +101,7 @@ class HybridPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = list(CACHE_KWARGS)
     # Softmax layers go through transformers' attention interface (hf_hybrid/layers/attention.py) and
     # read config._attn_implementation per call; mixers without a softmax form accept every value.
     _supports_sdpa = True
@@ -231,7 +234,7 @@ class HybridModel(HybridPreTrainedModel):
             all_hidden_states.append(hidden_states)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **cache_field(past_key_values if use_cache else None),
             hidden_states=None if all_hidden_states is None else tuple(all_hidden_states),
             attentions=None if all_attentions is None else tuple(all_attentions),
         )
@@ -294,7 +297,7 @@ class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin
         # None unless skip_logits=False is passed (hf_hybrid/layers/loss.py).
         logits, loss = lm_head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+            loss=loss, logits=logits, **cache_field(cache_of(outputs)),
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 
@@ -311,7 +314,7 @@ class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() would build a DynamicCache from config.layer_types; build the model's own cache instead."""
         self._note_generation_config(generation_config)  # the static decode step's capacity and eligibility
-        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+        if model_kwargs.get(CACHE_NAME) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache_class = self.base_model_class.cache_class
         if generation_config.cache_implementation not in (None, "dynamic"):
@@ -319,8 +322,8 @@ class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin
                 f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
                 f"{type(self).__name__}: it decodes with its own {cache_class.__name__}. Leave cache_implementation unset."
             )
-        model_kwargs["past_key_values"] = cache_class(self.config)
-        self._prepare_cache_for_crops(generation_config, model_kwargs["past_key_values"])
+        model_kwargs[CACHE_NAME] = cache_class(self.config)
+        self._prepare_cache_for_crops(generation_config, model_kwargs[CACHE_NAME])
 
     @staticmethod
     def _prepare_cache_for_crops(generation_config, cache) -> None:

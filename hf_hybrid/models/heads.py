@@ -18,6 +18,9 @@ Two differences from the generic classes, both needed by our models:
 * ``use_cache`` defaults to False (True only when a cache is passed in): a head reads the hidden
   states once, and building a decoding cache would cost memory and, for RAT, keep the forward off
   its fused no-cache kernels.
+
+The generic heads take the cache under the installed transformers' name (``cache`` from 5.24,
+hf_hybrid/models/compat.py); ours take either, like every hf-hybrid forward.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from transformers.modeling_layers import (
     GenericForSequenceClassification,
     GenericForTokenClassification,
 )
+
+from .compat import cache_field
 
 
 def _use_cache(use_cache: bool | None, past_key_values: Cache | None) -> bool:
@@ -57,7 +62,7 @@ class HybridForSequenceClassification(GenericForSequenceClassification):
         **kwargs,
     ):
         return super().forward(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache_field(past_key_values),
             inputs_embeds=inputs_embeds, labels=labels, use_cache=_use_cache(use_cache, past_key_values), **kwargs,
         )
 
@@ -86,7 +91,7 @@ class HybridForTokenClassification(GenericForTokenClassification):
         **kwargs,
     ):
         return super().forward(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache_field(past_key_values),
             inputs_embeds=inputs_embeds, labels=labels, use_cache=_use_cache(use_cache, past_key_values), **kwargs,
         )
 
@@ -113,7 +118,7 @@ class HybridForQuestionAnswering(GenericForQuestionAnswering):
         **kwargs,
     ):
         return super().forward(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache_field(past_key_values),
             inputs_embeds=inputs_embeds, start_positions=start_positions, end_positions=end_positions,
             use_cache=_use_cache(use_cache, past_key_values), **kwargs,
         )

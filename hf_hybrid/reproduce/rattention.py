@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..adapt import synthetic_language
+from ..models.compat import cache_of
 from ..models.rattention import RattentionConfig, RattentionForCausalLM
 from .report import Reproduction
 from .training import adamw_warmup_cosine, autocast_for
@@ -115,7 +116,7 @@ def cache_bytes(model, length: int, vocab: int) -> dict[str, int]:
     device = next(model.parameters()).device
     prompt = torch.randint(3, vocab + 3, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
     with torch.no_grad(), autocast_for(device):
-        cache = model(prompt, use_cache=True).past_key_values
+        cache = cache_of(model(prompt, use_cache=True))
     sizes = {"local": 0, "global": 0}
     for layer_type, layer in zip(model.config.layer_types, cache.layers):
         sizes[layer_type] += sum(t.numel() * t.element_size() for t in vars(layer).values() if isinstance(t, torch.Tensor))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from ..compat import CACHE_NAME
 from ..validation import check_kv_heads, check_positive, resolve_head_dim
 
 FOX_BLOCK_TYPES = ("llama", "pro")
@@ -40,7 +41,7 @@ class FoxConfig(PretrainedConfig):
     """
 
     model_type = "fox"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(
         self,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from ..compat import CACHE_NAME
 from ..registry import register_layer_types
 from ..validation import check_kv_heads, check_layer_types, check_positive, resolve_head_dim
 
@@ -41,7 +42,7 @@ class RatConfig(PretrainedConfig):
     """
 
     model_type = "rat"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(
         self,

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from transformers import PretrainedConfig
 
 from ...sparse import SparseInferenceConfig
+from ..compat import CACHE_NAME
 from ..validation import check_kv_heads, check_positive, resolve_head_dim
 
 
@@ -60,7 +61,7 @@ class RatPlusConfig(PretrainedConfig):
     """
 
     model_type = "rat_plus"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(
         self,

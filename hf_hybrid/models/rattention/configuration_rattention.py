@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from ...kernels.residual_linear_attention.reference import FEATURE_MAPS
+from ..compat import CACHE_NAME
 from ..registry import register_layer_types
 from ..validation import check_kv_heads, check_layer_types, check_positive, resolve_head_dim
 
@@ -47,7 +48,7 @@ class RattentionConfig(PretrainedConfig):
     """
 
     model_type = "rattention"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from ...kernels.span_expanded_attention import MODES
+from ..compat import CACHE_NAME
 from ..registry import register_layer_types
 from ..validation import check_kv_heads, check_layer_types, check_positive, resolve_head_dim
 
@@ -72,7 +73,7 @@ class SEHybridConfig(PretrainedConfig):
     """
 
     model_type = "se_hybrid"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(
         self,
