@@ -48,6 +48,11 @@ PRESETS = {
 }
 
 
+def longest_context(settings: dict) -> int:
+    """The most tokens a model of the run sees: training sequences and the cache-measuring prefills."""
+    return max(settings["seq_len"], *settings["prefill_lengths"])
+
+
 def model_kinds(windows, context: int) -> dict[str, dict]:
     """name -> RattentionConfig overrides for full attention (local windows of ``context`` tokens, at
     least every length the run feeds) and, per window, SWA and RATTENTION."""
@@ -67,7 +72,7 @@ def build_model(kind: dict, settings: dict, seed: int) -> RattentionForCausalLM:
         num_hidden_layers=layers, num_attention_heads=settings["heads"], num_key_value_heads=settings["kv_heads"],
         window_size=kind["window_size"], layer_types=layer_types,
         use_residual_linear_attention=kind["use_residual_linear_attention"],
-        max_position_embeddings=max(settings["seq_len"], *settings["prefill_lengths"]),
+        max_position_embeddings=longest_context(settings),
         bos_token_id=None, eos_token_id=None,
     )
     return RattentionForCausalLM(config)
@@ -134,7 +139,7 @@ def run(settings: dict, out: Path, seeds: tuple[int, ...]) -> Reproduction:
     if max(windows) + 1 >= settings["seq_len"]:
         raise ValueError(f"windows {windows} must be < seq_len - 1 ({settings['seq_len']}) so that the window matters.")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kinds = model_kinds(windows, max(settings["seq_len"], *settings["prefill_lengths"]))
+    kinds = model_kinds(windows, longest_context(settings))
     far_from = max(windows) + 1  # targets whose past the largest window does not cover
     language = dict(vocab_size=settings["vocab"], copy_rate=settings["copy_rate"], min_copy_distance=settings["min_copy_distance"])
     raw = {"models": {name: {"per_seed": {}} for name in kinds}, "cache_bytes": {}, "far_from": far_from}
