@@ -183,6 +183,33 @@ def check_outcome(summary: dict, per_seed: dict[int, dict], rnn: str) -> dict[st
     }
 
 
+def ordering_note(summary: dict, per_seed: dict[int, dict]) -> str:
+    """One honest sentence on the attention-to-RNN ordering: holds, reversed beyond seed noise, or within it."""
+    attention, rat16 = "RAT(L=1)", "RAT(L=16)"
+    if rat16 not in summary:
+        rat16 = [n for n in summary if n.startswith("RAT(L=") and not n.endswith("SWA")][-1]
+    gaps = [r[attention]["loss"] - r[rat16]["loss"] for r in per_seed.values()]  # > 0: the chunked model is better
+    spread = max(abs(r[attention]["loss"] - summary[attention]["loss"]) for r in per_seed.values())
+    if all(g <= 0 for g in gaps):
+        return f"The paper's ordering ({attention} <= {rat16}) shows in every seed."
+    if all(g > spread for g in gaps):
+        return (f"The ordering is reversed at this scale, in every seed and beyond the seed spread ({attention} is "
+                f"{min(gaps):.2f}-{max(gaps):.2f} nats worse than {rat16}; spread {spread:.3f}): in a few hundred steps "
+                "on small models the recurrence over each chunk is an inductive bias that speeds learning up, while "
+                "the paper's ordering (gaps of a few percent of perplexity) comes from models trained to convergence "
+                "at 200M-1.3B parameters.")
+    return ("The paper's ordering does not show at this scale: the gaps between chunk sizes are within seed noise "
+            "(the paper's are a few percent of perplexity).")
+
+
+def recall_note(summary: dict, settings: dict) -> str:
+    chance = 1 / settings["mqar_pairs"]
+    if all(abs(row["recall"] - chance) < 0.5 * chance for row in summary.values()):
+        return (f" MQAR recall stays near chance (1/{settings['mqar_pairs']}) for every model: the budget does not "
+                "teach the recall task at this size, so the recall column decides nothing.")
+    return ""
+
+
 def markdown(summary: dict, per_seed: dict[int, dict], edges: list[int], outcome: dict[str, bool], settings: dict) -> str:
     seeds = list(per_seed)
     header = ("| model | params | held-out loss (mean) | " + " | ".join(f"seed {s}" for s in seeds) + " | "
@@ -197,11 +224,9 @@ def markdown(summary: dict, per_seed: dict[int, dict], edges: list[int], outcome
     tokens = settings["steps"] * settings["batch"] * settings["seq_len"]
     lines += ["", f"Scale gap: {tokens / 1e6:.2f}M training tokens, hidden {settings['hidden']}, {settings['layers']} layers, "
               f"T = {settings['seq_len']}, synthetic data; the paper trains 200M/1.3B models on PG19/FineWeb-Edu with "
-              "T = 4K-32K. MQAR recall by chance: 1/16. Columns `pos <= n`: mean per-position loss over the positions after the previous column's n up to n.",
-              "", f"Outcome: {held} of {len(outcome)} checks hold at this scale (see Checks). "
-              + ("The paper's ordering attention <= RAT <= RNN shows here." if all(list(outcome.values())[:1]) else
-                 "The paper's ordering does not show at this scale: the models are too small and too briefly trained for "
-                 "the loss gaps (the paper's are a few percent of perplexity) to rise above seed noise.")]
+              "T = 4K-32K. MQAR recall by chance: 1/{settings['mqar_pairs']}. Columns `pos <= n`: mean per-position loss over the positions after the previous column's n up to n.",
+              "", f"Outcome: {held} of {len(outcome)} checks hold at this scale (see Checks). " + ordering_note(summary, per_seed)
+              + recall_note(summary, settings)]
     return "\n".join(lines)
 
 
