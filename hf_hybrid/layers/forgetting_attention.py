@@ -33,6 +33,7 @@ from transformers.utils import logging
 from ..kernels.forgetting_attention import (
     cumulative_log_forget,
     forgetting_attention,
+    forgetting_attention_decode,
     forgetting_attention_with_cache,
 )
 from .context import SequenceContext
@@ -239,31 +240,7 @@ class ForgettingAttention(nn.Module):
         return forgetting_attention_with_cache(q, k, v, c, c, query_valid, backend=self.backend)
 
     def _attend_static_decode(self, q, k, v, log_f, raw_k, raw_v, cache_layer) -> torch.Tensor:
-        """One token per row against the cache's fixed-capacity buffers (FoxLayerCache.static_decode_update);
-        columns past the new token are masked, so the shapes never change between steps."""
-        keys, values, c_q, c_keys, key_mask = cache_layer.static_decode_update(k, v, log_f, raw_k[:, -1], raw_v[:, -1])
-        if q.dtype in (torch.bfloat16, torch.float16) and self.backend != "reference":
-            return decode_attention_low_precision(q, keys, values, c_q, c_keys, key_mask)
-        return forgetting_attention_with_cache(q, keys, values, c_q, c_keys, key_mask, backend=self.backend)
-
-
-def decode_attention_low_precision(q, keys, values, c_q, c_k, key_mask) -> torch.Tensor:
-    """Forgetting Attention of one query per row in q's (16-bit) dtype: SDPA over the cached K/V as
-    stored, the bias c_q - c_k computed in float32 and rounded once to q's dtype.
-
-    The float32 path (forgetting_attention_with_cache) upcasts every cached key and value at every
-    step, 3x the bytes of the cache itself; a decode step is bound by exactly those bytes. The bias
-    is <= 0 and rounds with a relative error of 2^-8: largest on far keys, whose weights exp(bias)
-    are small; the keys that carry the weight have bias near 0, where the rounding is finest.
-    q [B, 1, H, D]; keys / values [B, T, KV, D]; c_q [B, 1, H]; c_k [B, T, H]; key_mask [B, T] bool.
-    """
-    batch, _, heads, dim = q.shape
-    kv = keys.shape[2]
-    bias = c_q.float().permute(0, 2, 1) - c_k.float().permute(0, 2, 1)  # [B, H, T]
-    bias = bias.masked_fill(~key_mask[:, None, :], float("-inf")).to(q.dtype)
-    # Query head h reads kv head h // group: the group's heads share the query axis (no K/V expansion).
-    out = F.scaled_dot_product_attention(
-        q[:, 0].reshape(batch, kv, heads // kv, dim), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=bias.view(batch, kv, heads // kv, -1),
-    )
-    return out.reshape(batch, 1, heads, dim)
+        """One token per row against the cache's fixed-capacity buffers (FoxLayerCache.static_decode_update):
+        the filled length is a device counter, so the step has the same shapes and launches at every position."""
+        keys, values, c_q, c_keys, length = cache_layer.static_decode_update(k, v, log_f, raw_k[:, -1], raw_v[:, -1])
+        return forgetting_attention_decode(q, keys, values, c_q, c_keys, length, backend=self.backend)

@@ -13,6 +13,7 @@ import torch
 from .._backend import resolve_backend
 from .._custom_ops import KernelContext, fake_like, kernel_op
 from .decode import (
+    forgetting_attention_decode_reference,
     forgetting_attention_with_cache_reference,
     forgetting_attention_with_cache_sdpa,
 )
@@ -27,6 +28,8 @@ __all__ = [
     "cumulative_log_forget",
     "cumulative_log_forget_by_head",
     "forgetting_attention",
+    "forgetting_attention_decode",
+    "forgetting_attention_decode_reference",
     "forgetting_attention_reference",
     "forgetting_attention_with_cache",
     "forgetting_attention_with_cache_reference",
@@ -161,10 +164,77 @@ def forgetting_attention_with_cache(
         raise ValueError(f"{op}: key_mask must be [batch, k_len] = {(b, tk)}; got {tuple(key_mask.shape)}.")
     _check_window(op, window_size)
     impl = resolve_backend(backend, q.device, op, extra=("sdpa",))
-    if impl == "triton" or (backend == "auto" and q.device.type == "cuda"):
+    if impl == "triton" and tq == 1 and q.shape[-1] in _TRITON_HEAD_DIMS:
+        # One query per row (a decode step): the split-K kernel, at key position tk - 1.
+        length = torch.full((1,), tk, dtype=torch.int64, device=q.device)
+        return forgetting_attention_decode_op(q, k, v, c_q, c_k, length, key_mask, scale, window_size)
+    if impl == "triton":
         impl = "sdpa"
     fn = forgetting_attention_with_cache_sdpa if impl == "sdpa" else forgetting_attention_with_cache_reference
     return fn(q, k, v, c_q, c_k, key_mask, scale, window_size)
+
+
+def forgetting_attention_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c_q: torch.Tensor,
+    c_k: torch.Tensor,
+    length: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    window_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Forgetting Attention of one query per row against fixed-capacity key buffers (a decode step).
+
+    q [B,1,HQ,D]; k, v [B,T,HKV,D] of which the first n = length columns are filled (the query is
+    key n - 1; the rest is never read); c_q [B,1,HQ] and c_k [B,T,HQ] as in
+    :func:`forgetting_attention_with_cache`; length int [1] or [B] on q's device (a device counter:
+    a CUDA graph replays the same call at every step); key_mask [B,T] bool, False for padding.
+    Exact: float32 scores and bias for any input dtype. backend: "auto" (the split-K Triton kernel on
+    CUDA, reference elsewhere), "reference" or "triton".
+    """
+    op = "forgetting_attention_decode"
+    _check_heads(op, q, k, v)
+    b, tq, hq, dim = q.shape
+    tk = k.shape[1]
+    if tq != 1:
+        raise ValueError(f"{op}: expects one query per row (q [batch, 1, heads, head_dim]); got {tq} queries: "
+                         "use forgetting_attention_with_cache for several.")
+    if c_q.shape != (b, 1, hq) or c_k.shape != (b, tk, hq):
+        raise ValueError(f"{op}: c_q must be {(b, 1, hq)} and c_k {(b, tk, hq)}; got {tuple(c_q.shape)} and {tuple(c_k.shape)}.")
+    if length.dim() != 1 or length.numel() not in (1, b) or length.dtype.is_floating_point or length.device != q.device:
+        raise ValueError(f"{op}: length must be an integer tensor of shape [1] or [{b}] on {q.device}; "
+                         f"got {tuple(length.shape)} {length.dtype} on {length.device}.")
+    if key_mask is not None and (tuple(key_mask.shape) != (b, tk) or key_mask.dtype != torch.bool):
+        raise ValueError(f"{op}: key_mask must be a bool [batch, keys] = {(b, tk)} tensor; got {tuple(key_mask.shape)} {key_mask.dtype}.")
+    _check_window(op, window_size)
+    impl = resolve_backend(backend, q.device, op)
+    if impl == "triton" and dim not in _TRITON_HEAD_DIMS:
+        if backend == "triton":
+            raise ValueError(f"{op}: the Triton kernel takes head_dim in {_TRITON_HEAD_DIMS}, got {dim}; pass backend='reference'.")
+        raise ValueError(f"{op}: head_dim {dim} has no Triton kernel (supported: {_TRITON_HEAD_DIMS}); "
+                         "pass backend='reference' to run the PyTorch reference on the GPU knowingly.")
+    if impl == "triton":
+        return forgetting_attention_decode_op(q, k, v, c_q, c_k, length, key_mask, scale, window_size)
+    return forgetting_attention_decode_reference(q, k, v, c_q, c_k, length, key_mask, scale, window_size)
+
+
+@kernel_op("forgetting_attention_decode")
+def forgetting_attention_decode_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c_q: torch.Tensor, c_k: torch.Tensor, length: torch.Tensor,
+    key_mask: torch.Tensor | None, scale: float | None, window_size: int | None,
+) -> torch.Tensor:
+    from .decode_triton import forgetting_attention_decode_triton
+
+    return forgetting_attention_decode_triton(q, k, v, c_q, c_k, length, key_mask, scale, window_size)
+
+
+@forgetting_attention_decode_op.register_fake
+def _(q, k, v, c_q, c_k, length, key_mask, scale, window_size):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 # ---------------------------------------------------------------- custom ops (see .._custom_ops)

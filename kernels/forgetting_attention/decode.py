@@ -40,6 +40,28 @@ def forgetting_attention_with_cache_reference(q, k, v, c_q, c_k, key_mask=None, 
     return masked_softmax_attention(q, k, v, bias, visible, scale)
 
 
+def decode_visibility(length: torch.Tensor, num_keys: int, key_mask: torch.Tensor | None, window_size: int | None) -> torch.Tensor:
+    """[B or 1, 1, 1, T] bool: keys a query at position n - 1 sees (n = length per row, [1] or [B])."""
+    columns = torch.arange(num_keys, device=length.device)
+    n = length.reshape(-1, 1).to(torch.int64)
+    visible = columns < n
+    if window_size is not None:
+        visible = visible & (n - 1 - columns < window_size)
+    if key_mask is not None:
+        visible = visible & key_mask.to(device=length.device, dtype=torch.bool)
+    return visible[:, None, None, :]
+
+
+def forgetting_attention_decode_reference(q, k, v, c_q, c_k, length, key_mask=None, scale=None, window_size=None):
+    """One query per row at key position n - 1 (n = length): o = softmax_j(scale q.k_j + c_q - c_k[j]) v_j
+    over j < n (and key_mask, and n - 1 - j < window_size). Columns >= n are never read into the result."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    bias = c_q.float().permute(0, 2, 1)[..., :, None] - c_k.float().permute(0, 2, 1)[..., None, :]
+    visible = decode_visibility(length, k.shape[1], key_mask, window_size)
+    bias = bias.masked_fill(~visible, 0.0)
+    return masked_softmax_attention(q, k, v, bias, visible, scale)
+
+
 def forgetting_attention_with_cache_sdpa(q, k, v, c_q, c_k, key_mask=None, scale=None, window_size=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     visible = cache_visibility(q.shape[0], q.shape[1], k.shape[1], key_mask, window_size, q.device)

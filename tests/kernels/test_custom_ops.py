@@ -76,6 +76,11 @@ def _cases():
     packed = leaf(1, T, 4, D), leaf(1, T, 2, D), leaf(1, T, 2, D)
     c_packed = cumulative_log_forget_by_head(log_f[:1], cu).requires_grad_()
     yield "forgetting_packed", forgetting.forgetting_attention_fwd, (*packed, c_packed, cu, D**-0.5, None)
+    c_keys = c.detach().view(4, B, T).permute(1, 2, 0).contiguous()
+    decode_args = (kq[:, :1].detach(), kk.detach(), kv.detach(), c_keys[:, 6:7], c_keys, torch.tensor([7], device=DEVICE))
+    yield "forgetting_decode", forgetting.forgetting_attention_decode_op, (*decode_args, None, D**-0.5, None)
+    mask = torch.rand(B, T, device=DEVICE) > 0.3
+    yield "forgetting_decode_masked", forgetting.forgetting_attention_decode_op, (*decode_args, mask, None, 3)
     rq, rk, rv = leaf(1, 37, 2, D, scale=0.5), leaf(1, 37, 1, D, scale=0.5), leaf(1, 37, 1, D, scale=0.5)
     none5 = (None,) * 5
     yield "rla", rla.residual_linear_attention_fwd, (rq, rk, rv, None, 3, "softmax", *none5)
@@ -130,7 +135,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "rat_keys_values_fwd", "rat_keys_values_bwd", "rms_norm_rotary_fwd", "rms_norm_rotary_bwd",
         "branch_norm_sum_fwd", "branch_norm_sum_bwd", "block_end_attention_fwd", "block_end_attention_bwd",
         "chunk_end_attention_fwd", "chunk_end_attention_bwd", "chunk_end_decode",
-        "forgetting_attention_fwd", "forgetting_attention_bwd",
+        "forgetting_attention_fwd", "forgetting_attention_bwd", "forgetting_attention_decode",
         "residual_linear_attention_fwd", "residual_linear_attention_bwd",
         "residual_linear_attention_decode_step", "residual_linear_attention_decode_inplace", "rat_decode_step",
         "causal_conv1d_fwd", "causal_conv1d_bwd", "ssd_scan_fwd", "ssd_scan_bwd", "causal_conv1d_step", "ssd_step",

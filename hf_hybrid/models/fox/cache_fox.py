@@ -79,7 +79,7 @@ class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
 
     def _leave_static_decode(self) -> None:
         self._static_on = False
-        self._key_buffer = self._value_buffer = self._cum_buffer = self._columns = self._static_length = None
+        self._key_buffer = self._value_buffer = self._cum_buffer = self._static_length = None
 
     def prepare_static_decode(self, capacity: int, config) -> bool:
         """Move the cache into buffers of ``capacity`` columns (once). False before the prefill or when full."""
@@ -96,7 +96,6 @@ class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
             return out
 
         self._key_buffer, self._value_buffer, self._cum_buffer = buffer(keys), buffer(values), buffer(cum)
-        self._columns = torch.arange(capacity, device=keys.device)
         self._static_length = torch.full((1,), used, dtype=torch.long, device=keys.device)
         self.shift_key = None if self.shift_key is None else self.shift_key.clone()  # own storage, updated in place
         self.shift_value = None if self.shift_value is None else self.shift_value.clone()
@@ -112,8 +111,8 @@ class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
 
     def static_decode_update(self, key_states, value_states, log_forget, shift_key=None, shift_value=None):
         """One new token per row [batch, 1, ...], written at the device column ``_static_length``.
-        Returns (key buffer, value buffer, c of the new token [batch, 1, heads], c buffer, key mask
-        [batch, capacity]: True for the columns up to the new one)."""
+        Returns (key buffer, value buffer, c of the new token [batch, 1, heads], c buffer, filled
+        columns [1]: the device counter itself, now one past the new token's column)."""
         column = self._static_length
         c_new = self._cum_buffer.index_select(1, column - 1) + log_forget.float()
         self._key_buffer.index_copy_(1, column, key_states.to(self._key_buffer.dtype))
@@ -122,10 +121,9 @@ class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
         for held, new in ((self.shift_key, shift_key), (self.shift_value, shift_value)):
             if held is not None and new is not None:
                 held.copy_(new)
-        key_mask = (self._columns <= column).expand(key_states.shape[0], -1)
         self._static_length.add_(1)
         self.static_decode_advance()
-        return self._key_buffer, self._value_buffer, c_new, self._cum_buffer, key_mask
+        return self._key_buffer, self._value_buffer, c_new, self._cum_buffer, self._static_length
 
     def static_decode_advance(self) -> None:
         """The host part of one decode step (what a replayed graph does not run)."""
