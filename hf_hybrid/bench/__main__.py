@@ -34,10 +34,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, help="run only cases whose name contains this text (comma-separated: any of them)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=10, help="timed calls per variant (at least 10)")
+    p.add_argument("--variants", default=None,
+                   help="time only variants whose label contains this text (comma-separated: any of them); "
+                        "each case's first variant, its baseline, always runs")
     p.add_argument("--out", default="bench_results", help="folder for bench.json and bench.png")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     return p
+
+
+def keep_variants(variants: dict, wanted: str) -> dict:
+    """The baseline (first) variant and those whose label contains one of the comma-separated parts."""
+    parts = [part.strip() for part in wanted.split(",") if part.strip()]
+    return {label: builder for index, (label, builder) in enumerate(variants.items())
+            if index == 0 or any(part in label for part in parts)}
 
 
 def main(argv=None) -> int:
@@ -63,6 +73,9 @@ def main(argv=None) -> int:
             skipped.append(f"{suite}: {reason}")
             print(f"[bench] skipping suite {suite}: {reason}")
         selected = [c for c in cases if args.only is None or any(part.strip() in c.name for part in args.only.split(","))]
+        if args.variants is not None:
+            for case in selected:
+                case.variants = keep_variants(case.variants, args.variants)
         for schedule in {id(c.schedule): c.schedule for c in cases if hasattr(c, "schedule")}.values():
             schedule.keep([c.name for c in selected])  # a time-budgeted suite shares its budget among these
         for case in cases if args.list else selected:

@@ -92,25 +92,34 @@ def fused_norm_report() -> list[dict]:
 
 
 def rat_decode_report() -> list[dict]:
-    """The one-kernel RAT decode step and the chunk-end decode kernel at the RAT(L=16) layer shape
-    (bf16, 16 heads x 128, 2 q/k groups) with the shipped warp count."""
+    """The split-K decode kernels at the RAT(L=16) / FoX layer shape (bf16, 16 heads x 128, 2 q/k groups
+    for RAT) with the shipped warp counts: the one-kernel RAT step, the chunk-end decode, FoX's decode
+    and the pass that merges the splits."""
+    from ..kernels import _split_decode
     from ..kernels.chunk_attention import decode, rat_decode_triton as rd
+    from ..kernels.forgetting_attention import decode_triton as fd
 
     bf, f32 = "*bf16", "*fp32"
+    partials = dict(M_OUT=f32, L_OUT=f32, ACC_OUT=f32)
     kernels = {
         "_rat_decode_kernel": (rd._rat_decode_kernel, dict(
-            Q=bf, K=bf, V=bf, GL=bf, BIAS=f32, SK=bf, SV=bf, POS="*i64", COS=f32, SIN=f32, KB=bf, VB=bf, O=bf,
-            sqb="i64", skb="i64", svb="i64", sgb="i64", ssb="i64", sbb="i64", sbc="i64", sob="i64", qk_scale="fp32",
-        ), dict(GROUPS=2, HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, HAS_ROPE=True)),
+            Q=bf, K=bf, V=bf, GL=bf, BIAS=f32, SK=bf, SV=bf, POS="*i64", COS=f32, SIN=f32, KB=bf, VB=bf, **partials,
+            sqb="i64", skb="i64", svb="i64", sgb="i64", ssb="i64", sbb="i64", sbc="i64", qk_scale="fp32",
+        ), dict(GROUPS=2, HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, HAS_ROPE=True), decode.DECODE_WARPS),
         "_decode_kernel": (decode._decode_kernel, dict(
-            Q=bf, KO=bf, VO=bf, KE=bf, VE=bf, QC="*i64", O=bf, qk_scale="fp32",
-        ), dict(HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N)),
+            Q=bf, KO=bf, VO=bf, KE=bf, VE=bf, QC="*i64", **partials, qk_scale="fp32",
+        ), dict(HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N), decode.DECODE_WARPS),
+        "fox _partial_kernel": (fd._partial_kernel, dict(
+            Q=bf, K=bf, V=bf, CQ=f32, CK=f32, LEN="*i64", MASK="*u8", **partials, qk_scale="fp32",
+        ), dict(HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False), fd.WARPS),
+        "_combine_kernel": (_split_decode._combine_kernel, dict(M_IN=f32, L_IN=f32, ACC_IN=f32, O=bf),
+                            dict(HEAD_DIM=128, BLOCK_S=8), fd.WARPS),
     }
     rows = []
-    for name, (fn, types, constexprs) in kernels.items():
-        row = {"kernel": name, "num_warps": decode.DECODE_WARPS}
+    for name, (fn, types, constexprs, warps) in kernels.items():
+        row = {"kernel": name, "num_warps": warps}
         try:
-            row.update(compile_for_sm90(fn, types, constexprs, decode.DECODE_WARPS))
+            row.update(compile_for_sm90(fn, types, constexprs, warps))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)

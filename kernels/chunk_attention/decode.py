@@ -2,16 +2,20 @@
 
 One new query per row attends to the first n_b cached chunk ends of its row (n_b = query_chunk[b])
 plus its own gated key/value, exactly :func:`chunk_end_attention_reference` with seq = 1. A decode
-step is memory-bound (each cached end is read once), so the kernel is a plain streaming loop: one
-program per (row, head), scores as elementwise products (a 1-row matrix product would waste the
-tensor cores' tile), online softmax seeded with the own pair. Forward only: decoding needs no
-gradients; the autograd path is chunk_end_attention_triton.
+step is memory-bound (each cached end is read once), so the kernel is a plain streaming loop:
+scores as elementwise products (a 1-row matrix product would waste the tensor cores' tile), online
+softmax seeded with the own pair. The ends of a (row, head) are cut into splits that run as
+separate programs, merged by a second pass (kernels/_split_decode.py), so a small batch at long
+context still fills the GPU. Forward only: decoding needs no gradients; the autograd path is
+chunk_end_attention_triton.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .._split_decode import combine, empty_state, online_update, partial_buffers, split_count, store_partial
 
 LOG2E = 1.4426950408889634
 # H100 sweep (512 rows x 16 heads x 256 ends, 128 dims; docs/device_runs/rat_decode_kernel_sweep_h100.json):
@@ -21,36 +25,39 @@ DECODE_WARPS, DECODE_BLOCK_N = 2, 16
 
 
 @triton.jit
-def _attend_chunk_ends(q, k_own, v_own, KE, VE, sec, sfc, n, dims, qk_scale, BLOCK_N: tl.constexpr):
-    """softmax over {q . k_ends[c] for c < n} and {q . k_own}, applied to [v_ends ; v_own]: the
-    streaming loop every decode kernel shares. q, k_own, v_own float32 [D]; KE / VE point at this
-    (row, head)'s first chunk end, sec / sfc the chunk strides. Returns the float32 output [D]."""
-    acc = v_own
-    m_i = tl.sum(q * k_own, 0) * qk_scale
-    l_i = m_i * 0.0 + 1.0
-    for c0 in range(0, n, BLOCK_N):
+def _start_with_own_pair(q, k_own, v_own, split, qk_scale, HEAD_DIM: tl.constexpr):
+    """(m, l, acc) a split starts from: split 0 holds the query's own gated key/value (weight
+    2^(score - m) = 1), the other splits nothing."""
+    m_e, l_e, acc_e = empty_state(HEAD_DIM)
+    first = split == 0
+    own = tl.sum(q * k_own, 0) * qk_scale
+    return tl.where(first, own, m_e), tl.where(first, l_e + 1.0, l_e), tl.where(first, v_own, acc_e)
+
+
+@triton.jit
+def _attend_ends(q, KE, VE, sec, sfc, lo, hi, dims, qk_scale, m_i, l_i, acc, BLOCK_N: tl.constexpr):
+    """Fold chunk ends lo .. hi - 1 into a split's online softmax: the streaming loop every decode
+    kernel shares. q float32 [D]; KE / VE point at this (row, head)'s first chunk end, sec / sfc the
+    chunk strides."""
+    for c0 in range(lo, hi, BLOCK_N):
         offs = c0 + tl.arange(0, BLOCK_N)
-        ok = offs < n
+        ok = offs < hi
         ke = tl.load(KE + offs[:, None] * sec + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         ve = tl.load(VE + offs[:, None] * sfc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         s = tl.where(ok, tl.sum(ke * q[None, :], 1) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * ve, 0)
-        m_i = m_new
-    return acc / l_i
+        m_i, l_i, acc = online_update(m_i, l_i, acc, s, ve)
+    return m_i, l_i, acc
 
 
 @triton.jit
 def _decode_kernel(
-    Q, KO, VO, KE, VE, QC, O,
-    sqb, sqh, skb, skh, svb, svh, seb, sec, seh, sfb, sfc, sfh, sob, soh, sqcb,
-    H, C, qk_scale,
+    Q, KO, VO, KE, VE, QC, M_OUT, L_OUT, ACC_OUT,
+    sqb, sqh, skb, skh, svb, svh, seb, sec, seh, sfb, sfc, sfh, sqcb,
+    H, C, split_len, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     b = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
@@ -58,8 +65,11 @@ def _decode_kernel(
     k_own = tl.load(KO + b * skb + h * skh + dims).to(tl.float32)
     v_own = tl.load(VO + b * svb + h * svh + dims).to(tl.float32)
     n = tl.minimum(tl.maximum(tl.load(QC + b * sqcb).to(tl.int32), 0), C)
-    out = _attend_chunk_ends(q, k_own, v_own, KE + b * seb + h * seh, VE + b * sfb + h * sfh, sec, sfc, n, dims, qk_scale, BLOCK_N)
-    tl.store(O + b * sob + h * soh + dims, out.to(O.dtype.element_ty))
+    lo = split * split_len
+    m_i, l_i, acc = _start_with_own_pair(q, k_own, v_own, split, qk_scale, HEAD_DIM)
+    m_i, l_i, acc = _attend_ends(q, KE + b * seb + h * seh, VE + b * sfb + h * sfh, sec, sfc, lo,
+                                 tl.minimum(lo + split_len, n), dims, qk_scale, m_i, l_i, acc, BLOCK_N)
+    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims, HEAD_DIM)
 
 
 def chunk_end_decode_triton(
@@ -82,13 +92,14 @@ def chunk_end_decode_triton(
     tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_own, v_own, k_ends, v_ends)]
     q, k_own, v_own, k_ends, v_ends = tensors
     scale = head_dim**-0.5 if scale is None else float(scale)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _decode_kernel[(batch * heads,)](
-        q, k_own, v_own, k_ends, v_ends, query_chunk, out,
+    splits, per_split = split_count(batch * heads, k_ends.shape[1], DECODE_BLOCK_N, q.device)
+    stats, partial = partial_buffers(batch * heads, splits, head_dim, q.device)
+    _decode_kernel[(batch * heads, splits)](
+        q, k_own, v_own, k_ends, v_ends, query_chunk, stats[0], stats[1], partial,
         q.stride(0), q.stride(2), k_own.stride(0), k_own.stride(2), v_own.stride(0), v_own.stride(2),
         k_ends.stride(0), k_ends.stride(1), k_ends.stride(2), v_ends.stride(0), v_ends.stride(1), v_ends.stride(2),
-        out.stride(0), out.stride(2), query_chunk.stride(0),
-        heads, k_ends.shape[1], scale * LOG2E,
+        query_chunk.stride(0), heads, k_ends.shape[1], per_split, scale * LOG2E,
         BLOCK_N=DECODE_BLOCK_N, HEAD_DIM=head_dim, num_warps=DECODE_WARPS,
     )
-    return out
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return combine(stats, partial, out, heads, splits, DECODE_WARPS)

@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import DECODE_BLOCK_N, DECODE_WARPS, LOG2E, _attend_chunk_ends
+from .._split_decode import combine, empty_state, partial_buffers, split_count, store_partial
+from .decode import DECODE_BLOCK_N, DECODE_WARPS, LOG2E, _attend_ends
 from .rat_decode import CosSin, rat_decode_supported
 
 
@@ -29,12 +30,13 @@ def _rotate(x, x_swapped, COS, SIN, dims, HALF: tl.constexpr, HAS_ROPE: tl.const
 
 @triton.jit
 def _rat_decode_kernel(
-    Q, K, V, GL, BIAS, SK, SV, POS, COS, SIN, KB, VB, O,
-    sqb, skb, svb, sgb, ssb, sbb, sbc, sob,
-    H, C, L, qk_scale,
+    Q, K, V, GL, BIAS, SK, SV, POS, COS, SIN, KB, VB, M_OUT, L_OUT, ACC_OUT,
+    sqb, skb, svb, sgb, ssb, sbb, sbc,
+    H, C, L, split_len, qk_scale,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     b = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
     grp = h % GROUPS
@@ -42,33 +44,40 @@ def _rat_decode_kernel(
     swapped = (dims + HEAD_DIM // 2) % HEAD_DIM
     position = tl.load(POS)
     chunk = (position // L).to(tl.int32)
-    keep = (position % L != 0).to(tl.float32)
     head_off = h * HEAD_DIM
-    gl_off, sk_off = b * sgb + head_off, b * ssb + head_off
-    k_off, v_off = b * skb + grp * HEAD_DIM, b * svb + head_off
-
-    k_tilde = _recurrence_step(GL, BIAS, SK, K, keep, gl_off, head_off, sk_off, k_off, dims)
-    v_tilde = _recurrence_step(GL, BIAS, SV, V, keep, gl_off, head_off, sk_off, v_off, dims)
-    k_rot = k_tilde
-    if HAS_ROPE:  # rotate_half needs k~ at the swapped dims too: recompute it there (D numbers)
-        k_tilde_swapped = _recurrence_step(GL, BIAS, SK, K, keep, gl_off, head_off, sk_off, k_off, swapped)
-        k_rot = _rotate(k_tilde, k_tilde_swapped, COS, SIN, dims, HEAD_DIM // 2, HAS_ROPE)
-    k_rot = k_rot.to(KB.dtype.element_ty)
     q_off = b * sqb + grp * HEAD_DIM
     q = _rotate(tl.load(Q + q_off + dims).to(tl.float32), tl.load(Q + q_off + swapped).to(tl.float32),
                 COS, SIN, dims, HEAD_DIM // 2, HAS_ROPE)
     q = q.to(Q.dtype.element_ty).to(tl.float32)
 
-    tl.store(SK + sk_off + dims, k_tilde.to(SK.dtype.element_ty))
-    tl.store(SV + sk_off + dims, v_tilde.to(SV.dtype.element_ty))
-    slot = b * sbb + chunk.to(tl.int64) * sbc + head_off
-    tl.store(KB + slot + dims, k_rot)
-    tl.store(VB + slot + dims, v_tilde.to(VB.dtype.element_ty))
+    m_i, l_i, acc = empty_state(HEAD_DIM)
+    if split == 0:
+        # The recurrence step, the state and slot writes and the own pair: split 0 alone (the other
+        # splits read slots < chunk only, never the state or this step's slot).
+        keep = (position % L != 0).to(tl.float32)
+        gl_off, sk_off = b * sgb + head_off, b * ssb + head_off
+        k_off, v_off = b * skb + grp * HEAD_DIM, b * svb + head_off
+        k_tilde = _recurrence_step(GL, BIAS, SK, K, keep, gl_off, head_off, sk_off, k_off, dims)
+        v_tilde = _recurrence_step(GL, BIAS, SV, V, keep, gl_off, head_off, sk_off, v_off, dims)
+        k_rot = k_tilde
+        if HAS_ROPE:  # rotate_half needs k~ at the swapped dims too: recompute it there (D numbers)
+            k_tilde_swapped = _recurrence_step(GL, BIAS, SK, K, keep, gl_off, head_off, sk_off, k_off, swapped)
+            k_rot = _rotate(k_tilde, k_tilde_swapped, COS, SIN, dims, HEAD_DIM // 2, HAS_ROPE)
+        k_rot = k_rot.to(KB.dtype.element_ty)
+        tl.store(SK + sk_off + dims, k_tilde.to(SK.dtype.element_ty))
+        tl.store(SV + sk_off + dims, v_tilde.to(SV.dtype.element_ty))
+        slot = b * sbb + chunk.to(tl.int64) * sbc + head_off
+        tl.store(KB + slot + dims, k_rot)
+        tl.store(VB + slot + dims, v_tilde.to(VB.dtype.element_ty))
+        m_i = tl.sum(q * k_rot.to(tl.float32), 0) * qk_scale
+        l_i = l_i + 1.0
+        acc = v_tilde
 
     n = tl.minimum(chunk, C)
-    out = _attend_chunk_ends(q, k_rot.to(tl.float32), v_tilde, KB + b * sbb + head_off, VB + b * sbb + head_off,
-                             sbc, sbc, n, dims, qk_scale, BLOCK_N)
-    tl.store(O + b * sob + head_off + dims, out.to(O.dtype.element_ty))
+    lo = split * split_len
+    m_i, l_i, acc = _attend_ends(q, KB + b * sbb + head_off, VB + b * sbb + head_off, sbc, sbc, lo,
+                                 tl.minimum(lo + split_len, n), dims, qk_scale, m_i, l_i, acc, BLOCK_N)
+    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims, HEAD_DIM)
 
 
 def rat_decode_step_triton(
@@ -104,15 +113,16 @@ def rat_decode_step_triton(
     q_groups, k_groups, v, gate_logits = (x.contiguous() for x in (q_groups, k_groups, v, gate_logits))
     cos, sin = cos_sin if cos_sin is not None else (q_groups, q_groups)  # unread without RoPE
     cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
-    out = torch.empty_like(v)
     scale = dim**-0.5 if scale is None else float(scale)
-    _rat_decode_kernel[(batch * heads,)](
+    splits, per_split = split_count(batch * heads, key_buffer.shape[1], DECODE_BLOCK_N, v.device)
+    stats, partial = partial_buffers(batch * heads, splits, dim, v.device)
+    _rat_decode_kernel[(batch * heads, splits)](
         q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, cos, sin,
-        key_buffer, value_buffer, out,
+        key_buffer, value_buffer, stats[0], stats[1], partial,
         q_groups.stride(0), k_groups.stride(0), v.stride(0), gate_logits.stride(0), state_key.stride(0),
-        key_buffer.stride(0), key_buffer.stride(1), out.stride(0),
-        heads, key_buffer.shape[1], chunk_size, scale * LOG2E,
+        key_buffer.stride(0), key_buffer.stride(1),
+        heads, key_buffer.shape[1], chunk_size, per_split, scale * LOG2E,
         GROUPS=groups, HEAD_DIM=dim, BLOCK_N=DECODE_BLOCK_N, HAS_ROPE=cos_sin is not None,
         num_warps=DECODE_WARPS,
     )
-    return out
+    return combine(stats, partial, torch.empty_like(v), heads, splits, DECODE_WARPS)

@@ -5,10 +5,8 @@ n - 1 (n = ``length``, a device tensor, so a CUDA graph replays the same launch 
 
     o = sum_j softmax_j(scale q . k_j + c_q - c_k[j]) v_j    over j < n (and key_mask, and the window).
 
-A decode step is bound by reading the cache once. One program per (row, head) walking all n keys
-leaves most of the GPU idle at small batch and long context (B=8 x 16 heads = 128 programs on 132
-SMs, each streaming 16K keys), so the keys are cut into splits: pass 1 gives each (row, head,
-split) its running max, softmax sum and unnormalised output (float32); pass 2 combines the splits.
+A decode step is bound by reading the cache once; the keys are cut into splits so that small
+batches at long context fill the GPU (kernels/_split_decode.py: the two passes and their merge).
 Scores and the bias c_q - c_k stay in float32 whatever the inputs' dtype (no rounded bias).
 Forward only: decoding needs no gradients.
 """
@@ -18,28 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .._split_decode import combine, empty_state, online_update, partial_buffers, split_count, store_partial
+
 LOG2E = 1.4426950408889634
-BLOCK_N, WARPS = 64, 4
-PROGRAMS_PER_SM = 4  # splits are chosen so that about this many programs share each SM
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def split_count(rows_heads: int, keys: int, device: torch.device) -> tuple[int, int]:
-    """(splits, keys per split, a multiple of BLOCK_N) for this shape: a host-side decision on shapes
-    only, so a captured graph keeps it for every step."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _SM_COUNT:
-            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        sms = _SM_COUNT[index]
-    else:  # Triton's CPU interpreter: a few splits, so the combine pass is exercised
-        sms = 2
-    blocks = triton.cdiv(max(keys, 1), BLOCK_N)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, max(rows_heads, 1))
-    splits = max(1, min(wanted, blocks))
-    per_split = triton.cdiv(blocks, splits) * BLOCK_N
-    return triton.cdiv(max(keys, 1), per_split), per_split
+_LOG2E = tl.constexpr(LOG2E)  # a global a compiled kernel may read
+BLOCK_N, WARPS = 32, 4  # sm_90 compile (hf_hybrid.bench.sm90): 156 registers, no spills; 64 x 4 spilled
 
 
 @triton.jit
@@ -65,9 +46,7 @@ def _partial_kernel(
     c_q = tl.load(CQ + b * scqb + h * scqh).to(tl.float32)
     k_base = K + b * skb + kvh * skh
     v_base = V + b * svb + kvh * svh
-    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
-    l_i = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    m_i, l_i, acc = empty_state(HEAD_DIM)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
@@ -76,41 +55,10 @@ def _partial_kernel(
         k = tl.load(k_base + offs[:, None] * skt + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_base + offs[:, None] * svt + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         c_k = tl.load(CK + b * sckb + offs * sckt + h * sckh, mask=ok, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], 1) * qk_scale + (c_q - c_k) * LOG2E
+        s = tl.sum(k * q[None, :], 1) * qk_scale + (c_q - c_k) * _LOG2E
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block so far: weights 0
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m_i = m_new
-    slot = pid.to(tl.int64) * splits + split
-    tl.store(M_OUT + slot, m_i)
-    tl.store(L_OUT + slot, l_i)
-    tl.store(ACC_OUT + slot * HEAD_DIM + dims, acc)
-
-
-@triton.jit
-def _combine_kernel(
-    M_IN, L_IN, ACC_IN, O, sob, soh, H, splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM)
-    idx = tl.arange(0, BLOCK_S)
-    ok = idx < splits
-    base = pid.to(tl.int64) * splits
-    m = tl.load(M_IN + base + idx, mask=ok, other=float("-inf"))
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_safe)  # splits that saw no key: weight 0
-    total = tl.sum(w * tl.load(L_IN + base + idx, mask=ok, other=0.0), 0)
-    acc = tl.load(ACC_IN + (base + idx[:, None]) * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0.0, total, 1.0)  # no visible key: 0
-    tl.store(O + b * sob + h * soh + dims, out.to(O.dtype.element_ty))
+        m_i, l_i, acc = online_update(m_i, l_i, acc, s, v)
+    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * splits + split, m_i, l_i, acc, dims, HEAD_DIM)
 
 
 def forgetting_attention_decode_triton(
@@ -131,9 +79,8 @@ def forgetting_attention_decode_triton(
     batch, _, heads, dim = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    splits, per_split = split_count(batch * heads, keys, q.device)
-    stats = torch.empty(2, batch * heads * splits, device=q.device, dtype=torch.float32)
-    partial = torch.empty(batch * heads * splits, dim, device=q.device, dtype=torch.float32)
+    splits, per_split = split_count(batch * heads, keys, BLOCK_N, q.device)
+    stats, partial = partial_buffers(batch * heads, splits, dim, q.device)
     mask = key_mask if key_mask is not None else length  # unread without a mask
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
     if mask.dtype == torch.bool:
@@ -149,8 +96,4 @@ def forgetting_attention_decode_triton(
         num_warps=WARPS,
     )
     out = torch.empty(batch, 1, heads, dim, device=q.device, dtype=q.dtype)
-    _combine_kernel[(batch * heads,)](
-        stats[0], stats[1], partial, out, out.stride(0), out.stride(2), heads, splits,
-        HEAD_DIM=dim, BLOCK_S=max(triton.next_power_of_2(splits), 2), num_warps=WARPS,
-    )
-    return out
+    return combine(stats, partial, out, heads, splits, WARPS)

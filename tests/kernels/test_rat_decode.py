@@ -41,11 +41,11 @@ def expected_step(inputs, key_buffer, value_buffer):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("position", [0, 9, 12, 27])  # first token; mid-chunk; chunk start (no carry); last slot
 @pytest.mark.parametrize("rope", [True, False])
-def test_kernel_matches_reference_and_writes_cache_in_place(dtype, tol, position, rope):
+def test_kernel_matches_reference_and_writes_cache_in_place(dtype, tol, position, rope, slots=SLOTS):
     inputs = decode_inputs(dtype, position, rope)
     g = torch.Generator().manual_seed(1)
-    key_buffer = torch.randn(BATCH, SLOTS, HEADS, DIM, generator=g).to(dtype)
-    value_buffer = torch.randn(BATCH, SLOTS, HEADS, DIM, generator=g).to(dtype)
+    key_buffer = torch.randn(BATCH, slots, HEADS, DIM, generator=g).to(dtype)
+    value_buffer = torch.randn(BATCH, slots, HEADS, DIM, generator=g).to(dtype)
     y_ref, k_tilde, v_tilde, keys_ref, values_ref = expected_step(inputs, key_buffer, value_buffer)
 
     y = rat_decode_step_triton(**inputs, key_buffer=key_buffer, value_buffer=value_buffer)
@@ -54,6 +54,14 @@ def test_kernel_matches_reference_and_writes_cache_in_place(dtype, tol, position
     torch.testing.assert_close(inputs["state_value"], v_tilde, rtol=tol, atol=tol)
     torch.testing.assert_close(key_buffer, keys_ref, rtol=tol, atol=tol)
     torch.testing.assert_close(value_buffer, values_ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("position", [148, 150])  # chunk 37 of 40 slots: its ends span several splits
+def test_long_cache_is_split_and_merged(dtype, tol, position):
+    """Chunk ends walked by several programs (three splits in the interpreter) and merged by the
+    second pass: the same step, state and slot writes as one walk."""
+    test_kernel_matches_reference_and_writes_cache_in_place(dtype, tol, position, rope=True, slots=40)
 
 
 def test_chunk_start_forgets_the_previous_state():
