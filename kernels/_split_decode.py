@@ -9,7 +9,9 @@ softmax sum l and an unnormalised float32 output; pass 2 (:func:`combine`) merge
     o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,    M = max_s m_s,
 
 and a (row, head) that saw no key gets 0. The split count depends on shapes only (a captured CUDA
-graph keeps it at every step); splits past the filled part of a buffer exit at once.
+graph keeps it at every step); splits past the filled part of a buffer exit at once. Where the
+(row, head) pairs alone fill the GPU (one split), pass 1 writes the output itself (DIRECT) and
+pass 2 is skipped.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def split_count(rows_heads: int, keys: int, block: int, device: torch.device) ->
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _SM_COUNT:
             _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        wanted = triton.cdiv(PROGRAMS_PER_SM * _SM_COUNT[index], max(rows_heads, 1))
+        wanted = (PROGRAMS_PER_SM * _SM_COUNT[index]) // max(rows_heads, 1)
     else:  # Triton's CPU interpreter: three splits wherever there are blocks for them (tests the merge)
         wanted = 3
     splits = max(1, min(wanted, blocks))
@@ -38,9 +40,11 @@ def split_count(rows_heads: int, keys: int, block: int, device: torch.device) ->
 
 
 def partial_buffers(rows_heads: int, splits: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stats [2, rows_heads * splits]: m and l, partial outputs [rows_heads * splits, dim]), float32."""
-    stats = torch.empty(2, rows_heads * splits, device=device, dtype=torch.float32)
-    return stats, torch.empty(rows_heads * splits, dim, device=device, dtype=torch.float32)
+    """(stats [2, rows_heads * splits]: m and l, partial outputs [rows_heads * splits, dim]), float32;
+    one split writes the output directly (DIRECT) and gets unread placeholders."""
+    pairs = rows_heads * splits if splits > 1 else 1
+    stats = torch.empty(2, pairs, device=device, dtype=torch.float32)
+    return stats, torch.empty(pairs, dim if splits > 1 else 1, device=device, dtype=torch.float32)
 
 
 @triton.jit
@@ -62,10 +66,14 @@ def online_update(m_i, l_i, acc, s, v):
 
 
 @triton.jit
-def store_partial(M_OUT, L_OUT, ACC_OUT, slot, m_i, l_i, acc, dims, HEAD_DIM: tl.constexpr):
-    tl.store(M_OUT + slot, m_i)
-    tl.store(L_OUT + slot, l_i)
-    tl.store(ACC_OUT + slot * HEAD_DIM + dims, acc)
+def store_partial(M_OUT, L_OUT, ACC_OUT, slot, m_i, l_i, acc, dims, O, o_off, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
+    """Pass 1's result: the split's (m, l, acc), or with one split (DIRECT) the normalised output at O + o_off."""
+    if DIRECT:
+        tl.store(O + o_off + dims, (acc / tl.where(l_i > 0.0, l_i, 1.0)).to(O.dtype.element_ty))
+    else:
+        tl.store(M_OUT + slot, m_i)
+        tl.store(L_OUT + slot, l_i)
+        tl.store(ACC_OUT + slot * HEAD_DIM + dims, acc)
 
 
 @triton.jit
@@ -87,7 +95,9 @@ def _combine_kernel(M_IN, L_IN, ACC_IN, O, sob, soh, H, splits, HEAD_DIM: tl.con
 
 
 def combine(stats: torch.Tensor, partial: torch.Tensor, out: torch.Tensor, heads: int, splits: int, warps: int = 4) -> torch.Tensor:
-    """Pass 2 into out [B, 1, heads, D] (any strides with a contiguous last dim)."""
+    """Pass 2 into out [B, 1, heads, D] (any strides with a contiguous last dim); nothing with one split."""
+    if splits == 1:
+        return out
     batch, dim = out.shape[0], out.shape[-1]
     _combine_kernel[(batch * heads,)](
         stats[0], stats[1], partial, out, out.stride(0), out.stride(2), heads, splits,

@@ -104,14 +104,14 @@ def rat_decode_report() -> list[dict]:
     kernels = {
         "_rat_decode_kernel": (rd._rat_decode_kernel, dict(
             Q=bf, K=bf, V=bf, GL=bf, BIAS=f32, SK=bf, SV=bf, POS="*i64", COS=f32, SIN=f32, KB=bf, VB=bf, **partials,
-            sqb="i64", skb="i64", svb="i64", sgb="i64", ssb="i64", sbb="i64", sbc="i64", qk_scale="fp32",
-        ), dict(GROUPS=2, HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, HAS_ROPE=True), decode.DECODE_WARPS),
+            O=bf, sqb="i64", skb="i64", svb="i64", sgb="i64", ssb="i64", sbb="i64", sbc="i64", sob="i64", qk_scale="fp32",
+        ), dict(GROUPS=2, HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, HAS_ROPE=True, DIRECT=False), decode.DECODE_WARPS),
         "_decode_kernel": (decode._decode_kernel, dict(
-            Q=bf, KO=bf, VO=bf, KE=bf, VE=bf, QC="*i64", **partials, qk_scale="fp32",
-        ), dict(HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N), decode.DECODE_WARPS),
+            Q=bf, KO=bf, VO=bf, KE=bf, VE=bf, QC="*i64", **partials, O=bf, qk_scale="fp32",
+        ), dict(HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, DIRECT=False), decode.DECODE_WARPS),
         "fox _partial_kernel": (fd._partial_kernel, dict(
-            Q=bf, K=bf, V=bf, CQ=f32, CK=f32, LEN="*i64", MASK="*u8", **partials, qk_scale="fp32",
-        ), dict(HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False), fd.WARPS),
+            Q=bf, K=bf, V=bf, CQ=f32, CK=f32, LEN="*i64", MASK="*u8", **partials, O=bf, qk_scale="fp32",
+        ), dict(HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False), fd.WARPS),
         "_combine_kernel": (_split_decode._combine_kernel, dict(M_IN=f32, L_IN=f32, ACC_IN=f32, O=bf),
                             dict(HEAD_DIM=128, BLOCK_S=8), fd.WARPS),
     }

@@ -51,10 +51,10 @@ def _attend_ends(q, KE, VE, sec, sfc, lo, hi, dims, qk_scale, m_i, l_i, acc, BLO
 
 @triton.jit
 def _decode_kernel(
-    Q, KO, VO, KE, VE, QC, M_OUT, L_OUT, ACC_OUT,
-    sqb, sqh, skb, skh, svb, svh, seb, sec, seh, sfb, sfc, sfh, sqcb,
+    Q, KO, VO, KE, VE, QC, M_OUT, L_OUT, ACC_OUT, O,
+    sqb, sqh, skb, skh, svb, svh, seb, sec, seh, sfb, sfc, sfh, sqcb, sob, soh,
     H, C, split_len, qk_scale,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -69,7 +69,8 @@ def _decode_kernel(
     m_i, l_i, acc = _start_with_own_pair(q, k_own, v_own, split, qk_scale, HEAD_DIM)
     m_i, l_i, acc = _attend_ends(q, KE + b * seb + h * seh, VE + b * sfb + h * sfh, sec, sfc, lo,
                                  tl.minimum(lo + split_len, n), dims, qk_scale, m_i, l_i, acc, BLOCK_N)
-    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims, HEAD_DIM)
+    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims,
+                  O, b * sob + h * soh, HEAD_DIM, DIRECT)
 
 
 def chunk_end_decode_triton(
@@ -94,12 +95,12 @@ def chunk_end_decode_triton(
     scale = head_dim**-0.5 if scale is None else float(scale)
     splits, per_split = split_count(batch * heads, k_ends.shape[1], DECODE_BLOCK_N, q.device)
     stats, partial = partial_buffers(batch * heads, splits, head_dim, q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _decode_kernel[(batch * heads, splits)](
-        q, k_own, v_own, k_ends, v_ends, query_chunk, stats[0], stats[1], partial,
+        q, k_own, v_own, k_ends, v_ends, query_chunk, stats[0], stats[1], partial, out,
         q.stride(0), q.stride(2), k_own.stride(0), k_own.stride(2), v_own.stride(0), v_own.stride(2),
         k_ends.stride(0), k_ends.stride(1), k_ends.stride(2), v_ends.stride(0), v_ends.stride(1), v_ends.stride(2),
-        query_chunk.stride(0), heads, k_ends.shape[1], per_split, scale * LOG2E,
-        BLOCK_N=DECODE_BLOCK_N, HEAD_DIM=head_dim, num_warps=DECODE_WARPS,
+        query_chunk.stride(0), out.stride(0), out.stride(2), heads, k_ends.shape[1], per_split, scale * LOG2E,
+        BLOCK_N=DECODE_BLOCK_N, HEAD_DIM=head_dim, DIRECT=splits == 1, num_warps=DECODE_WARPS,
     )
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return combine(stats, partial, out, heads, splits, DECODE_WARPS)

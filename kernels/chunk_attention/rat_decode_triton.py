@@ -30,10 +30,10 @@ def _rotate(x, x_swapped, COS, SIN, dims, HALF: tl.constexpr, HAS_ROPE: tl.const
 
 @triton.jit
 def _rat_decode_kernel(
-    Q, K, V, GL, BIAS, SK, SV, POS, COS, SIN, KB, VB, M_OUT, L_OUT, ACC_OUT,
-    sqb, skb, svb, sgb, ssb, sbb, sbc,
+    Q, K, V, GL, BIAS, SK, SV, POS, COS, SIN, KB, VB, M_OUT, L_OUT, ACC_OUT, O,
+    sqb, skb, svb, sgb, ssb, sbb, sbc, sob,
     H, C, L, split_len, qk_scale,
-    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,7 +77,8 @@ def _rat_decode_kernel(
     lo = split * split_len
     m_i, l_i, acc = _attend_ends(q, KB + b * sbb + head_off, VB + b * sbb + head_off, sbc, sbc, lo,
                                  tl.minimum(lo + split_len, n), dims, qk_scale, m_i, l_i, acc, BLOCK_N)
-    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims, HEAD_DIM)
+    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims,
+                  O, b * sob + head_off, HEAD_DIM, DIRECT)
 
 
 def rat_decode_step_triton(
@@ -116,13 +117,14 @@ def rat_decode_step_triton(
     scale = dim**-0.5 if scale is None else float(scale)
     splits, per_split = split_count(batch * heads, key_buffer.shape[1], DECODE_BLOCK_N, v.device)
     stats, partial = partial_buffers(batch * heads, splits, dim, v.device)
+    out = torch.empty_like(v)
     _rat_decode_kernel[(batch * heads, splits)](
         q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, cos, sin,
-        key_buffer, value_buffer, stats[0], stats[1], partial,
+        key_buffer, value_buffer, stats[0], stats[1], partial, out,
         q_groups.stride(0), k_groups.stride(0), v.stride(0), gate_logits.stride(0), state_key.stride(0),
-        key_buffer.stride(0), key_buffer.stride(1),
+        key_buffer.stride(0), key_buffer.stride(1), out.stride(0),
         heads, key_buffer.shape[1], chunk_size, per_split, scale * LOG2E,
         GROUPS=groups, HEAD_DIM=dim, BLOCK_N=DECODE_BLOCK_N, HAS_ROPE=cos_sin is not None,
-        num_warps=DECODE_WARPS,
+        DIRECT=splits == 1, num_warps=DECODE_WARPS,
     )
-    return combine(stats, partial, torch.empty_like(v), heads, splits, DECODE_WARPS)
+    return combine(stats, partial, out, heads, splits, DECODE_WARPS)

@@ -25,10 +25,10 @@ BLOCK_N, WARPS = 32, 4  # sm_90 compile (hf_hybrid.bench.sm90): 156 registers, n
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, CQ, CK, LEN, MASK, M_OUT, L_OUT, ACC_OUT,
-    sqb, sqh, skb, skt, skh, svb, svt, svh, scqb, scqh, sckb, sckt, sckh, smb, smt, slb,
+    Q, K, V, CQ, CK, LEN, MASK, M_OUT, L_OUT, ACC_OUT, O,
+    sqb, sqh, skb, skt, skh, svb, svt, svh, scqb, scqh, sckb, sckt, sckh, smb, smt, slb, sob, soh,
     H, GROUP, T, split_len, window, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -58,7 +58,8 @@ def _partial_kernel(
         s = tl.sum(k * q[None, :], 1) * qk_scale + (c_q - c_k) * _LOG2E
         s = tl.where(ok, s, float("-inf"))
         m_i, l_i, acc = online_update(m_i, l_i, acc, s, v)
-    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * splits + split, m_i, l_i, acc, dims, HEAD_DIM)
+    store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * splits + split, m_i, l_i, acc, dims,
+                  O, b * sob + h * soh, HEAD_DIM, DIRECT)
 
 
 def forgetting_attention_decode_triton(
@@ -86,14 +87,14 @@ def forgetting_attention_decode_triton(
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     scale = dim**-0.5 if scale is None else float(scale)
+    out = torch.empty(batch, 1, heads, dim, device=q.device, dtype=q.dtype)
     _partial_kernel[(batch * heads, splits)](
-        q, k, v, c_q, c_k, length, mask, stats[0], stats[1], partial,
+        q, k, v, c_q, c_k, length, mask, stats[0], stats[1], partial, out,
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         c_q.stride(0), c_q.stride(2), c_k.stride(0), c_k.stride(1), c_k.stride(2), *mask_strides,
-        length.stride(0) if length.numel() > 1 else 0,
+        length.stride(0) if length.numel() > 1 else 0, out.stride(0), out.stride(2),
         heads, heads // kv_heads, keys, per_split, window_size or 0, scale * LOG2E,
         HEAD_DIM=dim, BLOCK=BLOCK_N, HAS_MASK=key_mask is not None, HAS_WINDOW=window_size is not None,
-        num_warps=WARPS,
+        DIRECT=splits == 1, num_warps=WARPS,
     )
-    out = torch.empty(batch, 1, heads, dim, device=q.device, dtype=q.dtype)
     return combine(stats, partial, out, heads, splits, WARPS)

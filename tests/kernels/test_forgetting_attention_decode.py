@@ -73,6 +73,17 @@ def test_triton_equals_reference(dtype, lengths, window, masked):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_split_writes_the_output_directly(dtype):
+    """A buffer of one tile: one split, whose program writes the normalised output (no merge pass)."""
+    q, k, v, c_q, c_k, length = inputs(2, 30, 4, 1, 64, [19], dtype)
+    got = forgetting_attention_decode(q, k, v, c_q, c_k, length, backend="triton")
+    want = forgetting_attention_decode_reference(q, k, v, c_q, c_k, length)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@needs_kernel
 def test_cached_attention_takes_the_decode_kernel_for_one_query():
     """forgetting_attention_with_cache on the Triton backend with one query per row equals its reference."""
     q, k, v, c_q, c_k, _ = inputs(2, 70, 4, 4, 16, [70])
