@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-PROGRAMS_PER_SM = 4  # splits are chosen so that about this many programs share each SM
+# splits are chosen so that about this many programs share each SM: the H100 sweep of FoX's decode
+# (hf_hybrid/bench/split_decode_sweep.py) found 16 best at both generate() shapes, 4 up to 1.9x slower.
+PROGRAMS_PER_SM = 16
 
 _SM_COUNT: dict[int, int] = {}
 

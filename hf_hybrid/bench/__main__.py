@@ -61,6 +61,8 @@ def main(argv=None) -> int:
         repeat=args.repeat, seqs=tuple(int(s) for s in args.seqs.split(",")) if args.seqs else None,
     )
     results, skipped, delegated = [], [], []
+    out = Path(args.out)
+    command = "hf-hybrid bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     for suite in [s.strip() for s in args.suites.split(",") if s.strip()]:
         try:
             cases, reason = collect(suite, config)
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
                 print(f"{case.group} | {case.name} | {case.params} | {', '.join(case.variants)}")
             else:
                 results.extend(run_case(case, config))
+                out.mkdir(parents=True, exist_ok=True)
+                write_json(results, out / "bench.json", command)  # after every case: a run cut short keeps its rows
     if args.list:
         return 0
     fill_speedups(results)
@@ -94,9 +98,7 @@ def main(argv=None) -> int:
             skipped.append(f"{module.__name__}: {reason}")
     for line in skipped:
         print(f"skipped {line}")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "hf-hybrid bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     write_json(results, out / "bench.json", command)
     markdown = table(results, markdown=True)
     if any(r.group == "models" for r in results):  # the per-model summary of the models suite

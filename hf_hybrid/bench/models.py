@@ -29,7 +29,8 @@ run 1 warm-up (compilation, autotuning) and one or two timed calls (a call is a 
 step or a whole generate(), itself an average over its tokens). A cold run is dominated by
 compiling and autotuning every model's Triton kernels: on an H100 the first 14 of the 52 cells
 took about 3.5 minutes, so run it in pieces (``--only train``, ``--only prefill,decode B=8``,
-``--only "decode B=32"``) where one command is time-limited. ``HF_HYBRID_BENCH_BUDGET=<seconds>``
+``--only "decode B=32"``, and ``--variants "Llama,FoX"`` for chosen rows: each case's baseline
+always runs) where one command is time-limited; bench.json is rewritten after every case. ``HF_HYBRID_BENCH_BUDGET=<seconds>``
 caps a run: each case gets a share of the budget and the variants past it are reported as skipped
 (see TimeBudget), so the JSON is always written. ``python -m hf_hybrid.bench.models A.json
 [B.json ...]`` turns bench.json files into the per-model Markdown summary (ratios against the

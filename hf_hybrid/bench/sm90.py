@@ -92,12 +92,10 @@ def fused_norm_report() -> list[dict]:
 
 
 def rat_decode_report() -> list[dict]:
-    """The split-K decode kernels at the RAT(L=16) / FoX layer shape (bf16, 16 heads x 128, 2 q/k groups
-    for RAT) with the shipped warp counts: the one-kernel RAT step, the chunk-end decode, FoX's decode
-    and the pass that merges the splits."""
+    """The split-K decode kernels at the RAT(L=16) layer shape (bf16, 16 heads x 128, 2 q/k groups) with
+    the shipped warp count: the one-kernel RAT step, the chunk-end decode and the pass that merges splits."""
     from ..kernels import _split_decode
     from ..kernels.chunk_attention import decode, rat_decode_triton as rd
-    from ..kernels.forgetting_attention import decode_triton as fd
 
     bf, f32 = "*bf16", "*fp32"
     partials = dict(M_OUT=f32, L_OUT=f32, ACC_OUT=f32)
@@ -109,11 +107,8 @@ def rat_decode_report() -> list[dict]:
         "_decode_kernel": (decode._decode_kernel, dict(
             Q=bf, KO=bf, VO=bf, KE=bf, VE=bf, QC="*i64", **partials, O=bf, qk_scale="fp32",
         ), dict(HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, DIRECT=False), decode.DECODE_WARPS),
-        "fox _partial_kernel": (fd._partial_kernel, dict(
-            Q=bf, K=bf, V=bf, CQ=f32, CK=f32, LEN="*i64", MASK="*u8", **partials, O=bf, qk_scale="fp32",
-        ), dict(HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False), fd.WARPS),
         "_combine_kernel": (_split_decode._combine_kernel, dict(M_IN=f32, L_IN=f32, ACC_IN=f32, O=bf),
-                            dict(HEAD_DIM=128, BLOCK_S=8), fd.WARPS),
+                            dict(HEAD_DIM=128, BLOCK_S=8), decode.DECODE_WARPS),
     }
     rows = []
     for name, (fn, types, constexprs, warps) in kernels.items():
@@ -124,6 +119,22 @@ def rat_decode_report() -> list[dict]:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
     return rows
+
+
+def fox_decode_report() -> list[dict]:
+    """FoX's split-K decode kernel at the benchmark's shape (bf16, 16 heads x 128) with the shipped tile."""
+    from ..kernels.forgetting_attention import decode_triton as fd
+
+    bf, f32 = "*bf16", "*fp32"
+    types = dict(Q=bf, K=bf, V=bf, CQ=f32, CK=f32, LEN="*i64", MASK="*u8", M_OUT=f32, L_OUT=f32, ACC_OUT=f32, O=bf,
+                 qk_scale="fp32")
+    row = {"kernel": "_partial_kernel (FoX decode)", "num_warps": fd.WARPS, "block_n": fd.BLOCK_N}
+    try:
+        row.update(compile_for_sm90(fd._partial_kernel, types, dict(
+            HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False), fd.WARPS))
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return [row]
 
 
 def output_gate_report() -> list[dict]:
@@ -144,5 +155,5 @@ def output_gate_report() -> list[dict]:
 
 
 if __name__ == "__main__":
-    for row in rat_keys_values_report() + fused_norm_report() + rat_decode_report() + output_gate_report():
+    for row in rat_keys_values_report() + fused_norm_report() + rat_decode_report() + fox_decode_report() + output_gate_report():
         print(row)

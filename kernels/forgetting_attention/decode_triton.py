@@ -20,7 +20,10 @@ from .._split_decode import combine, empty_state, online_update, partial_buffers
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # a global a compiled kernel may read
-BLOCK_N, WARPS = 32, 4  # sm_90 compile (hf_hybrid.bench.sm90): 156 registers, no spills; 64 x 4 spilled
+# H100 sweep (hf_hybrid/bench/split_decode_sweep.py, docs/device_runs/split_decode_sweep_h100.json): 64 x 4 warps
+# with 16 programs per SM had the lowest time summed over B=8 / 16K and B=32 / 2K (0.362 + 0.192 ms
+# per layer step, SDPA 0.390 + 0.214); 16 x 2 was within 1%, 16 x 8 took 3.5x longer.
+BLOCK_N, WARPS = 64, 4
 
 
 @triton.jit
