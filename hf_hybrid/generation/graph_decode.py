@@ -43,12 +43,13 @@ torch.compile, whose own CUDA graphs would replace this module's (and trace the 
 and the host bookkeeping this design keeps outside the graph).
 
 Measured (hf_hybrid/generation/benchmark.py, H100, 8 layers of the 1.3B shape, bf16; ms per new
-token through generate(); transformers' Llama with a compiled static cache as the baseline):
-B=32 / 2K prompt: Llama 3.43, RAT 1.91 (eager 15.3), RAT+ D=16 2.98 (eager 31.4), RATTENTION 4.17
-(eager 22.4), FoX 3.96 (eager 22.5). B=8 / 16K: Llama 4.60, RAT 2.59 (eager 11.8), RAT+ D=16 3.73,
-RATTENTION 3.39, FoX 6.29. generate()'s own per-step work (input preparation, logits processing,
-a stop check that syncs with the device) is 0.3-1.1 ms of these (``decode_loop_ms`` times the
-graphed step in a bare loop: RAT 1.53 at 2K, 2.29 at 16K).
+token through generate(); transformers' Llama with a compiled static cache as the baseline;
+docs/benchmarks.md has every run): with the split-K decode kernels (2026-11-25), B=8 / 16K prompt:
+Llama 4.44, RAT 1.75, FoX 5.52; B=32 / 2K: Llama 3.49, RAT 1.76, FoX 3.77. An earlier run with
+the eager path beside it: B=32 / 2K RAT eager 15.3, RAT+ D=16 graph 2.98 (eager 31.4), RATTENTION
+4.17 (eager 22.4). generate()'s own per-step work (input preparation, logits processing, a stop
+check that syncs with the device) is 0.3-1.1 ms of these (``decode_loop_ms`` times the graphed
+step in a bare loop).
 """
 from __future__ import annotations
 
