@@ -277,3 +277,33 @@ def test_cache_keeps_decoding_exactly_past_its_static_capacity(name):
         pieces = [model(sequence[:, t : t + 1], past_key_values=cache, use_cache=True).logits
                   for t in range(start, sequence.shape[1])]
     torch.testing.assert_close(torch.cat(pieces, 1), full[:, start:], atol=1e-4, rtol=0)
+
+
+def test_static_decode_step_is_marked_for_the_fused_backbone():
+    """The static step runs its forward inside backbone_fusion.static_decode_step(), where the fused
+    norm / SwiGLU kernels apply at any token count once fused_decode is on; eager steps are outside it."""
+    from hf_hybrid.layers import backbone_fusion
+
+    model = fox_model()
+    seen = []
+    model.model.layers[0].input_layernorm.register_forward_hook(
+        lambda module, args, out: seen.append((args[0].shape[1], backbone_fusion._static_decode_depth)))
+    ids = torch.randint(1, VOCAB, (2, 9))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, decode_cuda_graph="eager")
+    assert seen[0] == (9, 0)  # the prefill: outside the static step
+    assert [depth for _, depth in seen[1:]] == [1, 1, 1] and backbone_fusion._static_decode_depth == 0
+    decode_sized = torch.zeros(2, 1, 32)
+    previous = backbone_fusion._enabled, backbone_fusion._allow_cpu, backbone_fusion._fused_decode
+    try:
+        backbone_fusion.set_backbone_fusion(True, allow_cpu=True, fused_decode=False)
+        with backbone_fusion.static_decode_step():
+            off = backbone_fusion.fused_layer_applies(decode_sized)
+        backbone_fusion.set_backbone_fusion(True, fused_decode=True)
+        with backbone_fusion.static_decode_step():
+            on = backbone_fusion.fused_layer_applies(decode_sized)
+        outside = backbone_fusion.fused_layer_applies(decode_sized)
+    finally:
+        backbone_fusion._enabled, backbone_fusion._allow_cpu, backbone_fusion._fused_decode = previous
+    installed = backbone_fusion.liger_installed()
+    assert (off, on, outside) == (False, installed, False)

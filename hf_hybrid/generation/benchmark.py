@@ -14,6 +14,7 @@ lengths reuse one compiled graph.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -58,6 +59,19 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+@contextlib.contextmanager
+def fused_decode(enabled: bool):
+    """backbone_fusion's fused_decode switched to ``enabled`` for one variant, then restored."""
+    from ..layers import backbone_fusion
+
+    previous = backbone_fusion._fused_decode
+    backbone_fusion.set_backbone_fusion(backbone_fusion.backbone_fusion_enabled(), fused_decode=enabled)
+    try:
+        yield
+    finally:
+        backbone_fusion._fused_decode = previous
 
 
 def _timed(fn) -> float:
@@ -125,6 +139,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--eager", action="store_true", help="also time our models with decode_cuda_graph=False")
     parser.add_argument("--eager-models", default="", help="comma list: time these with decode_cuda_graph=False too")
     parser.add_argument("--floor", action="store_true", help="also time the graphed step in a bare loop (decode_loop_ms)")
+    parser.add_argument("--fused-decode", action="store_true",
+                        help="also time our models with Liger's norm / SwiGLU inside the graphed step (backbone_fusion fused_decode)")
     parser.add_argument("--json", help="append the rows to this JSON-lines file")
     args = parser.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -140,10 +156,13 @@ def main(argv=None) -> list[dict]:
             variants["static_compiled"] = dict(static_cache=cache)
         else:
             variants["graph"] = dict(decode_cuda_graph=None)
+            if args.fused_decode:
+                variants["graph_fused_decode"] = dict(decode_cuda_graph=None, fused_decode=True)
             if args.eager or name in args.eager_models.split(","):
                 variants["eager"] = dict(decode_cuda_graph=False)
         for variant, kwargs in variants.items():
-            ms, report = ms_per_token(model, ids, args.short, args.long, args.repeats, **kwargs)
+            with fused_decode(kwargs.pop("fused_decode", False)):
+                ms, report = ms_per_token(model, ids, args.short, args.long, args.repeats, **kwargs)
             row = dict(model=name, variant=variant, batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),
                        tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=report)
             print(json.dumps(row), flush=True)

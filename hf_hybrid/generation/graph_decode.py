@@ -58,6 +58,7 @@ import contextlib
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..layers.backbone_fusion import static_decode_step
 from ..models.compat import CACHE_NAME, cache_field, rename_cache_kwarg
 
 DECODE_GRAPH_MODES = (None, True, False, "eager")
@@ -114,10 +115,11 @@ class StaticDecodeStep:
         return [t.data_ptr() for layer in self.cache.layers for t in layer.static_decode_tensors() if t is not None]
 
     def _forward(self) -> torch.Tensor:
-        out = self.model.decode_forward_body(
-            input_ids=self.input_ids, position_ids=self.position_ids, past_key_values=self.cache,
-            use_cache=True, logits_to_keep=1, **self.mixer_kwargs,
-        )
+        with static_decode_step():
+            out = self.model.decode_forward_body(
+                input_ids=self.input_ids, position_ids=self.position_ids, past_key_values=self.cache,
+                use_cache=True, logits_to_keep=1, **self.mixer_kwargs,
+            )
         return out.logits
 
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:

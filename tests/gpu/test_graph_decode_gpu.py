@@ -136,3 +136,29 @@ def test_graphed_decode_is_faster_than_eager():
     graph, eager = _ms_per_token(model, ids, None), _ms_per_token(model, ids, False)
     print(f"RAT tiny decode: graph {graph:.3f} ms/token, eager {eager:.3f} ms/token")
     assert graph < 0.7 * eager, (graph, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["fox", "rat"])
+def test_fused_backbone_in_the_graphed_step(name, dtype):
+    """With fused_decode on (Liger's norm and SwiGLU inside the static step): the graph still replays
+    the static step exactly, and stays as exact as the eager path against the uncached forward."""
+    pytest.importorskip("liger_kernel")
+    from hf_hybrid.layers import backbone_fusion
+
+    model = build(name, dtype)
+    prompt, new = 77, 40
+    ids = torch.randint(1, 512, (3, prompt), device="cuda")
+    eager_ids, eager_logits, _ = run(model, ids, False, new)
+    previous = backbone_fusion._fused_decode
+    backbone_fusion.set_backbone_fusion(True, fused_decode=True)
+    try:
+        graph_ids, graph_logits, report = run(model, ids, True, new)
+        static_ids, static_logits, _ = run(model, ids, "eager", new)
+    finally:
+        backbone_fusion._fused_decode = previous
+    assert report["graph_captured"] and report["static_steps"] == new - 1, report
+    assert first_mismatch(graph_ids, static_ids, prompt) == new and float((graph_logits - static_logits).abs().max()) == 0.0
+    err_graph = uncached_error(model, graph_ids, graph_logits, prompt)
+    err_eager = uncached_error(model, eager_ids, eager_logits, prompt)
+    assert err_graph <= 1.5 * err_eager + (1e-4 if dtype == torch.float32 else 5e-3), (err_graph, err_eager)
