@@ -95,7 +95,7 @@ def test_demo_smoke_kv_cache_facts(smoke_run):
 
 
 def test_demo_smoke_decode_column_says_where_it_was_measured(smoke_run):
-    from hf_hybrid.demo_setup import DECODE_CPU, DECODE_GPU
+    from hf_hybrid.demo.setup import DECODE_CPU, DECODE_GPU
 
     _, summary, printed = smoke_run
     expected = ("cuda", DECODE_GPU) if torch.cuda.is_available() else ("cpu", DECODE_CPU)
@@ -112,8 +112,8 @@ def test_decode_speed_counts_tokens_after_the_prefill(monkeypatch):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_hybrid import demo_measure
-    from hf_hybrid.demo_setup import DecodeSetting
+    from hf_hybrid.demo import measure as demo_measure
+    from hf_hybrid.demo.setup import DecodeSetting
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, pad_token_id=0)).eval()
@@ -129,8 +129,8 @@ def test_demo_decode_column_on_gpu_shows_the_compact_cache():
     """At the GPU setting (4K context) RAT's cache (1/4 of Llama's) decodes faster than Llama's."""
     from transformers import AutoModelForCausalLM
 
-    from hf_hybrid.demo_measure import decode_speed_row
-    from hf_hybrid.demo_setup import SIZES, build_config, default_contestants
+    from hf_hybrid.demo.measure import decode_speed_row
+    from hf_hybrid.demo.setup import SIZES, build_config, default_contestants
 
     size = SIZES["tiny"]
     speed = {}

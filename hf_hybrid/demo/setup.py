@@ -1,6 +1,6 @@
 """What `hf-hybrid demo` trains: sizes, contestants (with their inference variants) and the data.
 
-Kept apart from the loop in :mod:`hf_hybrid.demo` so that the list of models and the task geometry
+Kept apart from the loop in :mod:`hf_hybrid.demo` (its __init__) so that the list of models and the task geometry
 can be read (and changed) in one place.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from .data.language import LANGUAGE_PRESETS, SyntheticLanguage, make_language_dataset
-from .data.recall import IGNORE_INDEX, RecallVocab, make_mqar_dataset
-from .layers.forgetting_attention import forget_bias_init
-from .sparse import SparseInferenceConfig
+from ..data.language import LANGUAGE_PRESETS, SyntheticLanguage, make_language_dataset
+from ..data.recall import IGNORE_INDEX, RecallVocab, make_mqar_dataset
+from ..layers.forgetting_attention import forget_bias_init
+from ..sparse import SparseInferenceConfig
 
 
 @dataclass(frozen=True)

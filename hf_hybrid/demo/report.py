@@ -38,7 +38,7 @@ PANELS = [
 
 def plot_results(results: list[dict], path, title: str, oracle_loss: float | None = None) -> Path:
     """Four bar panels, one bar per row; rows sharing trained weights share a colour."""
-    from .eval.plots import _pyplot, _save  # matplotlib only when a chart is drawn
+    from ..eval.plots import _pyplot, _save  # matplotlib only when a chart is drawn
 
     plt = _pyplot()
     names = [r["model"] for r in results]

@@ -8,7 +8,7 @@ Every contestant goes through the same steps, so the table compares architecture
    recall accuracy (teacher forced) and generated answers, held-out language loss, decode tokens/s
    and the real bytes of the decoding cache after a 4K-token prefill. The decode column runs on the
    GPU whenever one is present (whatever --device trains on), batch 64 after a 4000-token prompt,
-   where the cache matters; on a CPU-only machine it uses a short prompt (demo_setup.DECODE_CPU), so
+   where the cache matters; on a CPU-only machine it uses a short prompt (demo/setup.py: DECODE_CPU), so
    there it mostly shows per-step overhead.
 It prints one table, writes results.json and results.png (the chart) to --output-dir.
 
@@ -36,10 +36,10 @@ from transformers.utils import logging as hf_logging
 
 import hf_hybrid  # noqa: F401  (registers the architectures)
 
-from .data.language import oracle_loss_by_position
-from .demo_measure import measure_row, train
-from .demo_report import format_table, plot_results
-from .demo_setup import SIZES, Contestant, DemoSize, build_config, default_contestants, make_data, select
+from ..data.language import oracle_loss_by_position
+from .measure import measure_row, train
+from .report import format_table, plot_results
+from .setup import SIZES, Contestant, DemoSize, build_config, default_contestants, make_data, select
 
 __all__ = ["main", "run", "format_table", "SIZES"]
 

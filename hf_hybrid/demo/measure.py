@@ -12,10 +12,10 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .demo_setup import DecodeSetting, DemoData, DemoSize, decode_setting
-from .eval.memory import cache_nbytes_at_context
-from .eval.positions import per_token_loss
-from .eval.recall import recall_accuracy
+from .setup import DecodeSetting, DemoData, DemoSize, decode_setting
+from ..eval.memory import cache_nbytes_at_context
+from ..eval.positions import per_token_loss
+from ..eval.recall import recall_accuracy
 
 
 def train(model, data: DemoData, size: DemoSize, device, label: str, seed: int = 0) -> float:
