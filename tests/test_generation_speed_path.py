@@ -23,6 +23,7 @@ from hf_hybrid.models.fox import FoxConfig
 from hf_hybrid.models.rat import RatConfig
 from hf_hybrid.models.rat_plus import RatPlusConfig
 from hf_hybrid.models.rattention import RattentionConfig
+from hf_hybrid.models.se_hybrid import SEHybridConfig
 
 VOCAB = 61
 
@@ -72,6 +73,20 @@ def rat_plus_model(**overrides):
     return AutoModelForCausalLM.from_config(RatPlusConfig(**settings)).eval()
 
 
+def se_hybrid_model(**overrides):
+    """A tiny SE hybrid (Mamba-2, attention, Mamba-2) in `full` mode: its static step is opt-in, and
+    decode_cuda_graph="eager" (these tests) is an explicit setting."""
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"], mamba_d_head=8, mamba_d_state=8,
+        mamba_n_heads=8, mamba_chunk_size=8, se_chunk_sizes=[16], se_eval_chunk_size=16, se_block_size=4,
+        se_top_k=2, se_select_every=8, pad_token_id=0, eos_token_id=None,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(SEHybridConfig(**settings)).eval()
+
+
 def dilated(dilation, window, sinks):
     return SparseInferenceConfig(dilation=dilation, local_window=window, num_sink_tokens=sinks)
 
@@ -87,6 +102,7 @@ MODELS = {
     "rat_plus_d4_w2_i2": lambda: rat_plus_model(sparse_config=dilated(4, 2, 2)),
     "rat_plus_d3_w0_i0": lambda: rat_plus_model(sparse_config=dilated(3, 0, 0)),
     "rat_plus_d4_w5_i3": lambda: rat_plus_model(sparse_config=dilated(4, 5, 3)),
+    "se_hybrid_full": se_hybrid_model,
 }
 
 
@@ -307,3 +323,31 @@ def test_static_decode_step_is_marked_for_the_fused_backbone():
         backbone_fusion._enabled, backbone_fusion._allow_cpu, backbone_fusion._fused_decode = previous
     installed = backbone_fusion.liger_installed()
     assert (off, on, outside) == (False, installed, False)
+
+
+def test_se_hybrid_static_step_is_full_mode_and_opt_in():
+    """The SE hybrid's static step covers `full` mode, on explicit request; after it the cache keeps
+    decoding in `full` mode exactly, and refuses a retrieval mode with the fix instead of a wrong result."""
+    from hf_hybrid.models.compat import cache_of
+
+    model = se_hybrid_model()
+    assert "opt-in" in model.static_decode_reason({}, explicit=False)
+    assert "retrieval" in model.static_decode_reason({"attention_mode": "se"}, explicit=True)
+    assert model.static_decode_reason({}, explicit=True) is None
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    out, report = generate(model, ids, "eager", max_new_tokens=5, do_sample=False)
+    assert report["static_steps"] == 4
+    cache = cache_of(out)
+    attention = cache.layers[1]
+    assert attention.retrieval_lag == 4 and attention.get_seq_length() == 13
+    more = torch.randint(1, VOCAB, (2, 2), generator=torch.Generator().manual_seed(8))
+    sequence = torch.cat([out.sequences, more], dim=1)
+    with torch.no_grad():
+        # The last generated token (not in the cache yet) and two more: the eager cached path, in
+        # `full` mode, with the retrieval state left behind.
+        step = model(sequence[:, 13:], past_key_values=cache, use_cache=True).logits
+        full = model(sequence, use_cache=False).logits[:, 13:]
+        torch.testing.assert_close(step, full, atol=1e-4, rtol=0)
+        assert attention.retrieval_lag == 7
+        with pytest.raises(ValueError, match="decode_cuda_graph=False"):
+            model(more[:, :1], past_key_values=cache, use_cache=True, attention_mode="se")

@@ -27,6 +27,7 @@ SHAPE = dict(
     num_hidden_layers=8,
 )
 MODELS = ("llama", "rat", "rat_plus_d16", "rattention", "fox")
+OPTIONAL_MODELS = ("se_hybrid",)  # named with --models: its static step is opt-in (decode_cuda_graph=True)
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
@@ -51,8 +52,13 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
         config = RattentionConfig(**SHAPE, num_key_value_heads=16)
     elif name == "fox":
         config = FoxConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
+    elif name == "se_hybrid":
+        from hf_hybrid.models.se_hybrid import SEHybridConfig
+
+        # The default layer types (Mamba-2 with attention every few layers), `full` attention mode.
+        config = SEHybridConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
     else:
-        raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS}.")
+        raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS + OPTIONAL_MODELS}.")
     config.pad_token_id, config.eos_token_id = 0, None
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -155,7 +161,8 @@ def main(argv=None) -> list[dict]:
             cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.long)
             variants["static_compiled"] = dict(static_cache=cache)
         else:
-            variants["graph"] = dict(decode_cuda_graph=None)
+            # Default arguments; the SE hybrid's static step is opt-in, so it is asked for explicitly.
+            variants["graph"] = dict(decode_cuda_graph=True if name in OPTIONAL_MODELS else None)
             if args.fused_decode:
                 variants["graph_fused_decode"] = dict(decode_cuda_graph=None, fused_decode=True)
             if args.eager or name in args.eager_models.split(","):

@@ -15,6 +15,9 @@ three paths:
 * cache, continuing a row (decode, chunked prefill): per row, new queries attend over the row's cached
   keys under the mode's visibility mask; ``se`` retrieves with the block summaries and the running
   chunk-query sums kept in the cache (:class:`SERowState`), never recomputing old summaries.
+* generate()'s static decode step (``full`` mode, opt-in: hf_hybrid/generation): one token per row
+  on fixed-capacity K/V buffers; it does not advance the retrieval state (the cache counts
+  ``retrieval_lag``; a later retrieval-mode call on that cache is refused with the fix).
 
 The retrieval state is maintained in every mode, so a cache filled in one mode can decode in another.
 """
@@ -136,9 +139,22 @@ class SpanExpandedAttention(nn.Module):
         chunk_size = self._chunk_size(se_chunk_size, mode, cached=cache_layer is not None)
         if cache_layer is None:
             out = self._full(q, k, v, context) if mode == "full" else self._attend_rows(q, k, v, context, mode, chunk_size)
+        elif mode == "full" and seq == 1 and context.key_valid is None and getattr(cache_layer, "static_decode_active", False):
+            out = self._static_decode(q, k, v, cache_layer)  # generate()'s static step (hf_hybrid/generation)
         else:
             out = self._attend_cached(q, k, v, context, cache_layer, mode, chunk_size)
         return self.o_proj(out.reshape(batch, seq, -1))
+
+    def _static_decode(self, q, k, v, cache_layer) -> torch.Tensor:
+        """`full` mode, one token per row against the cache's fixed-capacity buffers (columns past the
+        filled length masked); the query heads of a group share the query axis, so SDPA needs no GQA
+        expansion."""
+        batch = q.shape[0]
+        keys, values, length = cache_layer.static_decode_update(k, v)
+        visible = (torch.arange(keys.shape[1], device=q.device) < length).view(1, 1, 1, -1)
+        qg = q.view(batch, self.num_kv_heads, self.num_key_value_groups, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible)
+        return out.reshape(batch, 1, self.num_heads, self.head_dim)
 
     def _full(self, q, k, v, context: SequenceContext) -> torch.Tensor:
         """`full` mode: causal attention of [B, T, H, D] queries over [B, S, H_kv, D] keys (the last T
@@ -182,8 +198,12 @@ class SpanExpandedAttention(nn.Module):
     def _attend_cached(self, q, k, v, context: SequenceContext, cache_layer, mode: str, chunk_size: int) -> torch.Tensor:
         cache_layer.check_chunk_size(chunk_size)
         keys, values = cache_layer.update(k, v)  # [batch, past + seq, kv_heads, head_dim], index space
-        cache_layer.record_queries(q, self._extend_row)  # kept only while a crop may need them
         past, full = context.past_length, mode == "full"
+        if full and cache_layer.retrieval_lag:
+            # The rows' retrieval states are behind (static decode steps): `full` does not read them.
+            cache_layer.retrieval_lag += q.shape[1]
+            return self._full(q, keys, values, context)
+        cache_layer.record_queries(q, self._extend_row)  # kept only while a crop may need them
         out = torch.zeros_like(q)
         for row in range(q.shape[0]):
             if context.key_valid is None:

@@ -15,6 +15,7 @@ from hf_hybrid.models.fox import FoxConfig
 from hf_hybrid.models.rat import RatConfig
 from hf_hybrid.models.rat_plus import RatPlusConfig
 from hf_hybrid.models.rattention import RattentionConfig
+from hf_hybrid.models.se_hybrid import SEHybridConfig
 from hf_hybrid.sparse import SparseInferenceConfig
 
 pytestmark = pytest.mark.gpu
@@ -29,6 +30,8 @@ CONFIGS = {
     # float32, 77 tokens), outside the decode step this file checks.
     "rattention": lambda: RattentionConfig(**SHAPE, num_key_value_heads=2, window_size=32, kernel_backend="chunked"),
     "rat_plus_dense": lambda: RatPlusConfig(**SHAPE, num_key_value_heads=2),
+    # `full` mode; its static step is opt-in (decode_cuda_graph=True, which these tests pass).
+    "se_hybrid": lambda: SEHybridConfig(**SHAPE, num_key_value_heads=2),
     "rat_plus_d16": lambda: RatPlusConfig(
         **SHAPE, num_key_value_heads=2,
         sparse_config=SparseInferenceConfig(dilation=16, local_window=8, num_sink_tokens=2),

@@ -33,6 +33,17 @@ class SEMambaLayerCache(LinearAttentionLayer):
         super().__init__(**kwargs)
         self.parent = parent
 
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py): the conv and SSM states already
+    # have fixed shapes and the fused decode step updates them in place, so nothing moves per token.
+    def prepare_static_decode(self, capacity: int, config) -> bool:
+        return bool(self.has_previous_state[0]) and not self.record_past
+
+    def static_decode_advance(self) -> None:
+        """No host state changes per token."""
+
+    def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.conv_states[0], self.recurrent_states[0])
+
     # Crop (assisted decoding) -------------------------------------------------------------------
     # transformers' layer crops the conv state (it keeps the conv inputs while past recording is
     # on); the SSM state is rebuilt: a checkpoint of it and the scan inputs (x, dt, B) of the
@@ -139,6 +150,12 @@ class SEAttentionLayerCache(CacheLayerMixin):
         self.cumulative_length = 0
         self.rows: list[SERowState] = []
         self.chunk_size: int | None = None
+        # Tokens appended without advancing the rows' retrieval states (static `full` decode steps,
+        # and `full` steps after them): `full` mode never reads those states, a retrieval mode refuses.
+        self.retrieval_lag = 0
+        self._static_on = False
+        self._key_buffer = self._value_buffer = self._static_length = None
+        self._static_used = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, _, heads, dim = key_states.shape
@@ -150,6 +167,7 @@ class SEAttentionLayerCache(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append a segment's keys/values [batch, seq, kv_heads, head_dim]; return everything held."""
+        self._leave_static_decode()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=1)
@@ -168,7 +186,69 @@ class SEAttentionLayerCache(CacheLayerMixin):
             )
 
     def row_state(self, row: int) -> SERowState:
+        if self.retrieval_lag:
+            raise ValueError(
+                f"this SE cache decoded its last {self.retrieval_lag} tokens in `full` mode through generate()'s static "
+                "step, which does not advance the SE retrieval state; an SE retrieval mode cannot continue it. Decode "
+                "with generate(..., decode_cuda_graph=False) when a later call switches attention_mode."
+            )
         return self.rows[row]
+
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py), `full` mode only (the layer
+    # checks): like FoX's cache, K/V live in buffers of generate()'s max_length, a step writes column
+    # ``_static_length`` (a device counter) and attends over the buffer with the columns past it
+    # masked. The per-row retrieval state is data-dependent host work with no place in a graph: those
+    # steps only count retrieval_lag.
+    @property
+    def static_decode_active(self) -> bool:
+        return self._static_on and self._static_used < self._key_buffer.shape[1]
+
+    def _leave_static_decode(self) -> None:
+        self._static_on = False
+        self._key_buffer = self._value_buffer = self._static_length = None
+
+    def prepare_static_decode(self, capacity: int, config) -> bool:
+        """Move K/V into buffers of ``capacity`` columns (once). False before the prefill, when full
+        or while recording the past for crops."""
+        if self._static_on and self._key_buffer.shape[1] == capacity:
+            return self.static_decode_active
+        used = self.cumulative_length
+        if not self.is_initialized or not used or used >= capacity or self.record_past:
+            return False
+
+        def buffer(x):
+            out = x.new_zeros(x.shape[0], capacity, *x.shape[2:])
+            out[:, :used] = x
+            return out
+
+        self._key_buffer, self._value_buffer = buffer(self.keys), buffer(self.values)
+        self._static_length = torch.full((1,), used, dtype=torch.long, device=self.keys.device)
+        self._static_used, self._static_on = used, True
+        self._refresh_static_views()
+        return True
+
+    def _refresh_static_views(self) -> None:
+        self.keys, self.values = self._key_buffer[:, : self._static_used], self._value_buffer[:, : self._static_used]
+
+    def static_decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """One new token per row [batch, 1, kv_heads, head_dim] written at the device column; returns
+        (key buffer, value buffer, filled columns [1]: the counter itself, one past the new token)."""
+        column = self._static_length
+        self._key_buffer.index_copy_(1, column, key_states.to(self._key_buffer.dtype))
+        self._value_buffer.index_copy_(1, column, value_states.to(self._value_buffer.dtype))
+        self._static_length.add_(1)
+        self.static_decode_advance()
+        return self._key_buffer, self._value_buffer, self._static_length
+
+    def static_decode_advance(self) -> None:
+        """The host part of one static decode step (what a replayed graph does not run)."""
+        self._static_used += 1
+        self.cumulative_length += 1
+        self.retrieval_lag += 1
+        self._refresh_static_views()
+
+    def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self._key_buffer, self._value_buffer, self._static_length)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -180,6 +260,7 @@ class SEAttentionLayerCache(CacheLayerMixin):
         return -1
 
     def _select_rows(self, index: torch.Tensor) -> None:
+        self._leave_static_decode()
         index = index.to(self.keys.device)
         self.keys, self.values = self.keys[index], self.values[index]
         self.rows = [self.rows[i].map_tensors(lambda t: t) for i in index.tolist()]
@@ -197,10 +278,11 @@ class SEAttentionLayerCache(CacheLayerMixin):
             self._select_rows(indices)
 
     def reset(self) -> None:
+        self._leave_static_decode()
         self.keys = self.values = None
         self.rows, self.chunk_size = [], None
         self.is_initialized = False
-        self.cumulative_length = 0
+        self.cumulative_length = self.retrieval_lag = 0
 
     # Crop (assisted decoding) -------------------------------------------------------------------
     # While past recording is on: a checkpoint of the row states and the queries of the tokens
@@ -208,6 +290,7 @@ class SEAttentionLayerCache(CacheLayerMixin):
     # the checkpoint over the kept queries with the layer's own row-state step (handed over with
     # the queries), so the retrieval state is exactly what the kept tokens alone would give.
     def activate_past_recording(self) -> None:
+        self._leave_static_decode()
         self.record_past = True
         self._start_query_record()
 
@@ -248,6 +331,11 @@ class SEAttentionLayerCache(CacheLayerMixin):
 
     def crop_error(self, removed: int) -> ValueError | None:
         """Why removing the last ``removed`` tokens is impossible now (None when it is possible)."""
+        if removed and self.retrieval_lag:
+            return ValueError(
+                f"this SE cache decoded {self.retrieval_lag} tokens through generate()'s static step, which keeps no "
+                "history for crops; decode with generate(..., decode_cuda_graph=False) before assisted decoding."
+            )
         length = self.cumulative_length
         history = getattr(self, "_queries", None)
         if removed and length - removed > 0 and (not self.record_past or history is None or length - removed < history.start or history.end != length):
