@@ -183,18 +183,26 @@ class RatPlusAttention(nn.Module):
 
         q_pos = context.positions
         k_pos_new = q_pos if context.query_valid is None else q_pos.masked_fill(~context.query_valid, -1)
+        # A segment from position 0 without padding (training, or a prefill into an empty cache):
+        # its own keys are all the keys, so dense and dilated groups run the block-end kernels on
+        # them instead of a mask over the cache's layout (a dense T x T mask at a long prefill).
+        fresh = context.key_valid is None and context.past_length == 0
+        own = None
+        if cache_layer is None or fresh:
+            own = []
+            for kv_heads in group_kv:
+                index = torch.tensor(kv_heads, device=k_rot.device)
+                own.append((k_rot.index_select(2, index), v_tilde_model.index_select(2, index), k_pos_new, None))
         if cache_layer is not None:
             cache_layer.record_token_states(k_tilde, v_tilde)  # kept only while a crop may need them
             per_group = cache_layer.update(
                 k_rot, v_tilde_model, k_pos_new, groups, group_kv, k_tilde[:, -1], v_tilde[:, -1],
                 static=seq == 1 and context.key_valid is None,  # fixed buffers in generate()'s static step
             )
+            if fresh:  # top-k groups keep the cache's block summaries
+                per_group = [c if pattern.kind == "topk" else o for (pattern, _), o, c in zip(groups, own, per_group)]
         else:
-            per_group = []
-            for kv_heads in group_kv:
-                index = torch.tensor(kv_heads, device=k_rot.device)
-                per_group.append((k_rot.index_select(2, index), v_tilde_model.index_select(2, index), k_pos_new, None))
-        fresh = cache_layer is None and context.key_valid is None and context.past_length == 0
+            per_group = own
 
         y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
         for (pattern, group_heads), kv_heads, (keys, values, k_pos, summary) in zip(groups, group_kv, per_group):

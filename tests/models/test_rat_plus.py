@@ -164,6 +164,29 @@ def test_prefill_plus_decode_equals_full_forward(name):
         assert_prefill_decode_matches(model, ids, prefill, sparse_config=PATTERNS[name])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and not __import__("os").environ.get("TRITON_INTERPRET"),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", ["dilated_window_sinks", "head_hybrid_mixed"])
+def test_prefill_into_an_empty_cache_runs_the_block_end_kernel(name, monkeypatch):
+    """A prefill into an empty cache attends over its own keys with the block-end kernels, like the
+    uncached forward: no mask over the cache's layout (at a long prompt, a dense T x T mask)."""
+    import hf_hybrid.layers.rat_plus_attention as layer_module
+
+    model = tiny_model(kernel_backend="triton", hidden_size=64)  # head_dim 16: the kernels' smallest
+    masks = []
+    real_mask = layer_module.dilated_mask
+    monkeypatch.setattr(layer_module, "dilated_mask", lambda *a, **k: masks.append(a[0].shape) or real_mask(*a, **k))
+    ids = torch.randint(1, VOCAB, (2, 37))
+    with torch.no_grad():
+        cached = model(ids[:, :30], use_cache=True, sparse_config=PATTERNS[name])
+        assert not masks, masks
+        uncached = model(ids[:, :30], use_cache=False, sparse_config=PATTERNS[name]).logits
+        torch.testing.assert_close(cached.logits, uncached, atol=1e-5, rtol=0)
+        step = model(ids[:, 30:31], past_key_values=cached.past_key_values, use_cache=True, sparse_config=PATTERNS[name])
+        full = model(ids[:, :31], use_cache=False, sparse_config=PATTERNS[name]).logits[:, -1:]
+        torch.testing.assert_close(step.logits, full, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["dilated_window_sinks", "moba_topk_window", "head_hybrid_mixed"])
 def test_chunked_prefill_equals_full_forward(name):
     model = tiny_model(num_hidden_layers=3)
