@@ -124,8 +124,8 @@ def test_fullgraph_training_step_equals_eager_reference_backend(arch):
 
 
 TRITON_OPS = {
-    # CPU runs the chunk-end (compact) attention; CUDA the block-end kernel (whole sequences).
-    "rat": {"rat_keys_values_fwd", "rms_norm_rotary_fwd", "chunk_end_attention_fwd", "sigmoid_gate_fwd"},
+    # Whole sequences take the block-end kernel (output gate fused) on CUDA and in the interpreter.
+    "rat": {"rat_keys_values_fwd", "rms_norm_rotary_fwd", "block_end_attention_fwd"},
     "rat_plus": {"gated_recurrence_fwd", "block_end_attention_fwd"},
     "fox": {"forgetting_attention_fwd"},
     "rattention": {"residual_linear_attention_fwd", "branch_norm_sum_fwd"},

@@ -156,6 +156,31 @@ class RatAttention(nn.Module):
             )
         return self._output(gate_z, y)
 
+    @staticmethod
+    def _fills_empty_cache(cache_layer) -> bool:
+        return cache_layer.get_seq_length() == 0 and not getattr(cache_layer, "record_past", False)
+
+    def _store_prefill(self, cache_layer, k, v, gate_logits, k_rot, v_tilde, k_tilde, positions, chunk_index, context) -> None:
+        """Chunk ends of a prefill from position 0 and the un-rotated state after its last token. The
+        fused kernel returns rotated keys only: the state comes from the recurrence over the last
+        (open) chunk alone, which restarts at its first token, so it is the op-by-op value exactly."""
+        batch, seq, L = v_tilde.shape[0], v_tilde.shape[1], self.chunk_size
+        if k_tilde is None:
+            tail = (seq - 1) // L * L  # first position of the last chunk
+            k_last, v_last = self._recurrences(
+                k[:, tail:], v[:, tail:], gate_logits[:, tail:], tail, positions[:, tail:], None
+            )
+            k_tilde, v_tilde_last = k_last, v_last
+        else:
+            v_tilde_last = v_tilde
+        closes_chunk = (positions + 1) % L == 0
+        if context.query_valid is not None:
+            closes_chunk = closes_chunk & context.query_valid
+        cache_layer.update(
+            k_rot, v_tilde, chunk_index.expand(batch, seq), closes_chunk.expand(batch, seq),
+            k_tilde[:, -1], v_tilde_last[:, -1], start_position=0, chunk_size=L,
+        )
+
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         heads, dim, L, groups = self.num_heads, self.head_dim, self.chunk_size, self.num_qk_groups
@@ -172,7 +197,12 @@ class RatAttention(nn.Module):
         cos_sin = self._chunk_rotary(context, chunk_index, seq)
         if cache_layer is not None and seq == 1 and start is not None and cache_layer.get_seq_length() > 0:
             return self._decode_step(q, k, v, gate_logits, gate_z, positions, chunk_index, cos_sin, cache_layer)
-        if self.fused_gates and cache_layer is None and start == 0:
+        # A whole sequence from position 0 (training, a cache-less forward, or a prefill into an empty
+        # cache that records nothing for crops) runs the fused kernels below; a cache then stores the
+        # segment's chunk ends and the recurrent state after its last token.
+        kernel = hidden_states.is_cuda or self.backend == "triton"
+        whole = start == 0 and (cache_layer is None or (kernel and self._fills_empty_cache(cache_layer)))
+        if self.fused_gates and whole:
             k_rot, v_tilde = rat_keys_values(k, v, gate_logits, self.gate_bias, L, cos_sin, backend=self.backend)
             k_tilde = None  # only a cache needs the un-rotated states
         else:
@@ -180,9 +210,11 @@ class RatAttention(nn.Module):
             k_rot = rotate(k_tilde, cos_sin, backend=self.backend)
         q = rotate(q, cos_sin, backend=self.backend)  # per group of heads; expanded where a path needs it
 
-        if cache_layer is None and start == 0 and hidden_states.is_cuda:
-            # Whole sequence from position 0: the fused kernels read the chunk ends and the shared
-            # q heads in place and apply the output gate (forward epilogue, row-wise backward).
+        if whole and kernel:
+            if cache_layer is not None:
+                self._store_prefill(cache_layer, k, v, gate_logits, k_rot, v_tilde, k_tilde, positions, chunk_index, context)
+            # The fused kernels read the chunk ends and the shared q heads in place and apply the
+            # output gate (forward epilogue, row-wise backward).
             y = block_end_attention(q, k_rot, v_tilde, L, backend=self.backend, output_gate=gate_z.view(v_tilde.shape))
             return self.o_proj(y.reshape(batch, seq, heads * dim))
         q = self._expand_groups(q)

@@ -326,6 +326,26 @@ def test_one_kernel_decode_step_decodes_like_the_full_forward(monkeypatch, overr
     assert len(calls) == 7 * 2  # 7 decode steps x 2 RAT layers
 
 
+@pytest.mark.parametrize("prefill", [5, 8, 13])  # mid-chunk, at a chunk end, past several chunks
+def test_prefill_into_an_empty_cache_runs_the_fused_kernels(monkeypatch, prefill):
+    """kernel_backend='triton': a prefill into an empty cache takes the fused keys/values and
+    block-end kernels of the cache-less forward; the op-by-op recurrence runs only over the last
+    (open) chunk, for the state decoding continues from, and prefill + decode equal the full forward."""
+    from hf_hybrid.layers import rat_attention
+
+    block_end, recurrence_lengths = [], []
+    real_block_end, real_recurrences = rat_attention.block_end_attention, rat_attention.RatAttention._recurrences
+    monkeypatch.setattr(rat_attention, "block_end_attention", lambda *a, **kw: block_end.append(1) or real_block_end(*a, **kw))
+    monkeypatch.setattr(rat_attention.RatAttention, "_recurrences",
+                        lambda self, k, *a: recurrence_lengths.append(k.shape[1]) or real_recurrences(self, k, *a))
+    model = tiny_model(hidden_size=64, num_attention_heads=4, kernel_backend="triton")
+    ids = torch.randint(1, VOCAB, (2, 17))
+    with torch.no_grad():
+        model(ids[:, :prefill], use_cache=True)
+    assert len(block_end) == 2 and recurrence_lengths == [(prefill - 1) % 4 + 1] * 2  # two RAT layers
+    assert_prefill_decode_matches(model, ids, prefill)
+
+
 @pytest.mark.gpu
 def test_gpu_decode_step_replays_in_a_cuda_graph():
     """A RAT layer's decode step captured once in a CUDA graph advances the recurrent state and
