@@ -323,6 +323,16 @@ def test_static_decode_step_is_marked_for_the_fused_backbone():
         backbone_fusion._enabled, backbone_fusion._allow_cpu, backbone_fusion._fused_decode = previous
     installed = backbone_fusion.liger_installed()
     assert (off, on, outside) == (False, installed, False)
+    # The per-head norm kernels (layers/fused_norms.py) follow the same switch.
+    from hf_hybrid.layers.fused_norms import norm_backend
+
+    assert norm_backend("auto", tokens=2) == "reference"
+    try:
+        backbone_fusion.set_backbone_fusion(backbone_fusion._enabled, fused_decode=True)
+        with backbone_fusion.static_decode_step():
+            assert norm_backend("auto", tokens=2) == "auto"
+    finally:
+        backbone_fusion._fused_decode = previous[2]
 
 
 def test_se_hybrid_static_step_is_full_mode_and_opt_in():

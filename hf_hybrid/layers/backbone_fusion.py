@@ -36,8 +36,9 @@ FUSED_MIN_TOKENS = 1024
 _min_tokens = FUSED_MIN_TOKENS
 # Inside generate()'s static decode step (hf_hybrid/generation: captured in a CUDA graph on the GPU)
 # there is no launch cost to amortise, only each kernel's own time: an RMSNorm as one kernel
-# instead of six saves ~25 kernels per FoX Pro layer per token. Opt-in (HF_HYBRID_FUSED_DECODE=1
-# or set_backbone_fusion(fused_decode=True)) until its GPU measurement and graph tests have run.
+# instead of six saves ~25 kernels per FoX Pro layer per token (and layers/fused_norms.py's
+# per-head norm kernels apply there too). Opt-in (HF_HYBRID_FUSED_DECODE=1 or
+# set_backbone_fusion(fused_decode=True)) until its GPU measurement and graph tests have run.
 _fused_decode = os.environ.get("HF_HYBRID_FUSED_DECODE", "0").strip().lower() in ("1", "true", "on", "yes")
 _static_decode_depth = 0
 
@@ -80,6 +81,12 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def fused_decode_active() -> bool:
+    """True inside generate()'s static decode step with fused_decode on: the fused norm kernels
+    (Liger's, and this package's per-head ones) apply there at any token count."""
+    return _fused_decode and _static_decode_depth > 0
+
+
 def fused_backbone_applies(x: torch.Tensor) -> bool:
     """True when the fused loss on ``x`` should run Liger's kernel (see the module docstring)."""
     # is_compiling() first: under torch.compile nothing after it is traced (find_spec is untraceable)
@@ -92,7 +99,7 @@ def fused_layer_applies(x: torch.Tensor) -> bool:
     or the static decode step with fused_decode on."""
     if not fused_backbone_applies(x):
         return False
-    return x.numel() >= _min_tokens * x.shape[-1] or (_fused_decode and _static_decode_depth > 0)
+    return x.numel() >= _min_tokens * x.shape[-1] or fused_decode_active()
 
 
 @functools.lru_cache(maxsize=None)

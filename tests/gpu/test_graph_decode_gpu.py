@@ -142,10 +142,11 @@ def test_graphed_decode_is_faster_than_eager():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", ["fox", "rat"])
+@pytest.mark.parametrize("name", ["fox", "rat", "rattention"])
 def test_fused_backbone_in_the_graphed_step(name, dtype):
-    """With fused_decode on (Liger's norm and SwiGLU inside the static step): the graph still replays
-    the static step exactly, and stays as exact as the eager path against the uncached forward."""
+    """With fused_decode on (Liger's norm and SwiGLU, and the per-head norm kernels, inside the static
+    step): the graph still replays the static step exactly, and stays as exact as the eager path
+    against the uncached forward."""
     pytest.importorskip("liger_kernel")
     from hf_hybrid.layers import backbone_fusion
 
