@@ -26,8 +26,10 @@ PROGRAMS_PER_SM = 16
 _SM_COUNT: dict[int, int] = {}
 
 
-def split_count(rows_heads: int, keys: int, block: int, device: torch.device) -> tuple[int, int]:
-    """(splits, keys per split: a multiple of block) for rows_heads (row, head) pairs over `keys` slots."""
+def plan_splits(rows_heads: int, keys: int, block: int, dim: int, device: torch.device):
+    """(splits, keys per split: a multiple of block, stats [2, pairs]: m and l, partial outputs
+    [pairs, dim]) for rows_heads (row, head) pairs over ``keys`` slots, float32. With one split the
+    kernel writes the output directly (DIRECT) and the buffers are unread placeholders."""
     blocks = triton.cdiv(max(keys, 1), block)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -36,17 +38,12 @@ def split_count(rows_heads: int, keys: int, block: int, device: torch.device) ->
         wanted = (PROGRAMS_PER_SM * _SM_COUNT[index]) // max(rows_heads, 1)
     else:  # Triton's CPU interpreter: three splits wherever there are blocks for them (tests the merge)
         wanted = 3
-    splits = max(1, min(wanted, blocks))
-    per_split = triton.cdiv(blocks, splits) * block
-    return triton.cdiv(max(keys, 1), per_split), per_split
-
-
-def partial_buffers(rows_heads: int, splits: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stats [2, rows_heads * splits]: m and l, partial outputs [rows_heads * splits, dim]), float32;
-    one split writes the output directly (DIRECT) and gets unread placeholders."""
+    per_split = triton.cdiv(blocks, max(1, min(wanted, blocks))) * block
+    splits = triton.cdiv(max(keys, 1), per_split)
     pairs = rows_heads * splits if splits > 1 else 1
     stats = torch.empty(2, pairs, device=device, dtype=torch.float32)
-    return stats, torch.empty(pairs, dim if splits > 1 else 1, device=device, dtype=torch.float32)
+    partial = torch.empty(pairs, dim if splits > 1 else 1, device=device, dtype=torch.float32)
+    return splits, per_split, stats, partial
 
 
 @triton.jit

@@ -156,6 +156,11 @@ class RatAttention(nn.Module):
             )
         return self._output(gate_z, y)
 
+    def _closes_chunk(self, positions: torch.Tensor, context: SequenceContext) -> torch.Tensor:
+        """Which (real) tokens end their chunk: the ones whose k~, v~ a cache keeps."""
+        closes_chunk = (positions + 1) % self.chunk_size == 0
+        return closes_chunk if context.query_valid is None else closes_chunk & context.query_valid
+
     @staticmethod
     def _fills_empty_cache(cache_layer) -> bool:
         return cache_layer.get_seq_length() == 0 and not getattr(cache_layer, "record_past", False)
@@ -173,11 +178,8 @@ class RatAttention(nn.Module):
             k_tilde, v_tilde_last = k_last, v_last
         else:
             v_tilde_last = v_tilde
-        closes_chunk = (positions + 1) % L == 0
-        if context.query_valid is not None:
-            closes_chunk = closes_chunk & context.query_valid
         cache_layer.update(
-            k_rot, v_tilde, chunk_index.expand(batch, seq), closes_chunk.expand(batch, seq),
+            k_rot, v_tilde, chunk_index.expand(batch, seq), self._closes_chunk(positions, context).expand(batch, seq),
             k_tilde[:, -1], v_tilde_last[:, -1], start_position=0, chunk_size=L,
         )
 
@@ -219,9 +221,7 @@ class RatAttention(nn.Module):
             return self.o_proj(y.reshape(batch, seq, heads * dim))
         q = self._expand_groups(q)
 
-        closes_chunk = (positions + 1) % L == 0
-        if context.query_valid is not None:
-            closes_chunk = closes_chunk & context.query_valid
+        closes_chunk = self._closes_chunk(positions, context)
         if cache_layer is not None:
             cache_layer.record_token_states(k_tilde, v_tilde)  # kept only while a crop may need them
             k_ends, v_ends = cache_layer.update(

@@ -236,3 +236,42 @@ def restore_into(held: torch.Tensor | None, value: torch.Tensor | None) -> torch
     if held is not None and held.shape == value.shape and held.dtype == value.dtype and held.device == value.device:
         return held.copy_(value)
     return value.clone()
+
+
+class StaticColumns:
+    """Cached tensors that grow along dim 1 ([batch, tokens, ...]), moved into buffers of ``capacity``
+    columns for generate()'s static decode step (hf_hybrid/generation/graph_decode.py), like
+    transformers' StaticCache. ``length`` [1] is the device counter of filled columns that a captured
+    step reads and advances (:meth:`write`); ``used`` is its host mirror, advanced by :meth:`advance`
+    (the host part of a step, which a replayed graph does not run)."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], capacity: int):
+        self.used = tensors[0].shape[1]
+        self.buffers = []
+        for x in tensors:
+            buffer = x.new_zeros(x.shape[0], capacity, *x.shape[2:])
+            buffer[:, : self.used] = x
+            self.buffers.append(buffer)
+        self.length = torch.full((1,), self.used, dtype=torch.long, device=tensors[0].device)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].shape[1]
+
+    @property
+    def has_room(self) -> bool:
+        return self.used < self.capacity
+
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """The filled columns of every buffer (what the layer's ordinary attributes hold meanwhile)."""
+        return tuple(buffer[:, : self.used] for buffer in self.buffers)
+
+    def write(self, *columns: torch.Tensor) -> None:
+        """One new column per buffer ([batch, 1, ...], in buffer order) at the device counter, which
+        then moves one on."""
+        for buffer, column in zip(self.buffers, columns):
+            buffer.index_copy_(1, self.length, column.to(buffer.dtype))
+        self.length.add_(1)
+
+    def advance(self) -> None:
+        self.used += 1

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._split_decode import combine, empty_state, online_update, partial_buffers, split_count, store_partial
+from .._split_decode import combine, empty_state, online_update, plan_splits, store_partial
 
 LOG2E = 1.4426950408889634
 # H100 sweep (512 rows x 16 heads x 256 ends, 128 dims; docs/device_runs/rat_decode_kernel_sweep_h100.json):
@@ -93,8 +93,7 @@ def chunk_end_decode_triton(
     tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_own, v_own, k_ends, v_ends)]
     q, k_own, v_own, k_ends, v_ends = tensors
     scale = head_dim**-0.5 if scale is None else float(scale)
-    splits, per_split = split_count(batch * heads, k_ends.shape[1], DECODE_BLOCK_N, q.device)
-    stats, partial = partial_buffers(batch * heads, splits, head_dim, q.device)
+    splits, per_split, stats, partial = plan_splits(batch * heads, k_ends.shape[1], DECODE_BLOCK_N, head_dim, q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _decode_kernel[(batch * heads, splits)](
         q, k_own, v_own, k_ends, v_ends, query_chunk, stats[0], stats[1], partial, out,

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._split_decode import combine, empty_state, partial_buffers, split_count, store_partial
+from .._split_decode import combine, empty_state, plan_splits, store_partial
 from .decode import DECODE_BLOCK_N, DECODE_WARPS, LOG2E, _attend_ends
 from .rat_decode import CosSin, rat_decode_supported
 
@@ -115,8 +115,7 @@ def rat_decode_step_triton(
     cos, sin = cos_sin if cos_sin is not None else (q_groups, q_groups)  # unread without RoPE
     cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
     scale = dim**-0.5 if scale is None else float(scale)
-    splits, per_split = split_count(batch * heads, key_buffer.shape[1], DECODE_BLOCK_N, v.device)
-    stats, partial = partial_buffers(batch * heads, splits, dim, v.device)
+    splits, per_split, stats, partial = plan_splits(batch * heads, key_buffer.shape[1], DECODE_BLOCK_N, dim, v.device)
     out = torch.empty_like(v)
     _rat_decode_kernel[(batch * heads, splits)](
         q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, cos, sin,

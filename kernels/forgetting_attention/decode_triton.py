@@ -16,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._split_decode import combine, empty_state, online_update, partial_buffers, split_count, store_partial
+from .._split_decode import combine, empty_state, online_update, plan_splits, store_partial
+from .triton import LOG2E  # a constexpr: the kernel may read it
 
-LOG2E = 1.4426950408889634
-_LOG2E = tl.constexpr(LOG2E)  # a global a compiled kernel may read
 # H100 sweep (hf_hybrid/bench/split_decode_sweep.py, docs/device_runs/split_decode_sweep_h100.json): 64 x 4 warps
 # with 16 programs per SM had the lowest time summed over B=8 / 16K and B=32 / 2K (0.362 + 0.192 ms
 # per layer step, SDPA 0.390 + 0.214); 16 x 2 was within 1%, 16 x 8 took 3.5x longer.
@@ -58,7 +57,7 @@ def _partial_kernel(
         k = tl.load(k_base + offs[:, None] * skt + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_base + offs[:, None] * svt + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         c_k = tl.load(CK + b * sckb + offs * sckt + h * sckh, mask=ok, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], 1) * qk_scale + (c_q - c_k) * _LOG2E
+        s = tl.sum(k * q[None, :], 1) * qk_scale + (c_q - c_k) * LOG2E
         s = tl.where(ok, s, float("-inf"))
         m_i, l_i, acc = online_update(m_i, l_i, acc, s, v)
     store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * splits + split, m_i, l_i, acc, dims,
@@ -83,8 +82,7 @@ def forgetting_attention_decode_triton(
     batch, _, heads, dim = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    splits, per_split = split_count(batch * heads, keys, BLOCK_N, q.device)
-    stats, partial = partial_buffers(batch * heads, splits, dim, q.device)
+    splits, per_split, stats, partial = plan_splits(batch * heads, keys, BLOCK_N, dim, q.device)
     mask = key_mask if key_mask is not None else length  # unread without a mask
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
     if mask.dtype == torch.bool:
@@ -96,7 +94,7 @@ def forgetting_attention_decode_triton(
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         c_q.stride(0), c_q.stride(2), c_k.stride(0), c_k.stride(1), c_k.stride(2), *mask_strides,
         length.stride(0) if length.numel() > 1 else 0, out.stride(0), out.stride(2),
-        heads, heads // kv_heads, keys, per_split, window_size or 0, scale * LOG2E,
+        heads, heads // kv_heads, keys, per_split, window_size or 0, scale * LOG2E.value,
         HEAD_DIM=dim, BLOCK=BLOCK_N, HAS_MASK=key_mask is not None, HAS_WINDOW=window_size is not None,
         DIRECT=splits == 1, num_warps=WARPS,
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, TensorMapLayer, restore_into, tokens_to_keep
+from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, StaticColumns, TensorMapLayer, restore_into, tokens_to_keep
 
 
 class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
@@ -68,70 +68,55 @@ class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
         self.shift_key, self.shift_value = shift_key, shift_value
         return self.keys, self.values, self.cum_log_forget
 
-    # Static decode protocol (hf_hybrid/generation/graph_decode.py): like transformers' StaticCache,
-    # K/V and the cumulative log forget live in buffers of generate()'s max_length; a decode step
-    # writes column ``_static_length`` (a device counter) and attends over the whole buffer with the
-    # columns past it masked, so the step has the same shapes at every position.
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py): K/V and the cumulative log forget
+    # live in buffers of generate()'s max_length (StaticColumns); a decode step writes the device
+    # column and attends over the whole buffer up to the filled length, so the step has the same
+    # shapes at every position.
     @property
     def static_decode_active(self) -> bool:
         """True while the cache decodes into its fixed buffers and has room for one more token."""
-        return self._static_on and self._static_used < self._key_buffer.shape[1]
+        return self._static is not None and self._static.has_room
 
     def _leave_static_decode(self) -> None:
-        self._static_on = False
-        self._key_buffer = self._value_buffer = self._cum_buffer = self._static_length = None
+        self._static: StaticColumns | None = None
 
     def prepare_static_decode(self, capacity: int, config) -> bool:
         """Move the cache into buffers of ``capacity`` columns (once). False before the prefill or when full."""
-        if self._static_on and self._key_buffer.shape[1] == capacity:
+        if self._static is not None and self._static.capacity == capacity:
             return self.static_decode_active
         used = self.get_seq_length()
         if not used or used >= capacity:
             return False
-        keys, values, cum = self.keys, self.values, self.cum_log_forget
-
-        def buffer(x):
-            out = x.new_zeros(x.shape[0], capacity, *x.shape[2:])
-            out[:, :used] = x
-            return out
-
-        self._key_buffer, self._value_buffer, self._cum_buffer = buffer(keys), buffer(values), buffer(cum)
-        self._static_length = torch.full((1,), used, dtype=torch.long, device=keys.device)
+        self._static = StaticColumns((self.keys, self.values, self.cum_log_forget), capacity)
         self.shift_key = None if self.shift_key is None else self.shift_key.clone()  # own storage, updated in place
         self.shift_value = None if self.shift_value is None else self.shift_value.clone()
-        self._static_used = used
-        self._static_on = True
         self._refresh_static_views()
         return True
 
     def _refresh_static_views(self) -> None:
-        used = self._static_used
-        self.keys, self.values = self._key_buffer[:, :used], self._value_buffer[:, :used]
-        self.cum_log_forget = self._cum_buffer[:, :used]
+        self.keys, self.values, self.cum_log_forget = self._static.views()
 
     def static_decode_update(self, key_states, value_states, log_forget, shift_key=None, shift_value=None):
-        """One new token per row [batch, 1, ...], written at the device column ``_static_length``.
-        Returns (key buffer, value buffer, c of the new token [batch, 1, heads], c buffer, filled
-        columns [1]: the device counter itself, now one past the new token's column)."""
-        column = self._static_length
-        c_new = self._cum_buffer.index_select(1, column - 1) + log_forget.float()
-        self._key_buffer.index_copy_(1, column, key_states.to(self._key_buffer.dtype))
-        self._value_buffer.index_copy_(1, column, value_states.to(self._value_buffer.dtype))
-        self._cum_buffer.index_copy_(1, column, c_new)
+        """One new token per row [batch, 1, ...], written at the device column. Returns (key buffer,
+        value buffer, c of the new token [batch, 1, heads], c buffer, filled columns [1]: the device
+        counter itself, now one past the new token's column)."""
+        static = self._static
+        key_buffer, value_buffer, cum_buffer = static.buffers
+        c_new = cum_buffer.index_select(1, static.length - 1) + log_forget.float()
+        static.write(key_states, value_states, c_new)
         for held, new in ((self.shift_key, shift_key), (self.shift_value, shift_value)):
             if held is not None and new is not None:
                 held.copy_(new)
-        self._static_length.add_(1)
         self.static_decode_advance()
-        return self._key_buffer, self._value_buffer, c_new, self._cum_buffer, self._static_length
+        return key_buffer, value_buffer, c_new, cum_buffer, static.length
 
     def static_decode_advance(self) -> None:
         """The host part of one decode step (what a replayed graph does not run)."""
-        self._static_used += 1
+        self._static.advance()
         self._refresh_static_views()
 
     def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return (self._key_buffer, self._value_buffer, self._cum_buffer, self._static_length, self.shift_key, self.shift_value)
+        return (*self._static.buffers, self._static.length, self.shift_key, self.shift_value)
 
     def get_seq_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1]

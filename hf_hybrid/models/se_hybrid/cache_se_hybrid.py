@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLaye
 
 from ...kernels.ssd_scan import ssd_scan
 from ...layers.span_expanded_attention import SERowState
-from ..cache_layer import DEFAULT_CROP_WINDOW, CroppableCacheMixin, TokenHistory, crop_limit_error, tokens_to_keep
+from ..cache_layer import DEFAULT_CROP_WINDOW, CroppableCacheMixin, StaticColumns, TokenHistory, crop_limit_error, tokens_to_keep
 from .configuration_se_hybrid import canonical_layer_type
 
 
@@ -153,9 +153,7 @@ class SEAttentionLayerCache(CacheLayerMixin):
         # Tokens appended without advancing the rows' retrieval states (static `full` decode steps,
         # and `full` steps after them): `full` mode never reads those states, a retrieval mode refuses.
         self.retrieval_lag = 0
-        self._static_on = False
-        self._key_buffer = self._value_buffer = self._static_length = None
-        self._static_used = 0
+        self._static: StaticColumns | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, _, heads, dim = key_states.shape
@@ -195,60 +193,45 @@ class SEAttentionLayerCache(CacheLayerMixin):
         return self.rows[row]
 
     # Static decode protocol (hf_hybrid/generation/graph_decode.py), `full` mode only (the layer
-    # checks): like FoX's cache, K/V live in buffers of generate()'s max_length, a step writes column
-    # ``_static_length`` (a device counter) and attends over the buffer with the columns past it
+    # checks): like FoX's cache, K/V live in buffers of generate()'s max_length, a step writes
+    # the device column (StaticColumns) and attends over the buffer with the columns past it
     # masked. The per-row retrieval state is data-dependent host work with no place in a graph: those
     # steps only count retrieval_lag.
     @property
     def static_decode_active(self) -> bool:
-        return self._static_on and self._static_used < self._key_buffer.shape[1]
+        return self._static is not None and self._static.has_room
 
     def _leave_static_decode(self) -> None:
-        self._static_on = False
-        self._key_buffer = self._value_buffer = self._static_length = None
+        self._static = None
 
     def prepare_static_decode(self, capacity: int, config) -> bool:
         """Move K/V into buffers of ``capacity`` columns (once). False before the prefill, when full
         or while recording the past for crops."""
-        if self._static_on and self._key_buffer.shape[1] == capacity:
+        if self._static is not None and self._static.capacity == capacity:
             return self.static_decode_active
         used = self.cumulative_length
         if not self.is_initialized or not used or used >= capacity or self.record_past:
             return False
-
-        def buffer(x):
-            out = x.new_zeros(x.shape[0], capacity, *x.shape[2:])
-            out[:, :used] = x
-            return out
-
-        self._key_buffer, self._value_buffer = buffer(self.keys), buffer(self.values)
-        self._static_length = torch.full((1,), used, dtype=torch.long, device=self.keys.device)
-        self._static_used, self._static_on = used, True
-        self._refresh_static_views()
+        self._static = StaticColumns((self.keys, self.values), capacity)
+        self.keys, self.values = self._static.views()
         return True
-
-    def _refresh_static_views(self) -> None:
-        self.keys, self.values = self._key_buffer[:, : self._static_used], self._value_buffer[:, : self._static_used]
 
     def static_decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """One new token per row [batch, 1, kv_heads, head_dim] written at the device column; returns
         (key buffer, value buffer, filled columns [1]: the counter itself, one past the new token)."""
-        column = self._static_length
-        self._key_buffer.index_copy_(1, column, key_states.to(self._key_buffer.dtype))
-        self._value_buffer.index_copy_(1, column, value_states.to(self._value_buffer.dtype))
-        self._static_length.add_(1)
+        self._static.write(key_states, value_states)
         self.static_decode_advance()
-        return self._key_buffer, self._value_buffer, self._static_length
+        return (*self._static.buffers, self._static.length)
 
     def static_decode_advance(self) -> None:
         """The host part of one static decode step (what a replayed graph does not run)."""
-        self._static_used += 1
+        self._static.advance()
+        self.keys, self.values = self._static.views()
         self.cumulative_length += 1
         self.retrieval_lag += 1
-        self._refresh_static_views()
 
     def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return (self._key_buffer, self._value_buffer, self._static_length)
+        return (*self._static.buffers, self._static.length)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
