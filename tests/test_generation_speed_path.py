@@ -74,8 +74,7 @@ def rat_plus_model(**overrides):
 
 
 def se_hybrid_model(**overrides):
-    """A tiny SE hybrid (Mamba-2, attention, Mamba-2) in `full` mode: its static step is opt-in, and
-    decode_cuda_graph="eager" (these tests) is an explicit setting."""
+    """A tiny SE hybrid (Mamba-2, attention, Mamba-2) in `full` mode (its static step covers that mode)."""
     settings = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"], mamba_d_head=8, mamba_d_state=8,
@@ -335,15 +334,14 @@ def test_static_decode_step_is_marked_for_the_fused_backbone():
         backbone_fusion._fused_decode = previous[2]
 
 
-def test_se_hybrid_static_step_is_full_mode_and_opt_in():
-    """The SE hybrid's static step covers `full` mode, on explicit request; after it the cache keeps
+def test_se_hybrid_static_step_is_full_mode_only():
+    """The SE hybrid's static step covers `full` mode (by default); after it the cache keeps
     decoding in `full` mode exactly, and refuses a retrieval mode with the fix instead of a wrong result."""
     from hf_hybrid.models.compat import cache_of
 
     model = se_hybrid_model()
-    assert "opt-in" in model.static_decode_reason({}, explicit=False)
-    assert "retrieval" in model.static_decode_reason({"attention_mode": "se"}, explicit=True)
-    assert model.static_decode_reason({}, explicit=True) is None
+    assert model.static_decode_reason({}) is None
+    assert "retrieval" in model.static_decode_reason({"attention_mode": "se"})
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
     out, report = generate(model, ids, "eager", max_new_tokens=5, do_sample=False)
     assert report["static_steps"] == 4

@@ -6,10 +6,12 @@ transformers' LlamaForCausalLM with a static cache (which generate() compiles au
 
 Every model has the same shape: 8 layers of the 1.3B configuration (hidden 2048, 16 heads x 128,
 intermediate 5632, vocab 32000), random weights, bf16, greedy decoding without EOS. A model's ms
-per token is (time of generate(N2) - time of generate(N1)) / (N2 - N1), so prefill, compilation
-and graph capture cancel out; each time is the best of ``--repeats`` runs after a warm-up run.
-Llama decodes into one user-made StaticCache of fixed length (reset before each run), so both
-lengths reuse one compiled graph.
+per token is the time from the first new token to the last (CUDA events recorded by a logits
+processor, so generate()'s own per-step work is in it and the prefill is not) over ``--new`` - 1;
+the best of ``--repeats`` runs after a warm-up generate() (compilation, autotuning, capture).
+Llama decodes into one user-made StaticCache of fixed length (reset before each run), so every
+run reuses one compiled graph. (Until 2026-11-25 this subtracted two whole generate() calls; the
+SE hybrid's 16K prefill made that difference noisy, 0.8 to 2.3 ms per token in two runs.)
 """
 from __future__ import annotations
 
@@ -26,8 +28,7 @@ SHAPE = dict(
     hidden_size=2048, num_attention_heads=16, head_dim=128, intermediate_size=5632, vocab_size=32000,
     num_hidden_layers=8,
 )
-MODELS = ("llama", "rat", "rat_plus_d16", "rattention", "fox")
-OPTIONAL_MODELS = ("se_hybrid",)  # named with --models: its static step is opt-in (decode_cuda_graph=True)
+MODELS = ("llama", "rat", "rat_plus_d16", "rattention", "fox", "se_hybrid")
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
@@ -58,7 +59,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
         # The default layer types (Mamba-2 with attention every few layers), `full` attention mode.
         config = SEHybridConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
     else:
-        raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS + OPTIONAL_MODELS}.")
+        raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS}.")
     config.pad_token_id, config.eos_token_id = 0, None
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -68,8 +69,8 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
 
 
 @contextlib.contextmanager
-def fused_decode(enabled: bool):
-    """backbone_fusion's fused_decode switched to ``enabled`` for one variant, then restored."""
+def fused_decode(enabled: bool | None):
+    """backbone_fusion's fused_decode switched to ``enabled`` (None: as it is) for one variant, then restored."""
     from ..layers import backbone_fusion
 
     previous = backbone_fusion._fused_decode
@@ -88,21 +89,32 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def ms_per_token(model, ids: torch.Tensor, short: int, long: int, repeats: int, **generate_kwargs) -> tuple[float, dict | None]:
+def ms_per_token(model, ids: torch.Tensor, warmup: int, new: int, repeats: int, **generate_kwargs) -> tuple[float, dict | None]:
+    """ms per new token of generate(..., max_new_tokens=new): the first token's stamp to the last
+    (CUDA events from a logits processor), divided by new - 1, so the prefill is not in it; the
+    best of ``repeats`` runs after a warm-up generate() of ``warmup`` tokens."""
+    from transformers import LogitsProcessorList
+
+    from ..bench.models import TokenClock
+
     mask = torch.ones_like(ids)
     cache = generate_kwargs.pop("static_cache", None)
+    clock = TokenClock(ids.device)
 
     def run(tokens):
         if cache is not None:
             cache.reset()
             generate_kwargs[CACHE_NAME] = cache  # also Llama's generate(), which takes only the installed name
+        begin = clock.start()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **generate_kwargs)
+            model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                           logits_processor=LogitsProcessorList([clock]), **generate_kwargs)
+        if len(clock.stamps) != tokens:
+            raise RuntimeError(f"generate() stamped {len(clock.stamps)} tokens, expected {tokens}")
+        return clock.elapsed_ms(begin)[1] / (tokens - 1)
 
-    _timed(lambda: run(short))  # warm-up: compilation, autotuning
-    t_short = min(_timed(lambda: run(short)) for _ in range(repeats))
-    t_long = min(_timed(lambda: run(long)) for _ in range(repeats))
-    return 1000 * (t_long - t_short) / (long - short), getattr(model, "last_decode_report", None)
+    run(warmup)  # compilation, autotuning, graph capture
+    return min(run(new) for _ in range(repeats)), getattr(model, "last_decode_report", None)
 
 
 def decode_loop_ms(model, ids: torch.Tensor, steps: int, mode: str = "graph") -> float:
@@ -138,44 +150,43 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=2048)
-    parser.add_argument("--short", type=int, default=8, help="N1 new tokens")
-    parser.add_argument("--long", type=int, default=40, help="N2 new tokens")
+    parser.add_argument("--warmup", type=int, default=8, help="new tokens of the warm-up generate()")
+    parser.add_argument("--new", type=int, default=40, help="new tokens of each timed generate()")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--eager", action="store_true", help="also time our models with decode_cuda_graph=False")
     parser.add_argument("--eager-models", default="", help="comma list: time these with decode_cuda_graph=False too")
     parser.add_argument("--floor", action="store_true", help="also time the graphed step in a bare loop (decode_loop_ms)")
-    parser.add_argument("--fused-decode", action="store_true",
-                        help="also time our models with Liger's norm / SwiGLU inside the graphed step (backbone_fusion fused_decode)")
+    parser.add_argument("--unfused-decode", action="store_true",
+                        help="also time our models without the fused norm / SwiGLU kernels in the graphed step (fused_decode off)")
     parser.add_argument("--json", help="append the rows to this JSON-lines file")
     args = parser.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
     rows = []
     ids = torch.randint(3, 32000, (args.batch, args.prompt), device=device)
     for name in args.models.split(","):
-        model = build_model(name, device, dtype, args.prompt + args.long + 16)
+        model = build_model(name, device, dtype, args.prompt + args.new + 16)
         variants = {}
         if name == "llama":
             from transformers import StaticCache
 
-            cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.long)
+            cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.new)
             variants["static_compiled"] = dict(static_cache=cache)
         else:
-            # Default arguments; the SE hybrid's static step is opt-in, so it is asked for explicitly.
-            variants["graph"] = dict(decode_cuda_graph=True if name in OPTIONAL_MODELS else None)
-            if args.fused_decode:
-                variants["graph_fused_decode"] = dict(decode_cuda_graph=None, fused_decode=True)
+            variants["graph"] = dict(decode_cuda_graph=None)  # default arguments
+            if args.unfused_decode:
+                variants["graph_unfused_decode"] = dict(decode_cuda_graph=None, fused_decode=False)
             if args.eager or name in args.eager_models.split(","):
                 variants["eager"] = dict(decode_cuda_graph=False)
         for variant, kwargs in variants.items():
-            with fused_decode(kwargs.pop("fused_decode", False)):
-                ms, report = ms_per_token(model, ids, args.short, args.long, args.repeats, **kwargs)
+            with fused_decode(kwargs.pop("fused_decode", None)):
+                ms, report = ms_per_token(model, ids, args.warmup, args.new, args.repeats, **kwargs)
             row = dict(model=name, variant=variant, batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),
                        tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=report)
             print(json.dumps(row), flush=True)
             rows.append(row)
         if args.floor and name != "llama":
-            ms = decode_loop_ms(model, ids, args.long)
+            ms = decode_loop_ms(model, ids, args.new)
             row = dict(model=name, variant="bare_graph_loop", batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),
                        tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=None)
             print(json.dumps(row), flush=True)

@@ -35,9 +35,8 @@ and the CPU tests of this path). ``model.last_decode_report`` says what the last
 Covered (every layer of the stack has the protocol): RAT (``rat`` layers; RAT-SWA and attention
 layers keep the eager path), FoX, RATTENTION (local ring once the window is full, global layers
 on preallocated K/V), RAT+ dense and dilated patterns with one head group per layer, and the SE
-hybrid in ``full`` attention mode (Mamba-2 states in place, attention K/V preallocated) when
-decode_cuda_graph is set explicitly: on auto it stays eager until its GPU run (a model vetoes
-through ``static_decode_reason``). Eager: top-k RAT+ patterns, RAT+ layers with several head
+hybrid in ``full`` attention mode (Mamba-2 states in place, attention K/V preallocated; a model
+vetoes a call through ``static_decode_reason``). Eager: top-k RAT+ patterns, RAT+ layers with several head
 groups, SE-Attn retrieval modes, left-padded prompts, beam search, assisted decoding.
 
 The caches keep ``is_compileable = False`` on purpose: transformers would then wrap the forward in
@@ -166,9 +165,8 @@ class DecodeGraphSession:
     holds the one :class:`StaticDecodeStep` in use (a new one when the cache, batch, capacity or
     mixer options change)."""
 
-    def __init__(self, model, mode: str, explicit: bool = False):
+    def __init__(self, model, mode: str):
         self.model, self.mode = model, mode
-        self.explicit = explicit  # decode_cuda_graph was set (True / "eager"), not left to auto
         self.max_length: int | None = None
         self.blocked: str | None = None  # why this generation decodes eagerly (beam search, ...)
         self.unpadded: bool | None = None
@@ -210,8 +208,8 @@ class DecodeGraphSession:
             return "the cache records its past for crops (assisted decoding)"
         if not static_decode_supported(past_key_values):
             return f"{type(past_key_values).__name__} has layers without a static decode step"
-        # A model may veto for its own reasons (the SE hybrid: retrieval modes, opt-in on auto).
-        return self.model.static_decode_reason(kwargs, self.explicit)
+        # A model may veto for its own reasons (the SE hybrid: its retrieval modes).
+        return self.model.static_decode_reason(kwargs)
 
     def note_forward(self, input_ids, inputs_embeds, attention_mask, past_key_values) -> None:
         """Record from the prefill (a forward on an empty cache) whether any row is padded: decode
@@ -282,7 +280,7 @@ class DecodeGraphMixin:
         setting = decode_cuda_graph if decode_cuda_graph is not None else getattr(self.config, "decode_cuda_graph", None)
         mode = resolve_decode_mode(setting, self.device)
         rename_cache_kwarg(kwargs, CACHE_NAME)  # a cache passed under either name reaches generate() under its own
-        session = DecodeGraphSession(self, mode, explicit=setting is not None) if mode is not None else None
+        session = DecodeGraphSession(self, mode) if mode is not None else None
         previous, self._decode_graph_session = self._decode_graph_session, session
         try:
             return super().generate(*args, **kwargs)
@@ -292,10 +290,9 @@ class DecodeGraphMixin:
             if session is not None:
                 session.release()
 
-    def static_decode_reason(self, forward_kwargs: dict, explicit: bool) -> str | None:
+    def static_decode_reason(self, forward_kwargs: dict) -> str | None:
         """Why this model's next one-token step must decode eagerly (None: the static step may run).
-        ``forward_kwargs``: the forward's extra keywords (mixer options); ``explicit``: whether the
-        user set decode_cuda_graph rather than leaving it to auto. Architectures override it."""
+        ``forward_kwargs``: the forward's extra keywords (mixer options). Architectures override it."""
         return None
 
     def _note_generation_config(self, generation_config) -> None:

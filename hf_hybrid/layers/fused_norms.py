@@ -34,7 +34,7 @@ def norm_backend(layer_backend: str, tokens: int | None = None) -> str:
     over; op-specific names such as RLA's "chunked" (a PyTorch path for the RLA op) leave the
     norms on "auto", and "auto" keeps PyTorch for fewer than FUSED_MIN_TOKENS tokens."""
     backend = layer_backend if layer_backend in BACKENDS else "auto"
-    # Inside generate()'s graphed decode step there is no launch cost to amortise (opt-in, see
+    # Inside generate()'s graphed decode step there is no launch cost to amortise (on by default, see
     # backbone_fusion.fused_decode_active): one fused kernel there instead of a dozen small ones.
     if backend == "auto" and tokens is not None and tokens < FUSED_MIN_TOKENS and not fused_decode_active():
         return "reference"

@@ -30,7 +30,7 @@ CONFIGS = {
     # float32, 77 tokens), outside the decode step this file checks.
     "rattention": lambda: RattentionConfig(**SHAPE, num_key_value_heads=2, window_size=32, kernel_backend="chunked"),
     "rat_plus_dense": lambda: RatPlusConfig(**SHAPE, num_key_value_heads=2),
-    # `full` mode; its static step is opt-in (decode_cuda_graph=True, which these tests pass).
+    # `full` mode (the static step's coverage; retrieval modes decode eagerly).
     "se_hybrid": lambda: SEHybridConfig(**SHAPE, num_key_value_heads=2),
     "rat_plus_d16": lambda: RatPlusConfig(
         **SHAPE, num_key_value_heads=2,

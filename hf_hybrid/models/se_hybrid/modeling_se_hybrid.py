@@ -203,14 +203,12 @@ class SEHybridModel(SEHybridPreTrainedModel, HybridModel):
 class SEHybridForCausalLM(SEHybridPreTrainedModel, HybridForCausalLM):
     base_model_class = SEHybridModel
 
-    def static_decode_reason(self, forward_kwargs: dict, explicit: bool) -> str | None:
+    def static_decode_reason(self, forward_kwargs: dict) -> str | None:
         """generate()'s static step covers `full` mode only (the retrieval modes keep per-row state on
-        the host), and on auto waits for its GPU measurement: decode_cuda_graph=True opts in."""
+        the host); in `full` mode it is the default on CUDA, as for the other architectures."""
         mode = forward_kwargs.get("attention_mode") or self.config.attention_mode
         if mode != "full":
             return f"attention_mode={mode!r}: SE-Attn retrieval decodes per row (eager)"
-        if not explicit:
-            return "the SE hybrid's static decode step is opt-in for now: generate(..., decode_cuda_graph=True)"
         return None
 
     def forward(
