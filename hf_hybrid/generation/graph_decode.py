@@ -55,6 +55,7 @@ step in a bare loop).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -98,6 +99,29 @@ def static_decode_supported(cache) -> bool:
     )
 
 
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_graph(graph: torch.cuda.CUDAGraph, fn):
+    """Record ``fn()`` into ``graph`` on a side stream and return its outputs: what
+    ``torch.cuda.graph`` does, without its ``torch.cuda.empty_cache()``, which handed the cached
+    blocks of the prefill (gigabytes at long prompts) back to the driver once per generate(), for
+    the next prefill to allocate again."""
+    device = torch.cuda.current_device()
+    stream = _capture_streams.setdefault(device, torch.cuda.Stream(device))
+    torch.cuda.synchronize()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        # thread_local: CUDA work of other threads (a streamer, a data loader) does not break the capture.
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
 class StaticDecodeStep:
     """The decode step of one (model, cache, batch, capacity, mixer options) on static buffers,
     captured into a CUDA graph at its second use (the first, eager, warms up the kernels: Triton
@@ -111,6 +135,7 @@ class StaticDecodeStep:
         self.logits: torch.Tensor | None = None
         self.pointers: list[int] | None = None
         self.eager_steps = 0
+        self.capture_ms = 0.0  # host time of the captures (the step's forward runs on the host then)
 
     def _tensor_pointers(self) -> list[int]:
         return [t.data_ptr() for layer in self.cache.layers for t in layer.static_decode_tensors() if t is not None]
@@ -139,9 +164,10 @@ class StaticDecodeStep:
             # (one token) runs now, the replay below computes the step.
             self.graph = torch.cuda.CUDAGraph()
             before = self._tensor_pointers()
-            # thread_local: CUDA work of other threads (a streamer, a data loader) does not break the capture.
-            with torch.cuda.device(self.input_ids.device), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.logits = self._forward()
+            start = time.perf_counter()
+            with torch.cuda.device(self.input_ids.device):
+                self.logits = capture_graph(self.graph, self._forward)
+            self.capture_ms += 1e3 * (time.perf_counter() - start)
             self.pointers = self._tensor_pointers()
             if self.pointers != before:
                 # A layer swapped a cache tensor for a new one inside the step: replays would keep
@@ -261,6 +287,7 @@ class DecodeGraphSession:
             "mode": self.mode,
             "static_steps": self.static_steps,
             "graph_captured": runner is not None and runner.graph is not None,
+            "capture_ms": round(runner.capture_ms, 2) if runner is not None else 0.0,
             "eager_decode_steps": dict(self.eager_decode_reasons),
         }
 

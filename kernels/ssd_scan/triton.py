@@ -16,8 +16,10 @@ v_s = dt_s x_s, W_ls = exp(g_l - g_s) for s <= l (else 0), S_c the state enterin
            dv = ((C B^T) * W)^T dy + exp(g_L - g) * (B dS_c^T)       dx = dv dt + D dy
            dC = ((dy v^T) * W) B + exp(g) * (dy S_c)                 (per head; torch sums the group)
            dB = ((dy v^T) * W)^T C + exp(g_L - g) * (v dS_c)
-           dg_l = C_l . dC_l - B_l . dB_l  (+ dS_c . S_{c+1} at the chunk's last row, added in torch)
-       then torch: da = reverse cumsum of dg within the chunk, ddt = dv . x + A da, dA = sum da dt.
+           dg_l = C_l . dC_l - B_l . dB_l  (+ dS_c . S_{c+1} at the chunk's last row)
+           dD partial = sum over the chunk of dy . x
+       then torch: da = reverse cumsum of dg within the chunk, ddt = dv . x + A da, dA = sum da dt,
+       dD = sum of the partials.
 
 The dg identity: every term holding C_l carries exp(+g_l), every term holding B_s carries
 exp(-g_s), and the exit state carries exp(+g_L). Memory: O(T x heads x (P + N)) plus the chunk
@@ -32,8 +34,16 @@ import triton.language as tl
 
 from .._backend import triton_interpreting
 
+# Chunk length and the P / N block of the state kernels (and the N loop of the chunk kernels).
+# H100 sweep at the SE hybrid's mixer shape (T = 32K, 64 heads x 64, N = 128, bf16;
+# `python3 -m hf_hybrid.bench.ssd_sweep`, docs/device_runs/ssd_sweep_h100.json): op forward +
+# backward 11.8 ms with 64 / 32 against 15.5 ms with 64 / 64; chunks of 128 need more shared
+# memory than the H100 has with 64-wide blocks and were slower with 32 (15.3 ms).
 CHUNK = 64
-BLOCK_PN = 64  # P / N block of the state kernels and the N loop of the chunk kernels
+BLOCK_PN = 32
+# num_warps per kernel (states forward, output forward, dstates backward, chunk backward): one
+# place for hf_hybrid/bench/ssd_sweep.py to vary.
+WARPS = {"states": 4, "output": 4, "dstates": 4, "chunk_bwd": 4}
 INTERPRET_CHUNK = 16  # tl.dot needs >= 16; small chunks give the interpreter tests several chunks
 INTERPRET_BLOCK_PN = 16
 
@@ -158,7 +168,7 @@ def _dstates_bwd(
 
 @triton.jit
 def _chunk_bwd(
-    X, DT, G, Bm, Cm, S, DS, Dv, DY, DX, DDT, DG, DBH, DCH, T, H, P, N, heads_per_group, NT,
+    X, DT, G, Bm, Cm, S, DS, Dv, DY, DX, DDT, DG, DBH, DCH, DDP, T, H, P, N, heads_per_group, NT,
     sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg, sdb, sdt, sdh,
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -189,11 +199,14 @@ def _chunk_bwd(
     dx = dv * dt[:, None]
     if HAS_D:
         dx += tl.load(Dv + h).to(tl.float32) * dy
+        tl.store(DDP + (b * NT + c) * H + h, tl.sum(tl.sum(dy * x, axis=1), axis=0))  # this chunk's part of dD
     tok = ((b * T + rows.to(tl.int64)) * H + h)
     tl.store(DX + tok[:, None] * P + offs_p[None, :], dx.to(DX.dtype.element_ty), mask=row_ok[:, None] & p_ok[None, :])
     tl.store(DDT + tok, tl.sum(dv * x, axis=1), mask=row_ok)
     dpw = tl.dot(dy, tl.trans(v), input_precision=PREC) * decay
     dg = tl.zeros((L,), dtype=tl.float32)
+    exit_term = 0.0  # dS_c . S_{c+1}
+    snext_base = s_base + H * P * N  # S_{c+1}: the state leaving this chunk
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < N
@@ -202,12 +215,16 @@ def _chunk_bwd(
         Bb = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
         Sb = tl.load(s_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
         dSb = tl.load(ds_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
+        Snext = tl.load(snext_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
+        exit_term += tl.sum(tl.sum(dSb * Snext, axis=1), axis=0)
         dC = tl.dot(dpw, Bb, input_precision=PREC) + tl.dot(dy, Sb, input_precision=PREC) * tl.exp(g)[:, None]
         dB = tl.dot(tl.trans(dpw), Cb, input_precision=PREC) + tl.dot(v, dSb, input_precision=PREC) * to_end[:, None]
         out_mask = row_ok[:, None] & n_ok[None, :]
         tl.store(DCH + tok[:, None] * N + offs_n[None, :], dC, mask=out_mask)
         tl.store(DBH + tok[:, None] * N + offs_n[None, :], dB, mask=out_mask)
         dg += tl.sum(Cb * dC, axis=1) - tl.sum(Bb * dB, axis=1)
+    # The exit state carries exp(+g) at the chunk's last row.
+    dg += tl.where(tl.arange(0, L) == L - 1, exit_term, 0.0)
     tl.store(DG + (b * NT * L + c * L + tl.arange(0, L)) * H + h, dg)
 
 
@@ -237,6 +254,7 @@ def _chunk_states(x, dt, g, B, initial_state, chunk, block):
         x, dt, g, B, states, init, seq, heads, head_dim, state_size, heads // B.shape[2], n_chunks,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
         L=chunk, BP=block, BN=block, HAS_INIT=initial_state is not None, PREC=_precision(x, B),
+        num_warps=WARPS["states"],
     )
     return states
 
@@ -259,7 +277,7 @@ class _SSDScan(torch.autograd.Function):
             heads // B.shape[2], n_chunks,
             x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
             C.stride(0), C.stride(1), C.stride(2),
-            L=chunk, BP=block, BN=block, HAS_D=D is not None, PREC=_precision(x, B, C),
+            L=chunk, BP=block, BN=block, HAS_D=D is not None, PREC=_precision(x, B, C), num_warps=WARPS["output"],
         )
         ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
         final_state = states[:, -1].clone()
@@ -283,31 +301,30 @@ class _SSDScan(torch.autograd.Function):
         _dstates_bwd[(triton.cdiv(head_dim, block), triton.cdiv(state_size, block), batch * heads)](
             dy, dt, g, C, dstates, dfinal if dfinal is not None else dinit, dinit, seq, heads, head_dim, state_size,
             heads // groups, n_chunks, dy.stride(0), dy.stride(1), dy.stride(2), C.stride(0), C.stride(1), C.stride(2),
-            L=chunk, BP=block, BN=block, HAS_DFINAL=dfinal is not None, PREC=prec,
+            L=chunk, BP=block, BN=block, HAS_DFINAL=dfinal is not None, PREC=prec, num_warps=WARPS["dstates"],
         )
         dx = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
         ddt = torch.empty((batch, seq, heads), **f32)
         dg = torch.empty((batch, n_chunks * chunk, heads), **f32)
         dBh = torch.empty((batch, seq, heads, state_size), **f32)
         dCh = torch.empty((batch, seq, heads, state_size), **f32)
+        dD_parts = torch.empty((batch, n_chunks, heads), **f32) if D is not None else ddt
         _chunk_bwd[(n_chunks, batch * heads)](
-            x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh,
+            x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh, dD_parts,
             seq, heads, head_dim, state_size, heads // groups, n_chunks,
             x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
             C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=block, HAS_D=D is not None, PREC=prec,
+            num_warps=WARPS["chunk_bwd"],
         )
-        # The exit state of chunk c carries exp(+g) at the chunk's last row.
-        exit_term = torch.einsum("bchpn,bchpn->bch", dstates, states[:, 1:])
         dg = dg.view(batch, n_chunks, chunk, heads)
-        dg[:, :, -1] += exit_term
         da = dg.flip(2).cumsum(2).flip(2).reshape(batch, -1, heads)[:, :seq]
         ddt = ddt + da * A.float()
         dA = (da * dt).sum((0, 1)).to(A.dtype)
         per_group = heads // groups
         dB = dBh.view(batch, seq, groups, per_group, state_size).sum(3).to(B.dtype)
         dC = dCh.view(batch, seq, groups, per_group, state_size).sum(3).to(C.dtype)
-        dD = torch.einsum("bthp,bthp->h", dy.float(), x.float()).to(D.dtype) if D is not None else None
+        dD = dD_parts.sum((0, 1)).to(D.dtype) if D is not None else None
         dinit = dinit.to(initial_state.dtype) if initial_state is not None else None
         return dx, ddt, dA, dB, dC, dD, dinit
 

@@ -168,3 +168,30 @@ def test_public_ops_compile_fullgraph_and_match_eager():
     grads = torch.autograd.grad(compiled(*inputs), inputs)
     for name, a, b in zip("q k v z weight".split(), grads, eager):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+def test_eager_calls_skip_the_dispatcher_and_match_the_registered_op():
+    """Eager calls of a kernel op run its body directly (an autograd.Function built from the same
+    setup / backward when gradients are needed); the registered op gives the same values and
+    gradients, and keywords, fake tensors and torch.compile still take the registered op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    a, b = leaf(2, 5, 3, 16), leaf(2, 5, 3, 16)
+    wa, wb = leaf(3, 16), leaf(3, 16)
+    args = (a, wa, b, wb, 1e-6, 1e-5)
+    direct = fused_norm.branch_norm_sum_fwd(*args)
+    registered = torch.ops.hf_hybrid.branch_norm_sum_fwd(*args)
+    assert type(direct.grad_fn).__name__ == "Eager_branch_norm_sum_fwdBackward"
+    assert "Eager" not in type(registered.grad_fn).__name__
+    torch.testing.assert_close(direct, registered, rtol=0, atol=0)
+    dy = torch.randn_like(direct)
+    for got, want in zip(torch.autograd.grad(direct, (a, wa, b, wb), dy), torch.autograd.grad(registered, (a, wa, b, wb), dy)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad():
+        assert fused_norm.branch_norm_sum_fwd(*args).grad_fn is None
+    keyword = fused_norm.branch_norm_sum_fwd(a, wa, b, wb, eps_a=1e-6, eps_b=1e-5)
+    assert "Eager" not in type(keyword.grad_fn).__name__
+    with FakeTensorMode() as mode:
+        fake = fused_norm.branch_norm_sum_fwd(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args))
+    assert fake.shape == direct.shape
