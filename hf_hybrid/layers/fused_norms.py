@@ -41,7 +41,7 @@ def norm_backend(layer_backend: str, tokens: int | None = None) -> str:
     return backend
 
 
-def _hooked(norm: RMSNorm) -> bool:
+def has_forward_hooks(norm: torch.nn.Module) -> bool:
     """A norm with forward hooks (accelerate's offload hook loads its weight from disk or CPU in
     its pre-forward; user hooks) must be called as a module: its ``weight`` may be on the meta
     device until then."""
@@ -52,7 +52,7 @@ def norm_rotary(x: torch.Tensor, norm: RMSNorm | None, cos_sin: CosSin | None, b
     """RoPE(norm(x)) for x [B, T, H, D]; no norm module = RoPE alone, no cos_sin = norm alone."""
     if norm is None:
         return apply_rotary(x, cos_sin)
-    if _hooked(norm):
+    if has_forward_hooks(norm):
         return apply_rotary(norm(x), cos_sin)
     return rms_norm_rotary(x, norm.weight, norm.eps, cos_sin, backend=backend)
 
@@ -81,7 +81,7 @@ def sum_branch_norms(
     for name, out, norm in (("o_swa", o_swa, swa_norm), ("o_rla", o_rla, rla_norm)):
         if out is not None and norm is None:
             raise ValueError(f"sum_branch_norms: {name} is given without its norm module.")
-    if any(out is not None and _hooked(norm) for out, norm in ((o_swa, swa_norm), (o_rla, rla_norm))):
+    if any(out is not None and has_forward_hooks(norm) for out, norm in ((o_swa, swa_norm), (o_rla, rla_norm))):
         return sum(norm(out) for out, norm in ((o_swa, swa_norm), (o_rla, rla_norm)) if out is not None)
     eps_swa = swa_norm.eps if o_swa is not None else 0.0
     eps_rla = rla_norm.eps if o_rla is not None else 0.0

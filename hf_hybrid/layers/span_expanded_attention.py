@@ -15,7 +15,7 @@ three paths:
 * cache, continuing a row (decode, chunked prefill): per row, new queries attend over the row's cached
   keys under the mode's visibility mask; ``se`` retrieves with the block summaries and the running
   chunk-query sums kept in the cache (:class:`SERowState`), never recomputing old summaries.
-* generate()'s static decode step (``full`` mode, opt-in: hf_hybrid/generation): one token per row
+* generate()'s static decode step (``full`` mode: hf_hybrid/generation): one token per row
   on fixed-capacity K/V buffers; it does not advance the retrieval state (the cache counts
   ``retrieval_lag``; a later retrieval-mode call on that cache is refused with the fix).
 

@@ -22,7 +22,9 @@ from transformers.cache_utils import Cache
 from transformers.models.bamba.modeling_bamba import BambaMixer
 
 from ...kernels.causal_conv1d import causal_conv1d
+from ...kernels.gated_rms_norm import gated_rms_norm
 from ...kernels.ssd_scan import mamba2_decode_step, ssd_scan
+from ...layers.fused_norms import has_forward_hooks
 from ...layers.span_expanded_attention import SESettings, SpanExpandedAttention
 from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
 from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
@@ -104,13 +106,21 @@ class SEMambaMixer(BambaMixer):
                 cache_layer.record_scan_inputs(  # kept only while a crop may need them (assisted decoding)
                     x, dt, B, A=A, dt_bias=self.dt_bias, dt_limit=self.time_step_limit,
                 )
-        y = y.reshape(batch, seq, self.intermediate_size)
-        if torch.is_grad_enabled() and (y.requires_grad or gate.requires_grad):
-            # Recomputed in the backward: the gated norm's float32 temporaries (~5 per token) are not kept.
-            y = checkpoint(self.norm, y, gate, use_reentrant=False)
-        else:
-            y = self.norm(y, gate)
+        y = self._gated_norm(y.reshape(batch, seq, self.intermediate_size), gate, backend)
         return self.out_proj(y.to(dtype))
+
+    def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor, backend: str) -> torch.Tensor:
+        """BambaRMSNormGated(y, gate): one fused kernel each way on the Triton path (it keeps only y,
+        gate and the weight for the backward); else the module, recomputed in the backward so its
+        float32 temporaries (~5 per token) are not kept."""
+        norm = self.norm
+        if (y.is_cuda or backend == "triton") and not has_forward_hooks(norm):
+            # transformers releases without BambaRMSNormGated.group_size normalise the whole width.
+            group_size = getattr(norm, "group_size", y.shape[-1])
+            return gated_rms_norm(y, gate, norm.weight, group_size, norm.variance_epsilon, backend=backend)
+        if torch.is_grad_enabled() and (y.requires_grad or gate.requires_grad):
+            return checkpoint(norm, y, gate, use_reentrant=False)
+        return norm(y, gate)
 
     @staticmethod
     def _cached_states(cache_layer):
