@@ -146,6 +146,13 @@ def decode_loop_ms(model, ids: torch.Tensor, steps: int, mode: str = "graph") ->
     return 1000 * elapsed / steps
 
 
+def _append(path: str | None, row: dict) -> None:
+    """One JSON line per row as soon as it is timed: a later failure keeps the rows before it."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
@@ -185,22 +192,20 @@ def main(argv=None) -> list[dict]:
                        tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=report)
             print(json.dumps(row), flush=True)
             rows.append(row)
+            _append(args.json, row)
         if args.floor and name != "llama":
             ms = decode_loop_ms(model, ids, args.new)
             row = dict(model=name, variant="bare_graph_loop", batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),
                        tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=None)
             print(json.dumps(row), flush=True)
             rows.append(row)
+            _append(args.json, row)
         del model
         torch.cuda.empty_cache()
     base = next((r["ms_per_token"] for r in rows if r["model"] == "llama"), None)
     if base:
         for r in rows:
             print(f"{r['model']:>14} {r['variant']:>16}: {r['ms_per_token']:8.3f} ms/token  {base / r['ms_per_token']:6.2f}x llama-static")
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
     return rows
 
 

@@ -11,8 +11,9 @@ anyway) instead of saving them. The weight gradient needs no atomics: a backward
 fixed range of tokens for its group, accumulates dout * nh in registers and writes one partial row;
 torch sums the few partials afterwards (deterministic).
 
-Group is the fastest grid axis, so programs running together read neighbouring groups of the same
-tokens. y, z and dout may be strided views (z is a slice of the input projection's output) as long
+Group is the fastest-varying part of the (flat) forward program index, so programs running
+together read neighbouring groups of the same tokens; the index is flat because token blocks
+outnumber a second grid axis's limit of 65535 at prefill sizes (8 x 16K tokens). y, z and dout may be strided views (z is a slice of the input projection's output) as long
 as the last dimension is contiguous: they are read through their row strides, not copied.
 """
 from __future__ import annotations
@@ -85,8 +86,10 @@ def _fwd_kernel(
 ):
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < GROUP
-    features = tl.program_id(0) * GROUP + cols
-    tokens, rows_ok, mask = _token_block(tl.program_id(1) * BLOCK_T, n_tokens, col_ok, BLOCK_T)
+    pid = tl.program_id(0).to(tl.int64)
+    groups: tl.constexpr = D_TOTAL // GROUP
+    features = (pid % groups) * GROUP + cols
+    tokens, rows_ok, mask = _token_block((pid // groups) * BLOCK_T, n_tokens, col_ok, BLOCK_T)
 
     y = _load_rows(Y, tokens, T, sy_b, sy_t, features, mask)
     z = _load_rows(Z, tokens, T, sz_b, sz_t, features, mask)
@@ -193,7 +196,7 @@ def gated_rms_norm_forward(
     n_tokens, seq = y_rows.shape[0] * y_rows.shape[1], y_rows.shape[1]
     block_d, block_t = _tile(group_size)
     out = torch.empty(y.shape, dtype=torch.result_type(weight, y), device=y.device)
-    grid = (d_total // group_size, triton.cdiv(n_tokens, block_t))
+    grid = (d_total // group_size * triton.cdiv(n_tokens, block_t),)
     _fwd_kernel[grid](
         y_rows, z_rows, weight.contiguous(), out, n_tokens, seq, eps,
         *_row_strides(y_rows), *_row_strides(z_rows),

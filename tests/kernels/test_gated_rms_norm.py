@@ -298,3 +298,17 @@ def test_gpu_bamba_shape_bf16_against_float64():
         module_out = bamba_norm(weight, 4096, 1e-6)(y, z)
     # Same two roundings: apart from float32 summation order, the module's bf16 numbers.
     assert (out == module_out).float().mean().item() > 0.99
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_size_past_a_grid_axis_limit():
+    """8 x 16400 tokens of one 4096-wide group: 131,200 one-token forward programs, more than a
+    second grid axis can hold (65,535); the forward's flat index covers them all."""
+    torch.manual_seed(3)
+    y = torch.randn(8, 16400, 4096, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(8, 16400, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = norm_weight(4096, torch.bfloat16)
+    with torch.no_grad():
+        out = gated_rms_norm(y, z, weight, 4096, 1e-6)
+        last = gated_rms_norm_reference(y[-1:, -16:], z[-1:, -16:], weight, 4096, 1e-6)
+    assert rel(out[-1:, -16:], last) < 1e-2
