@@ -45,8 +45,10 @@ and the host bookkeeping this design keeps outside the graph).
 
 Measured (hf_hybrid/generation/benchmark.py, H100, 8 layers of the 1.3B shape, bf16; ms per new
 token through generate(); transformers' Llama with a compiled static cache as the baseline;
-docs/benchmarks.md has every run): with the split-K decode kernels (2026-11-25), B=8 / 16K prompt:
-Llama 4.44, RAT 1.75, FoX 5.52; B=32 / 2K: Llama 3.49, RAT 1.76, FoX 3.77. An earlier run with
+docs/benchmarks.md has every run), first to last new token, 2026-11-25: B=8 / 16K prompt / 64 new:
+Llama 4.66, RAT 1.78, RAT+ D=16 3.52, RATTENTION 2.88, FoX 5.50, SE hybrid 2.40; B=32 / 2K / 128
+new: Llama 3.26, RAT 1.53, RATTENTION 2.56, FoX 4.13. Each generate() also pays one eager warm-up
+step and one capture (``capture_ms`` in the report: 10-41 ms). An earlier run with
 the eager path beside it: B=32 / 2K RAT eager 15.3, RAT+ D=16 graph 2.98 (eager 31.4), RATTENTION
 4.17 (eager 22.4). generate()'s own per-step work (input preparation, logits processing, a stop
 check that syncs with the device) is 0.3-1.1 ms of these (``decode_loop_ms`` times the graphed
