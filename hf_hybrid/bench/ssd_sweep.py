@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 
 from hf_hybrid.kernels.ssd_scan import ssd_scan
 from hf_hybrid.kernels.ssd_scan import triton as ssd_triton
+
+from .timing import time_fn
 
 
 def _inputs(seq: int, heads: int, head_dim: int, state: int):
@@ -37,20 +38,6 @@ def _run(leaves, fixed, grad):
     return [y, *grads]
 
 
-def _ms(fn, repeat: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _apply(config: dict) -> None:
     ssd_triton.CHUNK, ssd_triton.BLOCK_PN = config["chunk"], config["block"]
     ssd_triton.WARPS.update(config["warps"])
@@ -67,7 +54,8 @@ def sweep(seq: int, heads: int, head_dim: int = 64, state: int = 128) -> dict:
         try:
             got = _run(leaves, fixed, grad)
             error = max(float((g.float() - e).abs().max() / e.abs().max().clamp_min(1e-30)) for g, e in zip(got, expected))
-            row = dict(config, ms=_ms(lambda: _run(leaves, fixed, grad)), max_rel_error=error)
+            row = dict(config, ms=time_fn(lambda: _run(leaves, fixed, grad), torch.device("cuda"), warmup=1).median_ms,
+                       max_rel_error=error)
         except Exception as exc:  # a tile that does not compile (registers, shared memory) is a row too
             row = dict(config, ms=None, error=f"{type(exc).__name__}: {str(exc)[:120]}")
         print(json.dumps(row), flush=True)
@@ -89,7 +77,7 @@ def main(argv=None) -> dict:
     result = sweep(args.seq, args.heads)
     print("best:", json.dumps(result["best"]), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w") as f:  # the rows and the shipped / best configurations
             json.dump(result, f, indent=1)
     return result
 
