@@ -14,7 +14,8 @@ v_s = dt_s x_s, W_ls = exp(g_l - g_s) for s <= l (else 0), S_c the state enterin
            dS_{c-1} = exp(g_L) dS_c + (dy * exp(g))^T C
     4. _chunk_bwd   (chunks in parallel, whole head_dim per program):
            dv = ((C B^T) * W)^T dy + exp(g_L - g) * (B dS_c^T)       dx = dv dt + D dy
-           dC = ((dy v^T) * W) B + exp(g) * (dy S_c)                 (per head; torch sums the group)
+           dC = ((dy v^T) * W) B + exp(g) * (dy S_c)                 (per head, in the input dtype;
+                                                                      torch sums the group in float32)
            dB = ((dy v^T) * W)^T C + exp(g_L - g) * (v dS_c)
            dg_l = C_l . dC_l - B_l . dB_l  (+ dS_c . S_{c+1} at the chunk's last row)
            dD partial = sum over the chunk of dy . x
@@ -220,8 +221,8 @@ def _chunk_bwd(
         dC = tl.dot(dpw, Bb, input_precision=PREC) + tl.dot(dy, Sb, input_precision=PREC) * tl.exp(g)[:, None]
         dB = tl.dot(tl.trans(dpw), Cb, input_precision=PREC) + tl.dot(v, dSb, input_precision=PREC) * to_end[:, None]
         out_mask = row_ok[:, None] & n_ok[None, :]
-        tl.store(DCH + tok[:, None] * N + offs_n[None, :], dC, mask=out_mask)
-        tl.store(DBH + tok[:, None] * N + offs_n[None, :], dB, mask=out_mask)
+        tl.store(DCH + tok[:, None] * N + offs_n[None, :], dC.to(DCH.dtype.element_ty), mask=out_mask)
+        tl.store(DBH + tok[:, None] * N + offs_n[None, :], dB.to(DBH.dtype.element_ty), mask=out_mask)
         dg += tl.sum(Cb * dC, axis=1) - tl.sum(Bb * dB, axis=1)
     # The exit state carries exp(+g) at the chunk's last row.
     dg += tl.where(tl.arange(0, L) == L - 1, exit_term, 0.0)
@@ -306,8 +307,10 @@ class _SSDScan(torch.autograd.Function):
         dx = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
         ddt = torch.empty((batch, seq, heads), **f32)
         dg = torch.empty((batch, n_chunks * chunk, heads), **f32)
-        dBh = torch.empty((batch, seq, heads, state_size), **f32)
-        dCh = torch.empty((batch, seq, heads, state_size), **f32)
+        # Per-head parts of dB / dC (summed over each group's heads below, in float32), stored in the
+        # inputs' dtype: as float32 at T = 32K and 64 heads each was 1 GiB, alive at the backward's peak.
+        dBh = torch.empty((batch, seq, heads, state_size), dtype=B.dtype, device=x.device)
+        dCh = torch.empty((batch, seq, heads, state_size), dtype=C.dtype, device=x.device)
         dD_parts = torch.empty((batch, n_chunks, heads), **f32) if D is not None else ddt
         _chunk_bwd[(n_chunks, batch * heads)](
             x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh, dD_parts,
@@ -322,8 +325,8 @@ class _SSDScan(torch.autograd.Function):
         ddt = ddt + da * A.float()
         dA = (da * dt).sum((0, 1)).to(A.dtype)
         per_group = heads // groups
-        dB = dBh.view(batch, seq, groups, per_group, state_size).sum(3).to(B.dtype)
-        dC = dCh.view(batch, seq, groups, per_group, state_size).sum(3).to(C.dtype)
+        dB = dBh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32).to(B.dtype)
+        dC = dCh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32).to(C.dtype)
         dD = dD_parts.sum((0, 1)).to(D.dtype) if D is not None else None
         dinit = dinit.to(initial_state.dtype) if initial_state is not None else None
         return dx, ddt, dA, dB, dC, dD, dinit
