@@ -123,6 +123,8 @@ def test_static_greedy_equals_eager_and_uncached_forward(name):
     static, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
     assert eager_report is None
     assert report["static_steps"] == new - 1 and not report["eager_decode_steps"], report
+    setup = report["setup_ms"]  # host time of the one-off work; no capture without a graph
+    assert setup["prepare"] > 0 and setup["warmup_step"] > 0 and setup["capture"] == 0, setup
     assert torch.equal(static.sequences, eager.sequences)
     static_logits, eager_logits = torch.stack(static.logits, 1), torch.stack(eager.logits, 1)
     torch.testing.assert_close(static_logits, eager_logits, atol=1e-5, rtol=0)

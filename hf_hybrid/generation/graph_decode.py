@@ -48,7 +48,7 @@ token through generate(); transformers' Llama with a compiled static cache as th
 docs/benchmarks.md has every run), first to last new token, 2026-11-25: B=8 / 16K prompt / 64 new:
 Llama 4.66, RAT 1.78, RAT+ D=16 3.52, RATTENTION 2.88, FoX 5.50, SE hybrid 2.40; B=32 / 2K / 128
 new: Llama 3.26, RAT 1.53, RATTENTION 2.56, FoX 4.13. Each generate() also pays one eager warm-up
-step and one capture (``capture_ms`` in the report: 10-41 ms). An earlier run with
+step and one capture (the report's ``setup_ms``; the capture alone took 10-41 ms). An earlier run with
 the eager path beside it: B=32 / 2K RAT eager 15.3, RAT+ D=16 graph 2.98 (eager 31.4), RATTENTION
 4.17 (eager 22.4). generate()'s own per-step work (input preparation, logits processing, a stop
 check that syncs with the device) is 0.3-1.1 ms of these (``decode_loop_ms`` times the graphed
@@ -137,7 +137,9 @@ class StaticDecodeStep:
         self.logits: torch.Tensor | None = None
         self.pointers: list[int] | None = None
         self.eager_steps = 0
-        self.capture_ms = 0.0  # host time of the captures (the step's forward runs on the host then)
+        # Host time of the one-off work per generate(): the eager warm-up step and the captures
+        # (the step's Python runs once during a capture); the session adds the buffers' preparation.
+        self.warmup_ms = self.capture_ms = 0.0
 
     def _tensor_pointers(self) -> list[int]:
         return [t.data_ptr() for layer in self.cache.layers for t in layer.static_decode_tensors() if t is not None]
@@ -158,7 +160,11 @@ class StaticDecodeStep:
             self.position_ids.fill_(self.cache.get_seq_length())
         if not self.use_graph or self.eager_steps == 0:
             self.eager_steps += 1
-            return self._forward()
+            start = time.perf_counter()
+            logits = self._forward()
+            if self.eager_steps == 1:
+                self.warmup_ms = 1e3 * (time.perf_counter() - start)
+            return logits
         if self.graph is not None and self._tensor_pointers() != self.pointers:
             self.graph = self.logits = None  # a cache tensor was replaced (reorder, reset): capture again
         if self.graph is None:
@@ -203,6 +209,7 @@ class DecodeGraphSession:
         self.active = False  # True while the session's own forward runs (no re-entry)
         self.last_reason: str | None = None
         self.static_steps = 0  # decode steps run on static buffers (captured or replayed, or "eager" mode)
+        self.prepare_ms = 0.0  # host time in the layers' prepare_static_decode (buffers sized to max_length)
         self.eager_decode_reasons: dict[str, int] = {}  # one-token steps that took the eager path, by reason
 
     def configure(self, generation_config) -> None:
@@ -256,7 +263,9 @@ class DecodeGraphSession:
             return None
         config = self.model.config
         capacity = _aligned(self.max_length)
+        start = time.perf_counter()
         ready = all(layer.prepare_static_decode(capacity, config) for layer in past_key_values.layers)
+        self.prepare_ms += 1e3 * (time.perf_counter() - start)
         if not ready:
             self.last_reason = "a cache layer is not ready for fixed buffers yet (e.g. a window still filling)"
             self._count_eager(input_ids, self.last_reason)
@@ -283,14 +292,19 @@ class DecodeGraphSession:
             self.eager_decode_reasons[reason] = self.eager_decode_reasons.get(reason, 0) + 1
 
     def report(self) -> dict:
-        """What the last generate() did: static steps, graph use, eager decode steps by reason."""
+        """What the last generate() did: static steps, graph use, eager decode steps by reason, and
+        the host time of its one-off setup (``setup_ms``: buffer preparation, warm-up step, capture)."""
         runner = self.step_runner
         return {
             "mode": self.mode,
             "static_steps": self.static_steps,
             "graph_captured": runner is not None and runner.graph is not None,
-            "capture_ms": round(runner.capture_ms, 2) if runner is not None else 0.0,
             "eager_decode_steps": dict(self.eager_decode_reasons),
+            "setup_ms": {
+                "prepare": round(self.prepare_ms, 2),
+                "warmup_step": round(runner.warmup_ms, 2) if runner is not None else 0.0,
+                "capture": round(runner.capture_ms, 2) if runner is not None else 0.0,
+            },
         }
 
     def release(self) -> None:
