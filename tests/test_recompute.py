@@ -1,0 +1,107 @@
+"""Activations rebuilt in the backward instead of kept (hf_hybrid/layers/recompute.py): the same
+gradients, the registered tensors not kept, in-place changes refused, and no effect where other
+saved-tensor hooks or torch.compile manage memory."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_hybrid.layers import recompute as recompute_module
+from hf_hybrid.layers.recompute import RecomputedActivations, recompute_applies
+
+
+def _step(a, w, recompute: RecomputedActivations | None):
+    """h = tanh(a) (cheap to rebuild from a); loss reads two views of h through ops that save them."""
+    h = torch.tanh(a)
+    if recompute is not None:
+        recompute.register(h, lambda: torch.tanh(a), a)
+    left, right = h[:, :3], h[:, 3:].t()
+    return (left * w).sum() + (right @ right.t()).trace()
+
+
+def test_rebuilt_views_give_the_same_gradients_and_are_not_kept():
+    torch.manual_seed(0)
+    a, w = torch.randn(4, 7, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    expected = torch.autograd.grad(_step(a, w, None), (a, w))
+    recompute = RecomputedActivations()
+    packed = []
+    original_pack = recompute._pack
+    recompute._pack = lambda t: packed.append(original_pack(t)) or packed[-1]
+    with recompute.active():
+        loss = _step(a, w, recompute)
+    markers = [p for p in packed if not isinstance(p, torch.Tensor)]
+    assert len(markers) == 3  # the two views, one of them saved twice (mm), held as geometry only
+    assert recompute.sources[0].tensor is None  # let go when the forward region ended
+    got = torch.autograd.grad(loss, (a, w))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert recompute.sources[0].rebuilt is None  # freed after its last view was unpacked
+
+
+def test_an_input_modified_before_the_backward_is_refused():
+    a, w = torch.randn(4, 7, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    source = a * 1.0
+    recompute = RecomputedActivations()
+    with recompute.active():
+        loss = _step(source, w, recompute)
+    with torch.no_grad():
+        source.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
+
+
+def test_steps_aside_for_other_hooks_no_grad_and_compile():
+    assert recompute_applies()
+    with torch.no_grad():
+        assert not recompute_applies()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not recompute_applies()
+    compiled = torch.compile(lambda x: x + float(recompute_applies()), backend="eager", fullgraph=True)
+    assert float(compiled(torch.zeros(()))) == 0.0
+
+
+def test_se_mixer_rebuilds_its_conv_and_norm_outputs_exactly(monkeypatch):
+    """A tiny SE hybrid's Mamba-2 layers on the Triton path (interpreter on CPU), left padding and
+    an in_proj bias: the same loss and gradients with the rebuilding on and off, and the conv run
+    again in the backward."""
+    from hf_hybrid.kernels._backend import triton_interpreting
+
+    if not (torch.cuda.is_available() or triton_interpreting()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from transformers import AutoModelForCausalLM
+
+    from hf_hybrid.models.se_hybrid import SEHybridConfig
+    from hf_hybrid.models.se_hybrid.modeling_se_hybrid import SEMambaMixer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = SEHybridConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        layer_types=["mamba", "attention"], mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8, mamba_proj_bias=True,
+        se_chunk_sizes=[16], se_block_size=4, se_top_k=2, se_select_every=8, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(device).train()
+    model.model.layers[0].self_attn.kernel_backend = "triton"
+    ids = torch.randint(1, 64, (2, 19), generator=torch.Generator().manual_seed(2)).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    convs, norms = [], []
+    original_conv, original_norm = SEMambaMixer._conv, SEMambaMixer._gated_norm
+    monkeypatch.setattr(SEMambaMixer, "_conv", lambda self, *a: convs.append(torch.is_grad_enabled()) or original_conv(self, *a))
+    monkeypatch.setattr(
+        SEMambaMixer, "_gated_norm", lambda self, *a: norms.append(torch.is_grad_enabled()) or original_norm(self, *a))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    rebuilt = loss_and_grads()
+    # the forward's conv and gated norm, then their rebuilds in the backward (no grad)
+    assert convs == [True, False] and norms == [True, False]
+    monkeypatch.setattr(recompute_module, "recompute_applies", lambda: False)
+    monkeypatch.setattr("hf_hybrid.models.se_hybrid.modeling_se_hybrid.recompute_applies", lambda: False)
+    kept = loss_and_grads()
+    assert kept.keys() == rebuilt.keys()
+    for name, grad in kept.items():
+        torch.testing.assert_close(rebuilt[name], grad, rtol=0, atol=0, msg=name)
