@@ -13,8 +13,9 @@ torch sums the few partials afterwards (deterministic).
 
 Group is the fastest-varying part of the (flat) forward program index, so programs running
 together read neighbouring groups of the same tokens; the index is flat because token blocks
-outnumber a second grid axis's limit of 65535 at prefill sizes (8 x 16K tokens). y, z and dout may be strided views (z is a slice of the input projection's output) as long
-as the last dimension is contiguous: they are read through their row strides, not copied.
+outnumber a second grid axis's limit of 65535 at prefill sizes (8 x 16K tokens). y, z and dout
+may be strided views (z is a slice of the input projection's output) as long as the last dimension
+is contiguous: they are read through their row strides, not copied.
 """
 from __future__ import annotations
 
