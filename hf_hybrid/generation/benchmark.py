@@ -205,7 +205,9 @@ def main(argv=None) -> list[dict]:
     base = next((r["ms_per_token"] for r in rows if r["model"] == "llama"), None)
     if base:
         for r in rows:
-            print(f"{r['model']:>14} {r['variant']:>16}: {r['ms_per_token']:8.3f} ms/token  {base / r['ms_per_token']:6.2f}x llama-static")
+            setup = (r["report"] or {}).get("setup_ms")  # the per-generate() one-off host work
+            print(f"{r['model']:>14} {r['variant']:>16}: {r['ms_per_token']:8.3f} ms/token  {base / r['ms_per_token']:6.2f}x llama-static"
+                  + (f"  setup ms {setup}" if setup else ""))
     return rows
 
 
