@@ -361,3 +361,34 @@ def test_se_hybrid_static_step_is_full_mode_only():
         assert attention.retrieval_lag == 7
         with pytest.raises(ValueError, match="decode_cuda_graph=False"):
             model(more[:, :1], past_key_values=cache, use_cache=True, attention_mode="se")
+
+
+@pytest.mark.parametrize("name", ["fox_pro", "se_hybrid_full"])
+def test_prompt_goes_straight_into_the_static_buffers(name, monkeypatch):
+    """generate() reserves the static step's capacity before the prefill, so FoX's and the SE
+    attention layers' caches put the prompt's K/V straight into buffers of that capacity (the first
+    decode step then copies nothing); without the static path, or with beams, nothing is reserved."""
+    from hf_hybrid.models.cache_layer import ReservedColumnsMixin, StaticColumns
+    from hf_hybrid.models.compat import cache_of
+
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    built = []
+    original = StaticColumns.__init__
+
+    def record(self, tensors, capacity):
+        built.append((tensors[0].shape[1], capacity))
+        original(self, tensors, capacity)
+
+    monkeypatch.setattr(StaticColumns, "__init__", record)
+    out, report = generate(model, ids, "eager", max_new_tokens=5, do_sample=False)
+    layers = [layer for layer in cache_of(out).layers if isinstance(layer, ReservedColumnsMixin)]
+    assert layers and report["static_steps"] == 4
+    # once per layer, at the prefill (9 columns), at generate()'s capacity (14 aligned to 16)
+    assert built == [(9, 16)] * len(layers)
+    eager, _ = generate(model, ids, False, max_new_tokens=5, do_sample=False)
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(eager.logits, 1), atol=1e-5, rtol=0)
+    built.clear()
+    generate(model, ids, False, max_new_tokens=5, do_sample=False)
+    generate(model, ids, "eager", max_new_tokens=5, do_sample=False, num_beams=2)
+    assert built == []

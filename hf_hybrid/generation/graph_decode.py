@@ -287,6 +287,11 @@ class DecodeGraphSession:
         self.static_steps += 1
         return CausalLMOutputWithPast(logits=logits, **cache_field(past_key_values))
 
+    def capacity_to_reserve(self) -> int | None:
+        """The static step's buffer capacity when this generation may use it (known before the
+        prefill, so caches can put the prompt straight into buffers of that size), else None."""
+        return None if self.blocked or self.max_length is None else _aligned(self.max_length)
+
     def _count_eager(self, input_ids, reason: str) -> None:
         if input_ids is not None and input_ids.shape[1] == 1 and reason != "no filled cache":
             self.eager_decode_reasons[reason] = self.eager_decode_reasons.get(reason, 0) + 1
@@ -341,6 +346,16 @@ class DecodeGraphMixin:
     def _note_generation_config(self, generation_config) -> None:
         if self._decode_graph_session is not None:
             self._decode_graph_session.configure(generation_config)
+
+    def _reserve_static_buffers(self, cache) -> None:
+        """Tell the layers of generate()'s new cache the static step's capacity before the prefill
+        (cache_layer.ReservedColumnsMixin); layers without the hook size their buffers later."""
+        session = self._decode_graph_session
+        capacity = session.capacity_to_reserve() if session is not None else None
+        if capacity is not None:
+            for layer in cache.layers:
+                if hasattr(layer, "reserve_static_capacity"):
+                    layer.reserve_static_capacity(capacity)
 
     def _static_decode_step(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, labels, kwargs):
         session = self._decode_graph_session

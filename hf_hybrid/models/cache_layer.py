@@ -238,6 +238,22 @@ def restore_into(held: torch.Tensor | None, value: torch.Tensor | None) -> torch
     return value.clone()
 
 
+class ReservedColumnsMixin:
+    """For layers that decode on :class:`StaticColumns`: generate() reserves the static step's
+    capacity before the prefill (``reserve_static_capacity``), and the prefill's columns go straight
+    into buffers of that capacity instead of into a tensor that the first decode step would copy
+    (for a full K/V cache at a 16K prompt, both copies were alive at once)."""
+
+    _reserved_capacity = 0
+
+    def reserve_static_capacity(self, capacity: int) -> None:
+        self._reserved_capacity = capacity
+
+    def takes_reserved_columns(self, cached: int, new: int) -> bool:
+        """Whether a segment of ``new`` columns onto ``cached`` ones goes into the reserved buffers."""
+        return cached == 0 and 0 < new < self._reserved_capacity and not getattr(self, "record_past", False)
+
+
 class StaticColumns:
     """Cached tensors that grow along dim 1 ([batch, tokens, ...]), moved into buffers of ``capacity``
     columns for generate()'s static decode step (hf_hybrid/generation/graph_decode.py), like

@@ -324,6 +324,7 @@ class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin
             )
         model_kwargs[CACHE_NAME] = cache_class(self.config)
         self._prepare_cache_for_crops(generation_config, model_kwargs[CACHE_NAME])
+        self._reserve_static_buffers(model_kwargs[CACHE_NAME])
 
     @staticmethod
     def _prepare_cache_for_crops(generation_config, cache) -> None:

@@ -16,10 +16,18 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, StaticColumns, TensorMapLayer, restore_into, tokens_to_keep
+from ..cache_layer import (
+    CroppableCacheMixin,
+    ReservedColumnsMixin,
+    StateHistoryMixin,
+    StaticColumns,
+    TensorMapLayer,
+    restore_into,
+    tokens_to_keep,
+)
 
 
-class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
+class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
     _layer_type = "fox"
     is_sliding = False
     is_compileable = False
@@ -62,6 +70,14 @@ class FoxLayerCache(StateHistoryMixin, TensorMapLayer):
             else log_forget.new_zeros(log_forget.shape[0], 1, log_forget.shape[2], dtype=torch.float32)
         )
         c_new = last + torch.cumsum(log_forget.float(), dim=1)
+        if self.takes_reserved_columns(self.get_seq_length(), key_states.shape[1]):
+            self._static = StaticColumns((key_states.to(self.keys.dtype), value_states.to(self.values.dtype), c_new),
+                                         self._reserved_capacity)
+            self._refresh_static_views()
+            # own storage: the static step updates them in place
+            self.shift_key = None if shift_key is None else shift_key.clone()
+            self.shift_value = None if shift_value is None else shift_value.clone()
+            return self.keys, self.values, self.cum_log_forget
         self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=1)
         self.values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=1)
         self.cum_log_forget = c_new if self.cum_log_forget is None else torch.cat([self.cum_log_forget, c_new], dim=1)

@@ -22,7 +22,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLaye
 
 from ...kernels.ssd_scan import ssd_scan
 from ...layers.span_expanded_attention import SERowState
-from ..cache_layer import DEFAULT_CROP_WINDOW, CroppableCacheMixin, StaticColumns, TokenHistory, crop_limit_error, tokens_to_keep
+from ..cache_layer import (
+    DEFAULT_CROP_WINDOW,
+    CroppableCacheMixin,
+    ReservedColumnsMixin,
+    StaticColumns,
+    TokenHistory,
+    crop_limit_error,
+    tokens_to_keep,
+)
 from .configuration_se_hybrid import canonical_layer_type
 
 
@@ -136,7 +144,7 @@ class SEMambaLayerCache(LinearAttentionLayer):
             self._start_scan_record()
 
 
-class SEAttentionLayerCache(CacheLayerMixin):
+class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
     """Keys/values of one attention layer and the per-row SE retrieval state."""
 
     is_sliding = False
@@ -168,8 +176,13 @@ class SEAttentionLayerCache(CacheLayerMixin):
         self._leave_static_decode()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=1)
-        self.values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=1)
+        if self.takes_reserved_columns(self.cumulative_length, key_states.shape[1]):
+            columns = (key_states.to(self.keys.dtype), value_states.to(self.values.dtype))
+            self._static = StaticColumns(columns, self._reserved_capacity)
+            self.keys, self.values = self._static.views()
+        else:
+            self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=1)
+            self.values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=1)
         self.cumulative_length += key_states.shape[1]
         return self.keys, self.values
 
