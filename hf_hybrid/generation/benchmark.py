@@ -117,10 +117,12 @@ def ms_per_token(model, ids: torch.Tensor, warmup: int, new: int, repeats: int, 
     return min(run(new) for _ in range(repeats)), getattr(model, "last_decode_report", None)
 
 
-def decode_loop_ms(model, ids: torch.Tensor, steps: int, mode: str = "graph") -> float:
+def decode_loop_ms(model, ids: torch.Tensor, steps: int, mode: str = "graph", measure=None) -> float:
     """ms per token of the graphed decode step in a bare greedy loop: no generate(), no host sync
     per step. What the device needs per token; generate()'s own per-step host work (input
-    preparation, logits processing, a stop check that syncs) comes on top of it."""
+    preparation, logits processing, a stop check that syncs) comes on top of it. ``measure(fn)``
+    (default: the host clock around fn with synchronisation) returns seconds; the profiler passes
+    its own to see the steps' kernels."""
     from .graph_decode import DecodeGraphSession
 
     session = DecodeGraphSession(model, mode)
@@ -137,7 +139,7 @@ def decode_loop_ms(model, ids: torch.Tensor, steps: int, mode: str = "graph") ->
                     token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
             loop(3)  # eager warm-up step, capture, first replay
-            elapsed = _timed(lambda: loop(steps))
+            elapsed = (measure or _timed)(lambda: loop(steps))
         if session.static_steps != steps + 3:
             raise RuntimeError(f"decode loop: only {session.static_steps} of {steps + 3} steps were static: {session.report()}")
     finally:
