@@ -43,11 +43,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def matches(name: str, wanted: str) -> bool:
+    """Whether ``name`` contains one of the comma-separated parts of ``wanted`` (--only, --variants)."""
+    return any(part.strip() and part.strip() in name for part in wanted.split(","))
+
+
 def keep_variants(variants: dict, wanted: str) -> dict:
-    """The baseline (first) variant and those whose label contains one of the comma-separated parts."""
-    parts = [part.strip() for part in wanted.split(",") if part.strip()]
+    """The baseline (first) variant and those whose label matches ``wanted``."""
     return {label: builder for index, (label, builder) in enumerate(variants.items())
-            if index == 0 or any(part in label for part in parts)}
+            if index == 0 or matches(label, wanted)}
 
 
 def main(argv=None) -> int:
@@ -74,7 +78,7 @@ def main(argv=None) -> int:
         if reason:
             skipped.append(f"{suite}: {reason}")
             print(f"[bench] skipping suite {suite}: {reason}")
-        selected = [c for c in cases if args.only is None or any(part.strip() in c.name for part in args.only.split(","))]
+        selected = [c for c in cases if args.only is None or matches(c.name, args.only)]
         if args.variants is not None:
             for case in selected:
                 case.variants = keep_variants(case.variants, args.variants)

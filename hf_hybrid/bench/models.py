@@ -39,7 +39,6 @@ Llama baselines).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -49,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from ..layers.backbone_fusion import backbone_fusion_settings
 from .cases import BenchConfig, Case
 from .timing import Timing
 
@@ -187,26 +187,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextlib.contextmanager
-def _backbone_fusion(enabled: bool):
-    from ..layers import backbone_fusion
-
-    previous = backbone_fusion.backbone_fusion_enabled()
-    backbone_fusion.set_backbone_fusion(enabled)
-    try:
-        yield
-    finally:
-        backbone_fusion.set_backbone_fusion(previous)
-
-
 def train_step_builder(make_model, seq: int, config: BenchConfig, fused: bool = True):
     def build():
-        with _backbone_fusion(fused):
+        with backbone_fusion_settings(fused):
             model = make_model().train()
         ids = torch.randint(3, model.config.vocab_size, (1, seq), device=config.device)
 
         def step():
-            with _backbone_fusion(fused):
+            with backbone_fusion_settings(fused):
                 model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             model.zero_grad(set_to_none=True)
 

@@ -16,12 +16,12 @@ SE hybrid's 16K prefill made that difference noisy, 0.8 to 2.3 ms per token in t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 
 import torch
 
+from ..layers.backbone_fusion import backbone_fusion_settings
 from ..models.compat import CACHE_NAME, cache_of
 
 SHAPE = dict(
@@ -66,19 +66,6 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
-
-
-@contextlib.contextmanager
-def fused_decode(enabled: bool | None):
-    """backbone_fusion's fused_decode switched to ``enabled`` (None: as it is) for one variant, then restored."""
-    from ..layers import backbone_fusion
-
-    previous = backbone_fusion._fused_decode
-    backbone_fusion.set_backbone_fusion(backbone_fusion.backbone_fusion_enabled(), fused_decode=enabled)
-    try:
-        yield
-    finally:
-        backbone_fusion._fused_decode = previous
 
 
 def _timed(fn) -> float:
@@ -188,7 +175,7 @@ def main(argv=None) -> list[dict]:
             if args.eager or name in args.eager_models.split(","):
                 variants["eager"] = dict(decode_cuda_graph=False)
         for variant, kwargs in variants.items():
-            with fused_decode(kwargs.pop("fused_decode", None)):
+            with backbone_fusion_settings(fused_decode=kwargs.pop("fused_decode", None)):
                 ms, report = ms_per_token(model, ids, args.warmup, args.new, args.repeats, **kwargs)
             row = dict(model=name, variant=variant, batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),
                        tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=report)

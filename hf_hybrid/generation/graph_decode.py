@@ -262,7 +262,7 @@ class DecodeGraphSession:
             self._count_eager(input_ids, reason)
             return None
         config = self.model.config
-        capacity = _aligned(self.max_length)
+        capacity = self.capacity
         start = time.perf_counter()
         ready = all(layer.prepare_static_decode(capacity, config) for layer in past_key_values.layers)
         self.prepare_ms += 1e3 * (time.perf_counter() - start)
@@ -287,10 +287,15 @@ class DecodeGraphSession:
         self.static_steps += 1
         return CausalLMOutputWithPast(logits=logits, **cache_field(past_key_values))
 
+    @property
+    def capacity(self) -> int:
+        """Columns of the static step's buffers: generate()'s max_length, aligned."""
+        return _aligned(self.max_length)
+
     def capacity_to_reserve(self) -> int | None:
-        """The static step's buffer capacity when this generation may use it (known before the
-        prefill, so caches can put the prompt straight into buffers of that size), else None."""
-        return None if self.blocked or self.max_length is None else _aligned(self.max_length)
+        """The static step's capacity when this generation may use it (known before the prefill,
+        so caches can put the prompt straight into buffers of that size), else None."""
+        return None if self.blocked or self.max_length is None else self.capacity
 
     def _count_eager(self, input_ids, reason: str) -> None:
         if input_ids is not None and input_ids.shape[1] == 1 and reason != "no filled cache":

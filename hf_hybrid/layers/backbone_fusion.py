@@ -62,6 +62,18 @@ def set_backbone_fusion(enabled: bool, *, allow_cpu: bool | None = None, min_tok
 
 
 @contextlib.contextmanager
+def backbone_fusion_settings(enabled: bool | None = None, *, fused_decode: bool | None = None):
+    """set_backbone_fusion for a block (None: as it is), then the previous settings back: a
+    benchmark's before / after rows."""
+    previous = _enabled, _fused_decode
+    set_backbone_fusion(previous[0] if enabled is None else enabled, fused_decode=fused_decode)
+    try:
+        yield
+    finally:
+        set_backbone_fusion(previous[0], fused_decode=previous[1])
+
+
+@contextlib.contextmanager
 def static_decode_step():
     """Marks generate()'s static decode step (hf_hybrid/generation/graph_decode.py runs its forward
     inside this), where the fused norm and SwiGLU kernels apply at any token count with fused_decode."""

@@ -71,12 +71,8 @@ class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
         )
         c_new = last + torch.cumsum(log_forget.float(), dim=1)
         if self.takes_reserved_columns(self.get_seq_length(), key_states.shape[1]):
-            self._static = StaticColumns((key_states.to(self.keys.dtype), value_states.to(self.values.dtype), c_new),
-                                         self._reserved_capacity)
-            self._refresh_static_views()
-            # own storage: the static step updates them in place
-            self.shift_key = None if shift_key is None else shift_key.clone()
-            self.shift_value = None if shift_value is None else shift_value.clone()
+            columns = (key_states.to(self.keys.dtype), value_states.to(self.values.dtype), c_new)
+            self._start_static(columns, self._reserved_capacity, shift_key, shift_value)
             return self.keys, self.values, self.cum_log_forget
         self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=1)
         self.values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=1)
@@ -103,11 +99,16 @@ class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
         used = self.get_seq_length()
         if not used or used >= capacity:
             return False
-        self._static = StaticColumns((self.keys, self.values, self.cum_log_forget), capacity)
-        self.shift_key = None if self.shift_key is None else self.shift_key.clone()  # own storage, updated in place
-        self.shift_value = None if self.shift_value is None else self.shift_value.clone()
-        self._refresh_static_views()
+        self._start_static((self.keys, self.values, self.cum_log_forget), capacity, self.shift_key, self.shift_value)
         return True
+
+    def _start_static(self, columns: tuple[torch.Tensor, ...], capacity: int, shift_key, shift_value) -> None:
+        """K/V and c into StaticColumns of ``capacity``; the KV-shift state into its own storage,
+        which the static step updates in place."""
+        self._static = StaticColumns(columns, capacity)
+        self.shift_key = None if shift_key is None else shift_key.clone()
+        self.shift_value = None if shift_value is None else shift_value.clone()
+        self._refresh_static_views()
 
     def _refresh_static_views(self) -> None:
         self.keys, self.values, self.cum_log_forget = self._static.views()

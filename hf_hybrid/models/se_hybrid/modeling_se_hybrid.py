@@ -90,21 +90,20 @@ class SEMambaMixer(BambaMixer):
             # Rebuilding needs no carried conv state (the conv then reads only this segment's xBC).
             recompute = RecomputedActivations() if triton_path and states is None and recompute_applies() else None
             with recompute.active() if recompute is not None else contextlib.nullcontext():
-                return self._scan_and_project(xBC, gate, dt, A, keep, states, cache_layer, backend, recompute, dtype)
-        y = self._gated_norm(y.reshape(batch, seq, self.intermediate_size), gate, backend)
-        return self.out_proj(y.to(dtype))
+                y = self._scan(xBC, dt, A, keep, states, cache_layer, backend, recompute, conv_weight, conv_bias)
+                return self._norm_and_project(y, gate, backend, dtype, recompute)
+        return self._norm_and_project(y, gate, backend, dtype)
 
     def _conv(self, xBC, keep, conv_state, backend, weight, bias):
         """Causal depthwise conv1d + activation, padding zeroed."""
         out = causal_conv1d(xBC, weight, bias, conv_state, self.activation, backend=backend)
         return out if keep is None else out * keep
 
-    def _scan_and_project(self, xBC, gate, dt, A, keep, states, cache_layer, backend, recompute, dtype):
-        """conv1d -> SSD -> gated norm -> out_proj over a segment. With ``recompute`` (training on the
-        Triton path), the conv output and the gated norm's output are rebuilt in the backward
-        instead of kept (layers/recompute.py): 17 KB per token less at the 1.3B shape."""
+    def _scan(self, xBC, dt, A, keep, states, cache_layer, backend, recompute, weight, bias):
+        """conv1d -> SSD over a segment. With ``recompute`` (training on the Triton path), the conv
+        output is rebuilt in the backward instead of kept (layers/recompute.py; with the gated norm's
+        output in _norm_and_project, 17 KB per token less at the 1.3B shape)."""
         batch, seq, _ = xBC.shape
-        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias  # read here, where accelerate's hooks have run
         conv_state = None if states is None else states[0][..., -self.conv_kernel_size:]
         xBC_conv = self._conv(xBC, keep, conv_state, backend, weight, bias)
         if recompute is not None:
@@ -129,7 +128,12 @@ class SEMambaMixer(BambaMixer):
             cache_layer.record_scan_inputs(  # kept only while a crop may need them (assisted decoding)
                 x, dt, B, A=A, dt_bias=self.dt_bias, dt_limit=self.time_step_limit,
             )
-        y = y.reshape(batch, seq, self.intermediate_size)
+        return y
+
+    def _norm_and_project(self, y, gate, backend, dtype, recompute=None):
+        """out_proj(gated norm(y, gate)); with ``recompute``, the norm's output is rebuilt in the
+        backward instead of kept."""
+        y = y.reshape(*gate.shape[:-1], self.intermediate_size)
         normed = self._gated_norm(y, gate, backend)
         if recompute is not None:
             recompute.register(normed, lambda: self._gated_norm(y, gate, backend), y, gate, self.norm.weight)
