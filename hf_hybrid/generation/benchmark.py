@@ -16,6 +16,7 @@ SE hybrid's 16K prefill made that difference noisy, 0.8 to 2.3 ms per token in t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -23,6 +24,7 @@ import torch
 
 from ..layers.backbone_fusion import backbone_fusion_settings
 from ..models.compat import CACHE_NAME, cache_of
+from . import deferred_stop
 
 SHAPE = dict(
     hidden_size=2048, num_attention_heads=16, head_dim=128, intermediate_size=5632, vocab_size=32000,
@@ -152,6 +154,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--eager", action="store_true", help="also time our models with decode_cuda_graph=False")
     parser.add_argument("--eager-models", default="", help="comma list: time these with decode_cuda_graph=False too")
+    parser.add_argument("--llama-deferred-stop", action="store_true",
+                        help="also time Llama (static cache, compiled) with the stop check one step late, as our models decode")
     parser.add_argument("--floor", action="store_true", help="also time the graphed step in a bare loop (decode_loop_ms)")
     parser.add_argument("--unfused-decode", action="store_true",
                         help="also time our models without the fused norm / SwiGLU kernels in the graphed step (fused_decode off)")
@@ -168,6 +172,11 @@ def main(argv=None) -> list[dict]:
 
             cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.new)
             variants["static_compiled"] = dict(static_cache=cache)
+            if args.llama_deferred_stop:
+                # The same generate() loop our models get (deferred_stop.py), for transparency: a
+                # cache generate() builds (a user's cache keeps the synchronous check), and a warm-up
+                # of the timed length, so the timed runs reuse its compiled step.
+                variants["static_compiled_deferred_stop"] = dict(cache_implementation="static", deferred_stop=True)
         else:
             variants["graph"] = dict(decode_cuda_graph=None)  # default arguments
             if args.unfused_decode:
@@ -175,8 +184,10 @@ def main(argv=None) -> list[dict]:
             if args.eager or name in args.eager_models.split(","):
                 variants["eager"] = dict(decode_cuda_graph=False)
         for variant, kwargs in variants.items():
-            with backbone_fusion_settings(fused_decode=kwargs.pop("fused_decode", None)):
-                ms, report = ms_per_token(model, ids, args.warmup, args.new, args.repeats, **kwargs)
+            deferred = kwargs.pop("deferred_stop", False)
+            loop = deferred_stop.deferred_for_every_generation() if deferred else contextlib.nullcontext()
+            with backbone_fusion_settings(fused_decode=kwargs.pop("fused_decode", None)), loop:
+                ms, report = ms_per_token(model, ids, args.new if deferred else args.warmup, args.new, args.repeats, **kwargs)
             row = dict(model=name, variant=variant, batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),
                        tokens_per_s=round(1000 * args.batch / ms, 1), device=torch.cuda.get_device_name(), report=report)
             print(json.dumps(row), flush=True)

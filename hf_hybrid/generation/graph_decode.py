@@ -63,6 +63,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layers.backbone_fusion import static_decode_step
+from . import deferred_stop
 from ..models.compat import CACHE_NAME, cache_field, rename_cache_kwarg
 
 DECODE_GRAPH_MODES = (None, True, False, "eager")
@@ -129,8 +130,14 @@ class StaticDecodeStep:
     captured into a CUDA graph at its second use (the first, eager, warms up the kernels: Triton
     compilation and autotuning, cuBLAS handles) or never (``use_graph=False``)."""
 
-    def __init__(self, model, cache, batch: int, device: torch.device, mixer_kwargs: dict, use_graph: bool):
+    def __init__(self, model, cache, batch: int, device: torch.device, mixer_kwargs: dict, use_graph: bool,
+                 prewarmed: bool = False):
         self.model, self.cache, self.mixer_kwargs, self.use_graph = model, cache, mixer_kwargs, use_graph
+        # prewarmed: an earlier generate() ran this very step (same shapes, mixer options and prompt
+        # length) eagerly, its kernels are compiled and tuned, and that step replaced no cache
+        # tensor: capture at the first step instead of running it eagerly first.
+        self.prewarmed = prewarmed
+        self.warmup_kept_tensors: bool | None = None  # after an eager warm-up: did it keep every cache tensor?
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -158,12 +165,15 @@ class StaticDecodeStep:
             self.position_ids.copy_(position_ids[:, -1:])
         else:  # unpadded rows: every row's new token sits at the cache length (a fill, no host-to-device copy)
             self.position_ids.fill_(self.cache.get_seq_length())
-        if not self.use_graph or self.eager_steps == 0:
+        if not self.use_graph or (self.eager_steps == 0 and not self.prewarmed):
+            first = self.eager_steps == 0
             self.eager_steps += 1
             start = time.perf_counter()
+            before = self._tensor_pointers() if first else None
             logits = self._forward()
-            if self.eager_steps == 1:
+            if first:
                 self.warmup_ms = 1e3 * (time.perf_counter() - start)
+                self.warmup_kept_tensors = self.use_graph and self._tensor_pointers() == before
             return logits
         if self.graph is not None and self._tensor_pointers() != self.pointers:
             self.graph = self.logits = None  # a cache tensor was replaced (reorder, reset): capture again
@@ -172,6 +182,7 @@ class StaticDecodeStep:
             # (one token) runs now, the replay below computes the step.
             self.graph = torch.cuda.CUDAGraph()
             before = self._tensor_pointers()
+            torch.cuda.synchronize(self.input_ids.device)  # capture_graph syncs too: keep the prefill's device time out of capture_ms
             start = time.perf_counter()
             with torch.cuda.device(self.input_ids.device):
                 self.logits = capture_graph(self.graph, self._forward)
@@ -205,12 +216,13 @@ class DecodeGraphSession:
         self.blocked: str | None = None  # why this generation decodes eagerly (beam search, ...)
         self.unpadded: bool | None = None
         self.step_runner: StaticDecodeStep | None = None
-        self.step_key = None
+        self.step_key = self.warm_key = None
         self.active = False  # True while the session's own forward runs (no re-entry)
         self.last_reason: str | None = None
         self.static_steps = 0  # decode steps run on static buffers (captured or replayed, or "eager" mode)
         self.prepare_ms = 0.0  # host time in the layers' prepare_static_decode (buffers sized to max_length)
         self.eager_decode_reasons: dict[str, int] = {}  # one-token steps that took the eager path, by reason
+        self.deferred_stop_cache = None  # generate()'s cache when its stop check runs one step late (deferred_stop.py)
 
     def configure(self, generation_config) -> None:
         """Called by generate() once its generation config is final."""
@@ -275,15 +287,21 @@ class DecodeGraphSession:
         key = (id(past_key_values), input_ids.shape[0], capacity, param.dtype, param.device,
                tuple(sorted((k, repr(v)) for k, v in mixer_kwargs.items())))
         if key != self.step_key:
+            # What the first step's kernels are specialised on, the cache aside (this generate()'s own).
+            warm_key = (type(past_key_values).__name__, past_key_values.get_seq_length(), *key[1:])
+            warmed = self.model._warmed_static_steps()
             self.step_runner = StaticDecodeStep(
-                self.model, past_key_values, input_ids.shape[0], input_ids.device, mixer_kwargs, self.mode == "graph"
+                self.model, past_key_values, input_ids.shape[0], input_ids.device, mixer_kwargs, self.mode == "graph",
+                prewarmed=warm_key in warmed,
             )
-            self.step_key = key
+            self.step_key, self.warm_key = key, warm_key
         self.active = True
         try:
             logits = self.step_runner.run(input_ids, position_ids)
         finally:
             self.active = False
+        if self.step_runner.warmup_kept_tensors:
+            self.model._warmed_static_steps().add(self.warm_key)
         self.static_steps += 1
         return CausalLMOutputWithPast(logits=logits, **cache_field(past_key_values))
 
@@ -309,6 +327,8 @@ class DecodeGraphSession:
             "mode": self.mode,
             "static_steps": self.static_steps,
             "graph_captured": runner is not None and runner.graph is not None,
+            # generate()'s stop check ran one step late (deferred_stop.py): no host wait per token.
+            "deferred_stop_check": self.deferred_stop_cache is not None and deferred_stop.was_deferred(self.deferred_stop_cache),
             "eager_decode_steps": dict(self.eager_decode_reasons),
             "setup_ms": {
                 "prepare": round(self.prepare_ms, 2),
@@ -318,7 +338,15 @@ class DecodeGraphSession:
         }
 
     def release(self) -> None:
-        self.step_runner = self.step_key = None
+        if self.deferred_stop_cache is not None:
+            deferred_stop.unregister(self.deferred_stop_cache)
+        self.step_runner = self.step_key = self.deferred_stop_cache = None
+
+    def defer_stop_check(self, cache) -> None:
+        """generate()'s own new cache, before the prefill: when this generation may decode on the
+        static step (which never waits for the device), let its stop check run one step late."""
+        if self.capacity_to_reserve() is not None and deferred_stop.register(cache):
+            self.deferred_stop_cache = cache
 
 
 class DecodeGraphMixin:
@@ -326,6 +354,7 @@ class DecodeGraphMixin:
     HybridForCausalLM, whose forward asks :meth:`_static_decode_step` first."""
 
     _decode_graph_session: DecodeGraphSession | None = None
+    _warmed_static_step_keys: set | None = None
     # DecodeGraphSession.report() of the last generate() (None when the static path was off).
     last_decode_report: dict | None = None
 
@@ -343,6 +372,13 @@ class DecodeGraphMixin:
             if session is not None:
                 session.release()
 
+    def _warmed_static_steps(self) -> set:
+        """Static steps of this model that ran eagerly once in this process without replacing a
+        cache tensor (StaticDecodeStep.prewarmed): later generate()s of that shape capture at once."""
+        if self._warmed_static_step_keys is None:
+            self._warmed_static_step_keys = set()
+        return self._warmed_static_step_keys
+
     def static_decode_reason(self, forward_kwargs: dict) -> str | None:
         """Why this model's next one-token step must decode eagerly (None: the static step may run).
         ``forward_kwargs``: the forward's extra keywords (mixer options). Architectures override it."""
@@ -358,6 +394,7 @@ class DecodeGraphMixin:
         session = self._decode_graph_session
         capacity = session.capacity_to_reserve() if session is not None else None
         if capacity is not None:
+            session.defer_stop_check(cache)
             for layer in cache.layers:
                 if hasattr(layer, "reserve_static_capacity"):
                     layer.reserve_static_capacity(capacity)

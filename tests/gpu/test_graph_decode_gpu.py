@@ -106,6 +106,33 @@ def test_sampling_with_a_seed_equals_static_eager_step(name):
     assert torch.equal(*outs)
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_deferred_stop_and_prewarmed_capture_keep_the_tokens(name):
+    """EOS part-way through: the stop check one step late (hf_hybrid/generation/deferred_stop.py)
+    gives the tokens of the synchronous loop; a second generate() of the same shape captures at
+    its first step (no eager warm-up) and gives them again."""
+    model = build(name, torch.float32)
+    prompt, new = 77, 24
+    ids = torch.randint(1, 512, (2, prompt), device="cuda")
+
+    def generate(mode, **kwargs):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), decode_cuda_graph=mode, max_new_tokens=new,
+                                 do_sample=False, pad_token_id=0, **kwargs)
+        return out, model.last_decode_report
+
+    free, _ = generate(False)
+    eos = [int(free[0, prompt + 6]), int(free[1, prompt + 9])]
+    synchronous, none = generate(False, eos_token_id=eos)
+    first, report_first = generate(True, eos_token_id=eos)
+    second, report_second = generate(True, eos_token_id=eos)
+    assert none is None and synchronous.shape[1] < prompt + new  # EOS stopped it early
+    assert report_first["deferred_stop_check"] and report_first["graph_captured"], report_first
+    assert report_first["setup_ms"]["warmup_step"] > 0
+    assert report_second["graph_captured"] and report_second["setup_ms"]["warmup_step"] == 0, report_second
+    assert torch.equal(first, synchronous) and torch.equal(second, synchronous)
+
+
 def test_left_padding_and_beams_stay_exact_on_cuda():
     model = build("rat", torch.float32)
     ids = torch.randint(1, 512, (2, 30), device="cuda")
