@@ -24,8 +24,15 @@ v_s = dt_s x_s, W_ls = exp(g_l - g_s) for s <= l (else 0), S_c the state enterin
 
 The dg identity: every term holding C_l carries exp(+g_l), every term holding B_s carries
 exp(-g_s), and the exit state carries exp(+g_L). Memory: O(T x heads x (P + N)) plus the chunk
-states [batch, T / L + 1, heads, P, N] float32 while a forward or backward runs.
-Dot products run in IEEE float32 for float32 inputs and in TF32 for 16-bit inputs.
+states [batch, T / L + 1, heads, P, N] while a forward or backward runs: float32 in the forward;
+in the backward the recomputed states and their gradients are stored in the inputs' dtype (both
+kernels carry them in float32 from chunk to chunk, so the rounding does not accumulate) and the
+per-head dB / dC parts exist for one slice of about 16 heads at a time.
+Dot products run in IEEE float32 for float32 inputs. For 16-bit inputs every dot runs on 16-bit
+tensor cores, its float32 operands (decay-weighted scores, dt x, the forward's states, ...) rounded
+to the inputs' dtype first, as mamba_ssm's and FLA's kernels do; products of two 16-bit inputs
+(C B^T) are exact. NATIVE_16BIT_DOTS = False: TF32 instead (op forward + backward at T = 32K on
+the H100: 7.3 ms native, 10.1 ms TF32).
 """
 from __future__ import annotations
 
@@ -45,6 +52,10 @@ BLOCK_PN = 32
 # num_warps per kernel (states forward, output forward, dstates backward, chunk backward): one
 # place for hf_hybrid/bench/ssd_sweep.py to vary.
 WARPS = {"states": 4, "output": 4, "dstates": 4, "chunk_bwd": 4}
+# Dots whose operands hold 16-bit values exactly run on 16-bit tensor cores (twice TF32's rate
+# on Hopper; the same products, float32 accumulation); False: every dot in float32 / TF32.
+NATIVE_16BIT_DOTS = True
+HEADS_PER_LAUNCH = 16  # _chunk_bwd's slice of heads (the per-head dB / dC parts exist for one slice)
 INTERPRET_CHUNK = 16  # tl.dot needs >= 16; small chunks give the interpreter tests several chunks
 INTERPRET_BLOCK_PN = 16
 
@@ -58,6 +69,23 @@ def _tile(PTR, b, rows, row_ok, sb, st, head_off, cols, col_ok):
     """float32 [rows, cols] tile of a [batch, T, (heads or groups), dim] tensor at one head/group."""
     ptrs = PTR + b * sb + rows.to(tl.int64)[:, None] * st + head_off + cols[None, :]
     return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tile_raw(PTR, b, rows, row_ok, sb, st, head_off, cols, col_ok):
+    """The same tile in the tensor's own dtype (operand of a 16-bit tensor-core dot)."""
+    ptrs = PTR + b * sb + rows.to(tl.int64)[:, None] * st + head_off + cols[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_rounded(a, b, like, NATIVE16: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with float32 operands: when NATIVE16, rounded to the 16-bit inputs' dtype (``like``'s)
+    first and multiplied on 16-bit tensor cores, as mamba_ssm's and FLA's kernels do; else in
+    float32 / TF32."""
+    if NATIVE16:
+        return tl.dot(a.to(like.dtype), b.to(like.dtype))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
 @triton.jit
@@ -84,6 +112,7 @@ def _states_fwd(
     X, DT, G, Bm, S, INIT, T, H, P, N, heads_per_group, NT,
     sxb, sxt, sxh, sbb, sbt, sbg,
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr,
+    NATIVE16: tl.constexpr,
 ):
     pid_p, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
@@ -98,13 +127,13 @@ def _states_fwd(
     else:
         state = tl.zeros((BP, BN), dtype=tl.float32)
     for c in range(NT):
-        tl.store(S + ((b * (NT + 1) + c) * H + h) * P * N + pn, state, mask=pn_ok)
+        tl.store(S + ((b * (NT + 1) + c) * H + h) * P * N + pn, state.to(S.dtype.element_ty), mask=pn_ok)
         rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
         x = _tile(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
-        Bt = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
+        Br = _tile_raw(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
         v = x * (dt * tl.exp(g_last - g))[:, None]
-        state = state * tl.exp(g_last) + tl.dot(tl.trans(v), Bt, input_precision=PREC)
-    tl.store(S + ((b * (NT + 1) + NT) * H + h) * P * N + pn, state, mask=pn_ok)
+        state = state * tl.exp(g_last) + _dot_rounded(tl.trans(v), Br, Br, NATIVE16, PREC)
+    tl.store(S + ((b * (NT + 1) + NT) * H + h) * P * N + pn, state.to(S.dtype.element_ty), mask=pn_ok)
 
 
 @triton.jit
@@ -112,6 +141,7 @@ def _output_fwd(
     X, DT, G, Bm, Cm, S, Dv, Y, T, H, P, N, heads_per_group, NT,
     sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg,
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
+    NATIVE16: tl.constexpr,
 ):
     pid_p, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
@@ -119,20 +149,21 @@ def _output_fwd(
     offs_p = pid_p * BP + tl.arange(0, BP)
     p_ok = offs_p < P
     rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
-    x = _tile(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
+    x_raw = _tile_raw(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
+    x = x_raw.to(tl.float32)
     scores = tl.zeros((L, L), dtype=tl.float32)
     from_state = tl.zeros((L, BP), dtype=tl.float32)
     s_base = S + ((b * (NT + 1) + c) * H + h) * P * N
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < N
-        Cb = _tile(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
-        Bb = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
+        Cr = _tile_raw(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
+        Br = _tile_raw(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
         Sb = tl.load(s_base + offs_p[:, None] * N + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-        scores += tl.dot(Cb, tl.trans(Bb), input_precision=PREC)
-        from_state += tl.dot(Cb, tl.trans(Sb), input_precision=PREC)
+        scores += _dot_rounded(Cr, tl.trans(Br), Cr, NATIVE16, PREC)
+        from_state += _dot_rounded(Cr, tl.trans(Sb), Cr, NATIVE16, PREC)
     weights = scores * _decay_matrix(g, L) * dt[None, :]
-    y = from_state * tl.exp(g)[:, None] + tl.dot(weights, x, input_precision=PREC)
+    y = from_state * tl.exp(g)[:, None] + _dot_rounded(weights, x_raw, x_raw, NATIVE16, PREC)
     if HAS_D:
         y += tl.load(Dv + h).to(tl.float32) * x
     yptrs = Y + ((b * T + rows.to(tl.int64)) * H + h)[:, None] * P + offs_p[None, :]
@@ -144,6 +175,7 @@ def _dstates_bwd(
     DY, DT, G, Cm, DS, DFINAL, DINIT, T, H, P, N, heads_per_group, NT,
     sdb, sdt, sdh, scb, sct, scg,
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DFINAL: tl.constexpr, PREC: tl.constexpr,
+    NATIVE16: tl.constexpr,
 ):
     pid_p, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
@@ -159,28 +191,33 @@ def _dstates_bwd(
         dstate = tl.zeros((BP, BN), dtype=tl.float32)
     for i in range(NT):
         c = NT - 1 - i
-        tl.store(DS + ((b * NT + c) * H + h) * P * N + pn, dstate, mask=pn_ok)
+        tl.store(DS + ((b * NT + c) * H + h) * P * N + pn, dstate.to(DS.dtype.element_ty), mask=pn_ok)
         rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
-        dy = _tile(DY, b, rows, row_ok, sdb, sdt, h * sdh, offs_p, p_ok)
-        Cb = _tile(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
-        dstate = dstate * tl.exp(g_last) + tl.dot(tl.trans(dy * tl.exp(g)[:, None]), Cb, input_precision=PREC)
+        dy_raw = _tile_raw(DY, b, rows, row_ok, sdb, sdt, h * sdh, offs_p, p_ok)
+        Cr = _tile_raw(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
+        dy = dy_raw.to(tl.float32) * tl.exp(g)[:, None]
+        dstate = dstate * tl.exp(g_last) + _dot_rounded(tl.trans(dy), Cr, dy_raw, NATIVE16, PREC)
     tl.store(DINIT + (b * H + h) * P * N + pn, dstate, mask=pn_ok)
 
 
 @triton.jit
 def _chunk_bwd(
-    X, DT, G, Bm, Cm, S, DS, Dv, DY, DX, DDT, DG, DBH, DCH, DDP, T, H, P, N, heads_per_group, NT,
+    X, DT, G, Bm, Cm, S, DS, Dv, DY, DX, DDT, DG, DBH, DCH, DDP, T, H, H0, HS, P, N, heads_per_group, NT,
     sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg, sdb, sdt, sdh,
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
+    NATIVE16: tl.constexpr,
 ):
+    # Heads H0 .. H0 + HS - 1 (one launch per slice of heads); DBH / DCH hold that slice only.
     c, bh = tl.program_id(0), tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), bh % H
+    b, h_in = (bh // HS).to(tl.int64), bh % HS
+    h = H0 + h_in
     grp = h // heads_per_group
     offs_p = tl.arange(0, BP)
     p_ok = offs_p < P
     rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
     x = _tile(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
-    dy = _tile(DY, b, rows, row_ok, sdb, sdt, h * sdh, offs_p, p_ok)
+    dy_raw = _tile_raw(DY, b, rows, row_ok, sdb, sdt, h * sdh, offs_p, p_ok)
+    dy = dy_raw.to(tl.float32)
     v = x * dt[:, None]
     to_end = tl.exp(g_last - g)
     s_base = S + ((b * (NT + 1) + c) * H + h) * P * N
@@ -190,13 +227,13 @@ def _chunk_bwd(
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < N
-        Cb = _tile(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
-        Bb = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
-        dSb = tl.load(ds_base + offs_p[:, None] * N + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-        scores += tl.dot(Cb, tl.trans(Bb), input_precision=PREC)
-        dv += tl.dot(Bb, tl.trans(dSb), input_precision=PREC)
+        Cr = _tile_raw(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
+        Br = _tile_raw(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
+        dSr = tl.load(ds_base + offs_p[:, None] * N + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+        scores += _dot_rounded(Cr, tl.trans(Br), Cr, NATIVE16, PREC)
+        dv += _dot_rounded(Br, tl.trans(dSr), Br, NATIVE16, PREC)  # dS is stored in the inputs' dtype
     decay = _decay_matrix(g, L)
-    dv = dv * to_end[:, None] + tl.dot(tl.trans(scores * decay), dy, input_precision=PREC)
+    dv = dv * to_end[:, None] + _dot_rounded(tl.trans(scores * decay), dy_raw, dy_raw, NATIVE16, PREC)
     dx = dv * dt[:, None]
     if HAS_D:
         dx += tl.load(Dv + h).to(tl.float32) * dy
@@ -204,7 +241,8 @@ def _chunk_bwd(
     tok = ((b * T + rows.to(tl.int64)) * H + h)
     tl.store(DX + tok[:, None] * P + offs_p[None, :], dx.to(DX.dtype.element_ty), mask=row_ok[:, None] & p_ok[None, :])
     tl.store(DDT + tok, tl.sum(dv * x, axis=1), mask=row_ok)
-    dpw = tl.dot(dy, tl.trans(v), input_precision=PREC) * decay
+    dpw = _dot_rounded(dy_raw, tl.trans(v), dy_raw, NATIVE16, PREC) * decay
+    tok_slice = (b * T + rows.to(tl.int64)) * HS + h_in
     dg = tl.zeros((L,), dtype=tl.float32)
     exit_term = 0.0  # dS_c . S_{c+1}
     snext_base = s_base + H * P * N  # S_{c+1}: the state leaving this chunk
@@ -214,19 +252,42 @@ def _chunk_bwd(
         pn_mask = p_ok[:, None] & n_ok[None, :]
         Cb = _tile(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
         Bb = _tile(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
-        Sb = tl.load(s_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
-        dSb = tl.load(ds_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
-        Snext = tl.load(snext_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
+        Sr = tl.load(s_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
+        dSr = tl.load(ds_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0)
+        dSb = dSr.to(tl.float32)
+        Snext = tl.load(snext_base + offs_p[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0).to(tl.float32)
         exit_term += tl.sum(tl.sum(dSb * Snext, axis=1), axis=0)
-        dC = tl.dot(dpw, Bb, input_precision=PREC) + tl.dot(dy, Sb, input_precision=PREC) * tl.exp(g)[:, None]
-        dB = tl.dot(tl.trans(dpw), Cb, input_precision=PREC) + tl.dot(v, dSb, input_precision=PREC) * to_end[:, None]
+        dC = (_dot_rounded(dpw, Bb, dy_raw, NATIVE16, PREC)
+              + _dot_rounded(dy_raw, Sr, dy_raw, NATIVE16, PREC) * tl.exp(g)[:, None])
+        dB = (_dot_rounded(tl.trans(dpw), Cb, dy_raw, NATIVE16, PREC)
+              + _dot_rounded(v, dSr, dy_raw, NATIVE16, PREC) * to_end[:, None])
         out_mask = row_ok[:, None] & n_ok[None, :]
-        tl.store(DCH + tok[:, None] * N + offs_n[None, :], dC.to(DCH.dtype.element_ty), mask=out_mask)
-        tl.store(DBH + tok[:, None] * N + offs_n[None, :], dB.to(DBH.dtype.element_ty), mask=out_mask)
+        tl.store(DCH + tok_slice[:, None] * N + offs_n[None, :], dC.to(DCH.dtype.element_ty), mask=out_mask)
+        tl.store(DBH + tok_slice[:, None] * N + offs_n[None, :], dB.to(DBH.dtype.element_ty), mask=out_mask)
         dg += tl.sum(Cb * dC, axis=1) - tl.sum(Bb * dB, axis=1)
     # The exit state carries exp(+g) at the chunk's last row.
     dg += tl.where(tl.arange(0, L) == L - 1, exit_term, 0.0)
     tl.store(DG + (b * NT * L + c * L + tl.arange(0, L)) * H + h, dg)
+
+
+def _heads_per_launch(heads: int, per_group: int) -> int:
+    """Heads per _chunk_bwd launch: at most HEADS_PER_LAUNCH, dividing a group or made of whole groups."""
+    target = HEADS_PER_LAUNCH
+    if per_group >= target:
+        return max(d for d in range(1, target + 1) if per_group % d == 0)
+    whole = max(1, target // per_group)
+    while (heads // per_group) % whole:
+        whole -= 1
+    return per_group * whole
+
+
+def _native16(*tensors: torch.Tensor) -> bool:
+    """Whether the dots of 16-bit operands (inputs, and the backward's states stored in the inputs'
+    dtype) run on 16-bit tensor cores: all one 16-bit dtype (NATIVE_16BIT_DOTS switches it off)."""
+    dtypes = {t.dtype for t in tensors}
+    # Triton's interpreter multiplies 16-bit tiles wrongly (numpy has no bfloat16): the CPU tests
+    # run the float32 dots; the GPU tests check these.
+    return NATIVE_16BIT_DOTS and not triton_interpreting() and len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16}
 
 
 def _precision(*tensors: torch.Tensor) -> str:
@@ -244,17 +305,18 @@ def _chunk_log_decay(dt: torch.Tensor, A: torch.Tensor, chunk: int) -> torch.Ten
     return padded.view(batch, -1, chunk, heads).cumsum(2).view(batch, -1, heads).contiguous()
 
 
-def _chunk_states(x, dt, g, B, initial_state, chunk, block):
+def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32):
+    """Every chunk's entering state (and the final one), carried in float32, stored as ``dtype``."""
     batch, seq, heads, head_dim = x.shape
     state_size = B.shape[-1]
     n_chunks = g.shape[1] // chunk
-    states = torch.empty((batch, n_chunks + 1, heads, head_dim, state_size), dtype=torch.float32, device=x.device)
+    states = torch.empty((batch, n_chunks + 1, heads, head_dim, state_size), dtype=dtype, device=x.device)
     init = initial_state.float().contiguous() if initial_state is not None else states
     grid = (triton.cdiv(head_dim, block), triton.cdiv(state_size, block), batch * heads)
     _states_fwd[grid](
         x, dt, g, B, states, init, seq, heads, head_dim, state_size, heads // B.shape[2], n_chunks,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        L=chunk, BP=block, BN=block, HAS_INIT=initial_state is not None, PREC=_precision(x, B),
+        L=chunk, BP=block, BN=block, HAS_INIT=initial_state is not None, PREC=_precision(x, B), NATIVE16=_native16(x, B),
         num_warps=WARPS["states"],
     )
     return states
@@ -278,7 +340,8 @@ class _SSDScan(torch.autograd.Function):
             heads // B.shape[2], n_chunks,
             x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
             C.stride(0), C.stride(1), C.stride(2),
-            L=chunk, BP=block, BN=block, HAS_D=D is not None, PREC=_precision(x, B, C), num_warps=WARPS["output"],
+            L=chunk, BP=block, BN=block, HAS_D=D is not None, PREC=_precision(x, B, C), NATIVE16=_native16(x, B, C),
+            num_warps=WARPS["output"],
         )
         ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
         final_state = states[:, -1].clone()
@@ -293,40 +356,55 @@ class _SSDScan(torch.autograd.Function):
         groups, state_size = B.shape[-2:]
         g = _chunk_log_decay(dt, A, chunk)
         n_chunks = g.shape[1] // chunk
-        states = _chunk_states(x, dt, g, B, initial_state, chunk, block)  # recomputed, not kept
+        # Recomputed, not kept; stored in the inputs' dtype (float32 at T = 32K: 1 GiB), read by
+        # _chunk_bwd only.
+        states = _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=x.dtype)
         prec = _precision(x, B, C)
         f32 = dict(dtype=torch.float32, device=x.device)
-        dstates = torch.empty((batch, n_chunks, heads, head_dim, state_size), **f32)
+        # The gradients of the chunk states, stored in the inputs' dtype (carried in float32 inside
+        # the kernel): as float32 at T = 32K, 64 heads and 64-token chunks they took 1 GiB.
+        dstates = torch.empty((batch, n_chunks, heads, head_dim, state_size), dtype=x.dtype, device=x.device)
         dinit = torch.empty((batch, heads, head_dim, state_size), **f32)
         dfinal = dfinal.float().contiguous() if dfinal is not None else None
         _dstates_bwd[(triton.cdiv(head_dim, block), triton.cdiv(state_size, block), batch * heads)](
             dy, dt, g, C, dstates, dfinal if dfinal is not None else dinit, dinit, seq, heads, head_dim, state_size,
             heads // groups, n_chunks, dy.stride(0), dy.stride(1), dy.stride(2), C.stride(0), C.stride(1), C.stride(2),
-            L=chunk, BP=block, BN=block, HAS_DFINAL=dfinal is not None, PREC=prec, num_warps=WARPS["dstates"],
+            L=chunk, BP=block, BN=block, HAS_DFINAL=dfinal is not None, PREC=prec, NATIVE16=_native16(dy, C),
+            num_warps=WARPS["dstates"],
         )
         dx = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
         ddt = torch.empty((batch, seq, heads), **f32)
         dg = torch.empty((batch, n_chunks * chunk, heads), **f32)
-        # Per-head parts of dB / dC (summed over each group's heads below, in float32), stored in the
-        # inputs' dtype: as float32 at T = 32K and 64 heads each was 1 GiB, alive at the backward's peak.
-        dBh = torch.empty((batch, seq, heads, state_size), dtype=B.dtype, device=x.device)
-        dCh = torch.empty((batch, seq, heads, state_size), dtype=C.dtype, device=x.device)
         dD_parts = torch.empty((batch, n_chunks, heads), **f32) if D is not None else ddt
-        _chunk_bwd[(n_chunks, batch * heads)](
-            x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh, dD_parts,
-            seq, heads, head_dim, state_size, heads // groups, n_chunks,
-            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-            C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-            L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=block, HAS_D=D is not None, PREC=prec,
-            num_warps=WARPS["chunk_bwd"],
-        )
+        # Per-head parts of dB / dC, one slice of heads per launch, summed over each group's heads
+        # into float32 accumulators: for all 64 heads at T = 32K they were 1 GiB (in bf16), alive at
+        # the backward's peak.
+        per_group = heads // groups
+        slice_heads = _heads_per_launch(heads, per_group)
+        dB = torch.zeros((batch, seq, groups, state_size), **f32)
+        dC = torch.zeros((batch, seq, groups, state_size), **f32)
+        dBh = torch.empty((batch, seq, slice_heads, state_size), dtype=B.dtype, device=x.device)
+        dCh = torch.empty_like(dBh)
+        for h0 in range(0, heads, slice_heads):
+            _chunk_bwd[(n_chunks, batch * slice_heads)](
+                x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh, dD_parts,
+                seq, heads, h0, slice_heads, head_dim, state_size, per_group, n_chunks,
+                x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+                C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
+                L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=block, HAS_D=D is not None, PREC=prec,
+                NATIVE16=_native16(x, B, C, dy),
+                num_warps=WARPS["chunk_bwd"],
+            )
+            g0, g1 = h0 // per_group, (h0 + slice_heads - 1) // per_group + 1
+            in_group = min(slice_heads, per_group)
+            dB[:, :, g0:g1] += dBh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)
+            dC[:, :, g0:g1] += dCh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)
+        del dBh, dCh, states, dstates
         dg = dg.view(batch, n_chunks, chunk, heads)
         da = dg.flip(2).cumsum(2).flip(2).reshape(batch, -1, heads)[:, :seq]
         ddt = ddt + da * A.float()
         dA = (da * dt).sum((0, 1)).to(A.dtype)
-        per_group = heads // groups
-        dB = dBh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32).to(B.dtype)
-        dC = dCh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32).to(C.dtype)
+        dB, dC = dB.to(B.dtype), dC.to(C.dtype)
         dD = dD_parts.sum((0, 1)).to(D.dtype) if D is not None else None
         dinit = dinit.to(initial_state.dtype) if initial_state is not None else None
         return dx, ddt, dA, dB, dC, dD, dinit

@@ -133,6 +133,24 @@ def test_triton_matches_reference_forward_and_backward(dtype, tol, seq, heads, h
         torch.testing.assert_close(tri.float() / scale, ref.float() / scale, rtol=tol, atol=tol, msg=name)
 
 
+@pytest.mark.parametrize("heads_per_launch", [1, 2])
+def test_triton_backward_in_slices_of_heads_is_the_whole_one(heads_per_launch, monkeypatch):
+    """_chunk_bwd runs one slice of heads per launch (slices inside a group and of whole groups)."""
+    from hf_hybrid.kernels.ssd_scan import triton as ssd_triton
+
+    t = inputs(seq=21, heads=4, head_dim=8, groups=2, state=6, dtype=torch.float32, initial=True)
+    grads = []
+    for target in (16, heads_per_launch):
+        monkeypatch.setattr(ssd_triton, "HEADS_PER_LAUNCH", target)
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items() if v is not None}
+        y, final = ssd_scan(**leaves, dt_softplus=True, return_final_state=True, chunk_size=8, backend="triton")
+        loss = y.square().sum() + final.square().sum()
+        grads.append(torch.autograd.grad(loss, list(leaves.values())))
+    assert ssd_triton._heads_per_launch(4, 2) == heads_per_launch
+    for whole, sliced in zip(*grads):
+        torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_triton_step_matches_reference(dtype, tol):
     t = inputs(seq=1, dtype=dtype)
