@@ -43,16 +43,16 @@ The caches keep ``is_compileable = False`` on purpose: transformers would then w
 torch.compile, whose own CUDA graphs would replace this module's (and trace the Triton kernels
 and the host bookkeeping this design keeps outside the graph).
 
+Around the graph, generate()'s stop check runs one step late on CUDA (deferred_stop.py), and a
+step of a shape that already ran in the process is captured at once (StaticDecodeStep.prewarmed).
+
 Measured (hf_hybrid/generation/benchmark.py, H100, 8 layers of the 1.3B shape, bf16; ms per new
-token through generate(); transformers' Llama with a compiled static cache as the baseline;
-docs/benchmarks.md has every run), first to last new token, 2026-11-25: B=8 / 16K prompt / 64 new:
-Llama 4.66, RAT 1.78, RAT+ D=16 3.52, RATTENTION 2.88, FoX 5.50, SE hybrid 2.40; B=32 / 2K / 128
-new: Llama 3.26, RAT 1.53, RATTENTION 2.56, FoX 4.13. Each generate() also pays one eager warm-up
-step and one capture (the report's ``setup_ms``; the capture alone took 10-41 ms). An earlier run with
-the eager path beside it: B=32 / 2K RAT eager 15.3, RAT+ D=16 graph 2.98 (eager 31.4), RATTENTION
-4.17 (eager 22.4). generate()'s own per-step work (input preparation, logits processing, a stop
-check that syncs with the device) is 0.3-1.1 ms of these (``decode_loop_ms`` times the graphed
-step in a bare loop).
+token through generate(), first to last new token; transformers' Llama with a compiled static
+cache as the baseline; docs/benchmarks.md has every run), 2026-11-25, B=8 / 16K prompt / 64 new:
+Llama 4.97, RAT 1.44, RAT+ D=16 2.92, RATTENTION 2.41, FoX 5.08, SE hybrid 1.97; B=32 / 2K / 128
+new: Llama 3.61, RAT 1.23, RAT+ D=16 2.62, RATTENTION 2.30, FoX 3.63, SE 1.73. The same graphed
+steps in a bare loop (``decode_loop_ms``) at B=8 / 16K: RAT 1.12, RAT+ 2.29, RATTENTION 1.88, FoX
+4.56, SE 1.65: the rest is generate()'s own per-step work.
 """
 from __future__ import annotations
 
