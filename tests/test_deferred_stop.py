@@ -108,11 +108,11 @@ def test_returned_caches_assistants_and_opt_out_keep_the_synchronous_check(defer
     monkeypatch.delenv("HF_HYBRID_DEFERRED_STOP")
     decide = generation_utils.DeferredStopCheck.is_supported
     assert not decide(device, cache, False, False)
-    assert deferred_stop.register(cache)
+    assert deferred_stop.allow_deferred_stop(cache)
     assert decide(device, cache, False, False)
     assert not decide(device, cache, True, False) and not decide(device, cache, False, True)
     assert not decide(torch.device("meta"), cache, False, False)
-    deferred_stop.unregister(cache)
+    deferred_stop.withdraw_deferred_stop(cache)
     assert not decide(device, cache, False, False)
 
 

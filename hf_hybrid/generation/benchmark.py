@@ -24,7 +24,7 @@ import torch
 
 from ..layers.backbone_fusion import backbone_fusion_settings
 from ..models.compat import CACHE_NAME, cache_of
-from . import deferred_stop
+from .deferred_stop import deferred_for_every_generation
 
 SHAPE = dict(
     hidden_size=2048, num_attention_heads=16, head_dim=128, intermediate_size=5632, vocab_size=32000,
@@ -185,7 +185,7 @@ def main(argv=None) -> list[dict]:
                 variants["eager"] = dict(decode_cuda_graph=False)
         for variant, kwargs in variants.items():
             deferred = kwargs.pop("deferred_stop", False)
-            loop = deferred_stop.deferred_for_every_generation() if deferred else contextlib.nullcontext()
+            loop = deferred_for_every_generation() if deferred else contextlib.nullcontext()
             with backbone_fusion_settings(fused_decode=kwargs.pop("fused_decode", None)), loop:
                 ms, report = ms_per_token(model, ids, args.new if deferred else args.warmup, args.new, args.repeats, **kwargs)
             row = dict(model=name, variant=variant, batch=args.batch, prompt=args.prompt, ms_per_token=round(ms, 3),

@@ -67,7 +67,7 @@ def install() -> bool:
     return True
 
 
-def register(cache) -> bool:
+def allow_deferred_stop(cache) -> bool:
     """Let generate() defer its stop check for ``cache`` (the session's new cache). False when off."""
     if not enabled() or not install():
         return False
@@ -75,12 +75,12 @@ def register(cache) -> bool:
     return True
 
 
-def was_deferred(cache) -> bool:
+def stop_was_deferred(cache) -> bool:
     """Whether generate() took the deferred stop check for this registered cache."""
     return cache in _deferred
 
 
-def unregister(cache) -> None:
+def withdraw_deferred_stop(cache) -> None:
     _registered.discard(cache)
     _deferred.discard(cache)
 

@@ -63,7 +63,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layers.backbone_fusion import static_decode_step
-from . import deferred_stop
+from .deferred_stop import allow_deferred_stop, stop_was_deferred, withdraw_deferred_stop
 from ..models.compat import CACHE_NAME, cache_field, rename_cache_kwarg
 
 DECODE_GRAPH_MODES = (None, True, False, "eager")
@@ -328,7 +328,7 @@ class DecodeGraphSession:
             "static_steps": self.static_steps,
             "graph_captured": runner is not None and runner.graph is not None,
             # generate()'s stop check ran one step late (deferred_stop.py): no host wait per token.
-            "deferred_stop_check": self.deferred_stop_cache is not None and deferred_stop.was_deferred(self.deferred_stop_cache),
+            "deferred_stop_check": self.deferred_stop_cache is not None and stop_was_deferred(self.deferred_stop_cache),
             "eager_decode_steps": dict(self.eager_decode_reasons),
             "setup_ms": {
                 "prepare": round(self.prepare_ms, 2),
@@ -339,13 +339,13 @@ class DecodeGraphSession:
 
     def release(self) -> None:
         if self.deferred_stop_cache is not None:
-            deferred_stop.unregister(self.deferred_stop_cache)
+            withdraw_deferred_stop(self.deferred_stop_cache)
         self.step_runner = self.step_key = self.deferred_stop_cache = None
 
     def defer_stop_check(self, cache) -> None:
         """generate()'s own new cache, before the prefill: when this generation may decode on the
         static step (which never waits for the device), let its stop check run one step late."""
-        if self.capacity_to_reserve() is not None and deferred_stop.register(cache):
+        if self.capacity_to_reserve() is not None and allow_deferred_stop(cache):
             self.deferred_stop_cache = cache
 
 
