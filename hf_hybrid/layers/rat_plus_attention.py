@@ -43,6 +43,10 @@ from ..sparse import AttentionPattern, SparseInferenceConfig
 from .context import SequenceContext
 from .rotary import apply_rotary, build_rotary
 
+# A cache's store returns this in place of a block summary when every key position >= 0 it returns
+# is visible to the decoded token (RAT+'s static dilated store): the layer then builds no pattern mask.
+STORED_ARE_VISIBLE = "stored positions are the visible keys"
+
 DENSE = SparseInferenceConfig(dilation=1, num_sink_tokens=0)
 
 
@@ -145,6 +149,8 @@ class RatPlusAttention(nn.Module):
                 and resolve_backend(self.backend, q.device, "block_end_attention") == "triton"
             ):
                 return block_end_attention(q, k, v, pattern.dilation, pattern.local_window, pattern.num_sink_tokens, backend=self.backend)
+            if summary is STORED_ARE_VISIBLE:  # the static decode store: no pattern mask to build
+                return attend(q, k, v, (k_pos >= 0)[:, None, None, :], reference)
             mask = dilated_mask(q_pos, k_pos, pattern.dilation, pattern.local_window, pattern.num_sink_tokens)
             return attend(q, k, v, mask[:, None], reference)
         size = pattern.block_size

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...kernels.topk_block_attention import block_summaries
+from ...layers.rat_plus_attention import STORED_ARE_VISIBLE
 from ...sparse import AttentionPattern
 from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, TensorMapLayer, restore_into, tokens_to_keep
 
@@ -254,11 +255,16 @@ class StaticFullStore:
 
 class StaticDilatedStore:
     """Dilated pattern as columns [sinks (I) | block ends (capacity // D + 1) | ring of the last W + 1
-    tokens]: block-end slot p // D is written every step but gets its position (becomes visible)
-    only from the token that closes the block; ring slot p % (W + 1). Sinks and block ends that
-    also sit in the ring are hidden (position -1) as in DilatedStore.update, so every key counts once."""
+    tokens]. Ring slot p % (W + 1) holds position p while it is among the last W + 1 tokens (the
+    window and the token itself). A block end's K/V go into slot p // D when it is decoded, and a
+    sink's stay where the prefill put them, but each gets its position, and so becomes visible,
+    only once it has left the ring (which shows it until then); a sink that is also a block end
+    only as the block end. So every key counts once and every stored position is a visible key:
+    the layer masks with ``positions >= 0`` alone (``decode`` returns ``STORED_ARE_VISIBLE``)
+    instead of building the pattern's mask each step."""
 
-    def __init__(self, store: DilatedStore, capacity: int):
+    def __init__(self, store: DilatedStore, capacity: int, tokens: int):
+        """``tokens``: how many the (unpadded) rows hold; the next decoded token is at that position."""
         pattern = self.pattern = store.pattern
         dilation, window, sinks = pattern.dilation, pattern.local_window, pattern.num_sink_tokens
         batch, _, heads, dim = store.end_keys.shape
@@ -268,48 +274,56 @@ class StaticDilatedStore:
         device = store.end_keys.device
         self.keys = store.end_keys.new_zeros(batch, columns, heads, dim)
         self.values = torch.zeros_like(self.keys)
-        self.stored = torch.full((batch, columns), -1, dtype=torch.long, device=device)  # position held, -1: none
+        self.stored = torch.full((batch, columns), -1, dtype=torch.long, device=device)  # visible position, -1: none
+        left = tokens - window  # positions below this have left the ring before the next token
         self.keys[:, :sinks], self.values[:, :sinks] = store.sink_keys, store.sink_values
-        self.stored[:, :sinks] = torch.where(store.sink_valid, torch.arange(sinks, device=device), -1)
+        sink_pos = torch.arange(sinks, device=device)
+        self.sink_positions = sink_pos  # device constants for the per-step sink update
+        self.sink_valid = store.sink_valid.clone()
+        self.stored[:, :sinks] = torch.where(self.sink_valid & (sink_pos < left) & ((sink_pos + 1) % dilation != 0), sink_pos, -1)
         ends = store.end_keys.shape[1]
         span = slice(self.first_end, self.first_end + ends)
         self.keys[:, span], self.values[:, span] = store.end_keys, store.end_values
-        self.stored[:, span] = torch.where(store.end_valid, torch.arange(ends, device=device) * dilation + dilation - 1, -1)
+        end_pos = torch.arange(ends, device=device) * dilation + dilation - 1
+        self.stored[:, span] = torch.where(store.end_valid & (end_pos < left), end_pos, -1)
         held = min(window, store.window_keys.shape[1])  # the store may keep extra columns for crops
         if held:
             positions = store.window_positions[:, -held:]
             cols = self.first_ring + positions % self.ring  # unpadded rows: the same columns in every row
             self.keys[:, cols[0]], self.values[:, cols[0]] = store.window_keys[:, -held:], store.window_values[:, -held:]
             self.stored[:, cols[0]] = positions
-        kinds = torch.zeros(columns, dtype=torch.long, device=device)  # 0 sink, 1 block end, 2 ring
-        kinds[self.first_end : self.first_ring], kinds[self.first_ring :] = 1, 2
-        self.kinds = kinds
 
     def decode(self, keys, values, position):
-        dilation, window = self.pattern.dilation, self.pattern.local_window
+        dilation, window, sinks = self.pattern.dilation, self.pattern.local_window, self.pattern.num_sink_tokens
         batch = keys.shape[0]
-        end_col = self.first_end + torch.div(position, dilation, rounding_mode="floor")
         ring_col = self.first_ring + position % self.ring
-        closes = (position + 1) % dilation == 0
-        for col, held in ((end_col, torch.where(closes, position, -1)), (ring_col, position)):
+        end_col = self.first_end + torch.div(position, dilation, rounding_mode="floor")
+        for col in (ring_col, end_col):  # the end slot's K/V stay hidden until the block end leaves the ring
             self.keys.index_copy_(1, col, keys)
             self.values.index_copy_(1, col, values)
-            self.stored.index_copy_(1, col, held.expand(batch, 1))
-        # Hide sinks and block ends inside the ring's span (the ring holds them), and sinks that are block ends.
-        first_recent = (position - window).clamp(min=0)
-        hidden = (self.kinds < 2) & (self.stored >= first_recent)
-        hidden = hidden | ((self.kinds == 0) & ((self.stored + 1) % dilation == 0))
-        return self.keys, self.values, self.stored.masked_fill(hidden, -1), None
+        self.stored.index_copy_(1, ring_col, position.expand(batch, 1))
+        # The position leaving the ring now (p - W - 1) becomes visible in its own column.
+        leaving = position - window - 1
+        closes = (leaving >= 0) & ((leaving + 1) % dilation == 0)
+        leaving_end_col = self.first_end + torch.div(leaving.clamp(min=0), dilation, rounding_mode="floor")
+        # Slot leaving // D holds no visible block end before its own one leaves: writing -1 is harmless.
+        self.stored.index_copy_(1, leaving_end_col, torch.where(closes, leaving, -1).expand(batch, 1))
+        if sinks:
+            shown = self.sink_valid & (self.sink_positions <= leaving) & ((self.sink_positions + 1) % dilation != 0)
+            self.stored[:, :sinks] = torch.where(shown, self.sink_positions, -1)
+        return self.keys, self.values, self.stored, STORED_ARE_VISIBLE
 
     def to_store(self, tokens: int) -> DilatedStore:
         """Back to the eager layout after ``tokens`` tokens (for a later multi-token update)."""
         pattern, sinks = self.pattern, self.pattern.num_sink_tokens
         store = DilatedStore(pattern)
         store.sink_keys, store.sink_values = self.keys[:, :sinks].clone(), self.values[:, :sinks].clone()
-        store.sink_valid = self.stored[:, :sinks] >= 0
+        store.sink_valid = self.sink_valid.clone()
         span = slice(self.first_end, self.first_end + tokens // pattern.dilation)
         store.end_keys, store.end_values = self.keys[:, span].clone(), self.values[:, span].clone()
-        store.end_valid = self.stored[:, span] >= 0
+        ends = store.end_keys.shape[1]
+        end_pos = torch.arange(ends, device=self.keys.device) * pattern.dilation + pattern.dilation - 1
+        store.end_valid = (end_pos < tokens).expand(self.keys.shape[0], ends).clone()  # every block end decoded so far
         kept = min(pattern.local_window, tokens)
         positions = torch.arange(tokens - kept, tokens, device=self.keys.device)
         cols = self.first_ring + positions % self.ring
@@ -318,7 +332,7 @@ class StaticDilatedStore:
         return store
 
     def tensors(self):
-        return self.keys, self.values, self.stored
+        return self.keys, self.values, self.stored, self.sink_valid, self.sink_positions
 
 
 class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
@@ -400,7 +414,7 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         if pattern.kind == "dense":
             static = StaticFullStore(store, capacity)
         elif pattern.kind == "dilated" and self.cumulative_length >= pattern.num_sink_tokens:
-            static = StaticDilatedStore(store, capacity)
+            static = StaticDilatedStore(store, capacity, self.cumulative_length)
         else:
             return False
         self.stores = [static]
