@@ -2,10 +2,13 @@
 training step or a decode step spends its GPU time.
 
     python3 -m hf_hybrid.bench.profile train se_hybrid --seq 32768
+    python3 -m hf_hybrid.bench.profile prefill rat_plus_d16 --seq 32768
     python3 -m hf_hybrid.bench.profile decode rat_plus_d16 --batch 8 --prompt 16384
 
 Models: those of hf_hybrid.generation.benchmark (8 layers of the 1.3B shape, bf16, random weights).
 ``train``: one ``model(ids, labels=ids).loss.backward()`` at B=1 after two warm-up steps.
+``prefill``: one no-grad ``model(ids, logits_to_keep=1)`` at B=1 with the model's cache (the
+models suite's prefill cell) after two warm-up calls.
 ``decode``: the static decode step run without a CUDA graph (mode ``"eager"``), so its kernels
 show one by one, over ``--steps`` greedy tokens after the prefill and three warm-up steps
 (generation.benchmark.decode_loop_ms; the prefill is not in the table).
@@ -34,16 +37,27 @@ def table(prof: profile, rows: int) -> str:
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("train", "decode"))
+    parser.add_argument("what", choices=("train", "prefill", "decode"))
     parser.add_argument("model", choices=MODELS)
-    parser.add_argument("--seq", type=int, default=8192, help="train: tokens")
+    parser.add_argument("--seq", type=int, default=8192, help="train, prefill: tokens")
     parser.add_argument("--batch", type=int, default=8, help="decode: rows")
     parser.add_argument("--prompt", type=int, default=16384, help="decode: prompt tokens")
     parser.add_argument("--steps", type=int, default=8, help="decode: new tokens profiled")
     parser.add_argument("--rows", type=int, default=30, help="kernels listed")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    if args.what == "train":
+    if args.what == "prefill":
+        model = build_model(args.model, device, torch.bfloat16, args.seq + 16).eval()
+        ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
+
+        def step():
+            with torch.no_grad():
+                model(input_ids=ids, logits_to_keep=1).logits.argmax(-1)
+
+        for _ in range(2):  # compilation, autotuning
+            step()
+        prof = profiled(step)
+    elif args.what == "train":
         model = build_model(args.model, device, torch.bfloat16, args.seq + 16).train()
         ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
 

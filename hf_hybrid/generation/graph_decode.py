@@ -63,8 +63,8 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layers.backbone_fusion import static_decode_step
-from .deferred_stop import allow_deferred_stop, stop_was_deferred, withdraw_deferred_stop
 from ..models.compat import CACHE_NAME, cache_field, rename_cache_kwarg
+from .deferred_stop import allow_deferred_stop, stop_was_deferred, withdraw_deferred_stop
 
 DECODE_GRAPH_MODES = (None, True, False, "eager")
 # Buffers are allocated in multiples of this many tokens: keeps attention masks and key counts
@@ -128,7 +128,8 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn):
 class StaticDecodeStep:
     """The decode step of one (model, cache, batch, capacity, mixer options) on static buffers,
     captured into a CUDA graph at its second use (the first, eager, warms up the kernels: Triton
-    compilation and autotuning, cuBLAS handles) or never (``use_graph=False``)."""
+    compilation and autotuning, cuBLAS handles), at its first when ``prewarmed``, or never
+    (``use_graph=False``)."""
 
     def __init__(self, model, cache, batch: int, device: torch.device, mixer_kwargs: dict, use_graph: bool,
                  prewarmed: bool = False):
@@ -300,7 +301,7 @@ class DecodeGraphSession:
             logits = self.step_runner.run(input_ids, position_ids)
         finally:
             self.active = False
-        if self.step_runner.warmup_kept_tensors:
+        if self.step_runner.warmup_kept_tensors and self.step_runner.eager_steps == 1:
             self.model._warmed_static_steps().add(self.warm_key)
         self.static_steps += 1
         return CausalLMOutputWithPast(logits=logits, **cache_field(past_key_values))
