@@ -47,6 +47,15 @@ from .rotary import apply_rotary, build_rotary
 # is visible to the decoded token (RAT+'s static dilated store): the layer then builds no pattern mask.
 STORED_ARE_VISIBLE = "stored positions are the visible keys"
 
+
+def select_kv_heads(x: torch.Tensor, kv_heads, index_tensor=None) -> torch.Tensor:
+    """x[:, :, kv_heads] for [batch, seq, kv, dim]; x itself when that is every kv head in order
+    (no copy of a long prefill). ``index_tensor(index, device)``: a memo of device index tensors."""
+    if list(kv_heads) == list(range(x.shape[2])):
+        return x
+    index = index_tensor(tuple(kv_heads), x.device) if index_tensor else torch.tensor(kv_heads, device=x.device)
+    return x.index_select(2, index)
+
 DENSE = SparseInferenceConfig(dilation=1, num_sink_tokens=0)
 
 
@@ -195,15 +204,14 @@ class RatPlusAttention(nn.Module):
         fresh = context.key_valid is None and context.past_length == 0
         own = None
         if cache_layer is None or fresh:
-            own = []
-            for kv_heads in group_kv:
-                index = torch.tensor(kv_heads, device=k_rot.device)
-                own.append((k_rot.index_select(2, index), v_tilde_model.index_select(2, index), k_pos_new, None))
+            pick = lambda x, kv_heads: select_kv_heads(x, kv_heads, self._index_tensor)  # noqa: E731
+            own = [(pick(k_rot, kv_heads), pick(v_tilde_model, kv_heads), k_pos_new, None) for kv_heads in group_kv]
         if cache_layer is not None:
             cache_layer.record_token_states(k_tilde, v_tilde)  # kept only while a crop may need them
             per_group = cache_layer.update(
                 k_rot, v_tilde_model, k_pos_new, groups, group_kv, k_tilde[:, -1], v_tilde[:, -1],
                 static=seq == 1 and context.key_valid is None,  # fixed buffers in generate()'s static step
+                need_keys=[not fresh or pattern.kind == "topk" for pattern, _ in groups],
             )
             if fresh:  # top-k groups keep the cache's block summaries
                 per_group = [c if pattern.kind == "topk" else o for (pattern, _), o, c in zip(groups, own, per_group)]

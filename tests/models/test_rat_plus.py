@@ -234,6 +234,28 @@ def test_dilated_cache_bytes_at_4k_follow_T_over_D_plus_W_plus_sinks():
     assert dense_cache.num_entries_per_layer() == [1024]
 
 
+@pytest.mark.parametrize("window, sinks", [(0, 0), (3, 2), (40, 1)])
+def test_dilated_store_without_returned_keys_keeps_the_same_state(window, sinks):
+    """A prefill that attends over its own keys asks the store for no keys (need_keys=False): the
+    store then copies only the window's tail of the segment, and holds what it holds otherwise."""
+    from hf_hybrid.models.rat_plus.cache_rat_plus import DilatedStore
+    from hf_hybrid.sparse import AttentionPattern
+
+    pattern = AttentionPattern(dilation=4, local_window=window, num_sink_tokens=sinks)
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 27, 2, 8, generator=gen), torch.randn(2, 27, 2, 8, generator=gen)
+    positions = torch.arange(27).expand(2, 27)
+    stores = [DilatedStore(pattern), DilatedStore(pattern)]
+    assert stores[0].update(keys, values, positions, need_keys=False) is None
+    assert stores[1].update(keys, values, positions) is not None
+    step = (torch.randn(2, 1, 2, 8, generator=gen), torch.randn(2, 1, 2, 8, generator=gen), torch.full((2, 1), 27))
+    after = [store.update(*step) for store in stores]  # the next decode step sees the same keys
+    for name in DilatedStore.tensor_names:
+        assert torch.equal(getattr(stores[0], name), getattr(stores[1], name)), name
+    for a, b in zip(after[0][:3], after[1][:3]):
+        assert torch.equal(a, b)
+
+
 def test_topk_cache_keeps_all_keys_plus_block_summaries():
     model = tiny_model(num_hidden_layers=1)
     ids = torch.randint(1, VOCAB, (1, 64))

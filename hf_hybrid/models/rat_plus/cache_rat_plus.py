@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...kernels.topk_block_attention import block_summaries
-from ...layers.rat_plus_attention import STORED_ARE_VISIBLE
+from ...layers.rat_plus_attention import STORED_ARE_VISIBLE, select_kv_heads
 from ...sparse import AttentionPattern
 from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, TensorMapLayer, restore_into, tokens_to_keep
 
@@ -58,8 +58,9 @@ class FullStore:
         self.keys = self.values = self.positions = None
         self.summary = self.complete = None
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
-        """Append a segment ([batch, seq, kv, dim], positions [batch, seq], -1 = padding).
+    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, need_keys: bool = True):
+        """Append a segment ([batch, seq, kv, dim], positions [batch, seq], -1 = padding); the
+        returned tensors are the store's own (``need_keys`` costs nothing here).
 
         Returns (keys, values, positions, summary) over everything held; summary is None unless top-k.
         """
@@ -134,8 +135,10 @@ class DilatedStore:
         self.window_values = keys.new_zeros(batch, 0, heads, dim)
         self.window_positions = torch.zeros(batch, 0, dtype=torch.long, device=keys.device)
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
-        """Store a segment and return (keys, values, positions, None) for its attention.
+    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, need_keys: bool = True):
+        """Store a segment and return (keys, values, positions, None) for its attention, or None
+        when ``need_keys`` is False (a prefill that attends over its own keys: then only the
+        window's tail of the segment is copied, not the whole segment twice).
 
         The returned keys are [sinks; block ends; window + new tokens]. Sinks and block ends that
         also lie in the window/new span, and sinks that are block ends, get position -1 so every key
@@ -162,13 +165,17 @@ class DilatedStore:
             self.end_values[rows, slots] = values[rows, cols]
             self.end_valid[rows, slots] = True
         # Recent span = previous window + this segment; keep its last W columns for the next call.
-        recent_keys = torch.cat([self.window_keys, keys], dim=1)
-        recent_values = torch.cat([self.window_values, values], dim=1)
-        recent_positions = torch.cat([self.window_positions, positions], dim=1)
         window = self.pattern.local_window + self.extra_window
+        tail = keys.shape[1] if need_keys else min(window, keys.shape[1])  # what the next window can hold
+        new = slice(keys.shape[1] - tail, None)
+        recent_keys = torch.cat([self.window_keys, keys[:, new]], dim=1)
+        recent_values = torch.cat([self.window_values, values[:, new]], dim=1)
+        recent_positions = torch.cat([self.window_positions, positions[:, new]], dim=1)
         keep = recent_keys.shape[1] - min(window, recent_keys.shape[1])
         self.window_keys, self.window_values = recent_keys[:, keep:], recent_values[:, keep:]
         self.window_positions = recent_positions[:, keep:]
+        if not need_keys:
+            return None
 
         first_recent = torch.where(recent_positions >= 0, recent_positions, _FAR).amin(dim=1, keepdim=True)
         sink_pos = torch.arange(sinks, device=keys.device).expand_as(self.sink_valid)
@@ -368,6 +375,7 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         state_key: torch.Tensor,
         state_value: torch.Tensor,
         static: bool = False,
+        need_keys: list[bool] | None = None,
     ) -> list[tuple]:
         """Store a segment for every head group and return, per group, (keys, values, positions, summary).
 
@@ -375,6 +383,8 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         [batch, seq] with -1 for padding; group_kv_heads[g]: the kv heads group g reads;
         state_key / state_value: float32 k~, v~ of the segment's last token. ``static``: one
         unpadded token per row, which a cache in static decode mode writes into its fixed buffers.
+        ``need_keys[g]`` False: group g's caller attends over the segment's own keys, so its store
+        returns None instead of building the keys over everything held.
         """
         if self.groups is None:
             self.lazy_initialization(key_states, value_states)
@@ -392,11 +402,11 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         self.cumulative_length += key_states.shape[1]
         self.state_key, self.state_value = state_key, state_value
         self._size_windows_for_crops()
-        out = []
-        for store, kv_heads in zip(self.stores, group_kv_heads):
-            index = torch.tensor(kv_heads, device=key_states.device)
-            out.append(store.update(key_states.index_select(2, index), value_states.index_select(2, index), positions))
-        return out
+        needed = need_keys if need_keys is not None else [True] * len(self.stores)
+        return [
+            store.update(select_kv_heads(key_states, kv_heads), select_kv_heads(value_states, kv_heads), positions, need)
+            for store, kv_heads, need in zip(self.stores, group_kv_heads, needed)
+        ]
 
     # Static decode protocol (hf_hybrid/generation/graph_decode.py) -------------------------------
     def prepare_static_decode(self, capacity: int, config) -> bool:
