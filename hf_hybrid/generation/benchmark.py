@@ -10,7 +10,10 @@ per token is the time from the first new token to the last (CUDA events recorded
 processor, so generate()'s own per-step work is in it and the prefill is not) over ``--new`` - 1;
 the best of ``--repeats`` runs after a warm-up generate() (compilation, autotuning, capture).
 Llama decodes into one user-made StaticCache of fixed length (reset before each run), so every
-run reuses one compiled graph. (Until 2026-11-25 this subtracted two whole generate() calls; the
+run reuses one compiled graph. Our models decode with default arguments: generate()'s stop check
+one step late (generation/deferred_stop.py; ``--llama-deferred-stop`` times Llama with that loop
+too), and from the second timed run on, a capture at the first decode step (the same shape ran
+before: StaticDecodeStep.prewarmed). (Until 2026-11-25 this subtracted two whole generate() calls; the
 SE hybrid's 16K prefill made that difference noisy, 0.8 to 2.3 ms per token in two runs.)
 """
 from __future__ import annotations
