@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import utils as generation_utils
 
 from hf_hybrid.generation import deferred_stop
-from tests.test_generation_speed_path import MODELS
+from test_generation_speed_path import MODELS
 
 pytestmark = pytest.mark.skipif(deferred_stop._deferred_stop_check_class() is None,
                                 reason="this transformers has no DeferredStopCheck")
