@@ -37,7 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from .context import SequenceContext
-from .rotary import apply_rotary, build_rotary
+from .rotary import apply_rotary, build_rotary, rotary_tables
 
 logger = logging.get_logger(__name__)
 
@@ -175,7 +175,7 @@ class SoftmaxAttention(nn.Module):
         q = self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
-        cos_sin = self.rotary(context.positions) if self.rotary is not None else None
+        cos_sin = rotary_tables(self.rotary, context)
         q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         # transformers' cache layers and attention functions take [batch, heads, seq, head_dim].
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

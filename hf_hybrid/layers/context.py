@@ -41,6 +41,7 @@ class SequenceContext:
     # Copies on other devices (see ``to``), kept by the context the model built, and a copy's origin.
     _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
     _origin: SequenceContext | None = field(default=None, repr=False, compare=False)
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)  # shared_table's memo
 
     def to(self, device, non_blocking: bool = False) -> SequenceContext:
         """The context with its tensors on ``device``. accelerate's hooks call this on a layer's
@@ -56,9 +57,19 @@ class SequenceContext:
                 origin,
                 positions=origin.positions.to(device, non_blocking=non_blocking),
                 key_valid=None if origin.key_valid is None else origin.key_valid.to(device, non_blocking=non_blocking),
-                _masks={}, _attention_weights=None, _device_copies={}, _origin=origin,
+                _masks={}, _attention_weights=None, _device_copies={}, _origin=origin, _tables={},
             )
         return origin._device_copies[device]
+
+    def shared_table(self, key, make):
+        """``make()`` once per forward for every layer that asks with the same ``key`` (RoPE tables:
+        each layer would otherwise rebuild them, about ten kernels per layer and token in a decode
+        step). Under torch.compile each caller builds its own (the memo is not traced)."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self._tables:
+            self._tables[key] = make()
+        return self._tables[key]
 
     @property
     def uniform_start(self) -> int | None:

@@ -38,7 +38,7 @@ from ..kernels.forgetting_attention import (
 )
 from .context import SequenceContext
 from .norm import RMSNorm
-from .rotary import apply_rotary, build_rotary
+from .rotary import apply_rotary, build_rotary, rotary_tables
 
 FORGET_GATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
 
@@ -179,7 +179,7 @@ class ForgettingAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            cos_sin = self.rotary(context.positions)
+            cos_sin = rotary_tables(self.rotary, context)
             q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
 
         # generate()'s static decode step (hf_hybrid/generation): fixed buffers, device-side length.

@@ -31,7 +31,7 @@ from ..kernels._common import expand_groups
 from ..kernels.output_gate import sigmoid_gate
 from .context import SequenceContext
 from .projections import project_shared_input
-from .rotary import build_rotary
+from .rotary import build_rotary, rotary_tables
 
 
 def scatter_chunk_ends(x: torch.Tensor, chunk_index: torch.Tensor, closes_chunk: torch.Tensor, num_chunks: int) -> torch.Tensor:
@@ -112,19 +112,10 @@ class RatAttention(nn.Module):
         """W_o (sigmoid(gate_z) * y), the gate and product in one pass (kernels/output_gate)."""
         return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
 
-    def _chunk_rotary(self, context: SequenceContext, chunk_index: torch.Tensor, seq: int):
-        """cos/sin of the chunk indices (None for NoPE). In a decode step every RAT layer of the
-        stack rotates by the same chunk index: the first layer computes the tables and the others
-        reuse them from the forward's context (a handful of kernels per layer fewer per token)."""
-        if self.rotary is None:
-            return None
-        if seq != 1 or torch.compiler.is_compiling() or not hasattr(context, "__dict__"):
-            return self.rotary(chunk_index)
-        shared = context.__dict__.setdefault("_decode_tables", {})
-        key = ("rat_chunk_rotary", self.chunk_size, self.rotary.head_dim, self.rotary.theta, tuple(chunk_index.shape))
-        if key not in shared:
-            shared[key] = self.rotary(chunk_index)
-        return shared[key]
+    def _chunk_rotary(self, context: SequenceContext, chunk_index: torch.Tensor):
+        """cos/sin of the chunk indices (None for NoPE), built once per forward for every RAT
+        layer of the stack with this chunk size (they all rotate by the same chunk indices)."""
+        return rotary_tables(self.rotary, context, chunk_index, tag=("chunk", self.chunk_size))
 
     def _fused_decode(self, v: torch.Tensor) -> bool:
         """One kernel for the whole decode step: decoding without gradients (it writes the cache in
@@ -196,7 +187,7 @@ class RatAttention(nn.Module):
         # Unpadded rows share their positions: compute per-position tables once, not per row.
         positions = context.positions[:1] if start is not None else context.positions
         chunk_index = torch.div(positions, L, rounding_mode="floor")
-        cos_sin = self._chunk_rotary(context, chunk_index, seq)
+        cos_sin = self._chunk_rotary(context, chunk_index)
         if cache_layer is not None and seq == 1 and start is not None and cache_layer.get_seq_length() > 0:
             return self._decode_step(q, k, v, gate_logits, gate_z, positions, chunk_index, cos_sin, cache_layer)
         # A whole sequence from position 0 (training, a cache-less forward, or a prefill into an empty

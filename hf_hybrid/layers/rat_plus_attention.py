@@ -41,7 +41,7 @@ from ..kernels.topk_block_attention import (
 )
 from ..sparse import AttentionPattern, SparseInferenceConfig
 from .context import SequenceContext
-from .rotary import apply_rotary, build_rotary
+from .rotary import apply_rotary, build_rotary, rotary_tables
 
 # A cache's store returns this in place of a block summary when every key position >= 0 it returns
 # is visible to the decoded token (RAT+'s static dilated store): the layer then builds no pattern mask.
@@ -191,7 +191,7 @@ class RatPlusAttention(nn.Module):
         k = self.k_proj(hidden_states).view(batch, seq, kv, dim)
         v = self.v_proj(hidden_states).view(batch, seq, kv, dim)
         k_tilde, v_tilde = self.recurrence(hidden_states, k, v, context, cache_layer)
-        cos_sin = self.rotary(context.positions) if self.rotary is not None else None
+        cos_sin = rotary_tables(self.rotary, context)
         q = apply_rotary(q, cos_sin)
         k_rot = apply_rotary(k_tilde.to(q.dtype), cos_sin)
         v_tilde_model = v_tilde.to(q.dtype)

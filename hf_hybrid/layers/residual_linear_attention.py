@@ -35,7 +35,7 @@ from .attention import softmax_attention
 from .context import SequenceContext
 from .fused_norms import norm_backend, qk_norm_rotary, sum_branch_norms
 from .norm import RMSNorm
-from .rotary import build_rotary
+from .rotary import build_rotary, rotary_tables
 
 BRANCH_NORM_EPS = 1e-8
 
@@ -177,7 +177,7 @@ class RattentionLocalAttention(_QKVProjections):
         v = _zero_padding(v, context)
         q_swa = k_swa = None
         if self.use_swa:
-            cos_sin = self.rotary(context.positions) if self.rotary is not None else None
+            cos_sin = rotary_tables(self.rotary, context)
             q_swa, k_swa = self.normed(q, k, cos_sin)
 
         cached = cache_layer is not None and cache_layer.get_seq_length() > 0

@@ -45,6 +45,17 @@ def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | N
     return rotary_reference(x, cos_sin)
 
 
+def rotary_tables(rotary: RotaryEmbedding | None, context, positions: torch.Tensor | None = None, tag="positions"):
+    """cos/sin of ``positions`` (default: the context's token positions; ``tag`` names any other
+    positions, e.g. RAT's chunk indices) for ``rotary``, built once per forward and shared by the
+    layers of the stack (SequenceContext.shared_table). None for NoPE."""
+    if rotary is None:
+        return None
+    positions = context.positions if positions is None else positions
+    key = ("rotary", tag, rotary.head_dim, rotary.theta, tuple(positions.shape), positions.device)
+    return context.shared_table(key, lambda: rotary(positions))
+
+
 def build_rotary(head_dim: int, theta: float | None) -> RotaryEmbedding | None:
     """RoPE module for ``theta``, or None for NoPE."""
     return None if theta is None else RotaryEmbedding(head_dim, theta)

@@ -41,7 +41,7 @@ from ..kernels.span_expanded_attention import (
 )
 from .attention import softmax_attention
 from .context import SequenceContext
-from .rotary import apply_rotary, build_rotary
+from .rotary import apply_rotary, build_rotary, rotary_tables
 
 
 @dataclass
@@ -134,7 +134,7 @@ class SpanExpandedAttention(nn.Module):
         q = self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
-        cos_sin = self.rotary(context.positions) if self.rotary is not None else None
+        cos_sin = rotary_tables(self.rotary, context)
         q, k = self._rotate(q, cos_sin), self._rotate(k, cos_sin)
         chunk_size = self._chunk_size(se_chunk_size, mode, cached=cache_layer is not None)
         if cache_layer is None:

@@ -271,3 +271,30 @@ def test_sequence_context_follows_a_layer_to_another_device():
     weights = torch.rand(2, 4, 5, 5)
     moved.record_attention_weights(weights)
     assert context.take_attention_weights() is weights
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("rat", {}), ("rat_plus_sparse", {}), ("fox_llama", {"use_rope": True}), ("rattention", {}), ("se_hybrid", {}),
+])
+def test_rope_tables_are_built_once_per_forward(name, overrides, monkeypatch):
+    """Every layer of a stack rotates by the same positions: the first one builds the cos/sin
+    tables and the others reuse them from the forward's context (SequenceContext.shared_table),
+    in a prefill and in a decode step, with the same logits as tables built per layer."""
+    from hf_hybrid.layers import context as context_module
+    from hf_hybrid.layers.rotary import RotaryEmbedding
+
+    model = tiny_model(name, num_hidden_layers=4, **overrides)
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    builds = []
+    build = RotaryEmbedding.forward
+    monkeypatch.setattr(RotaryEmbedding, "forward", lambda self, positions: builds.append(1) or build(self, positions))
+    with torch.no_grad():
+        shared = model(ids, use_cache=True)
+        prefill_builds = len(builds)
+        step = model(ids[:, :1], past_key_values=shared.past_key_values, use_cache=True).logits
+        monkeypatch.setattr(context_module.SequenceContext, "shared_table", lambda self, key, make: make())
+        per_layer = model(ids, use_cache=True)
+        per_layer_step = model(ids[:, :1], past_key_values=per_layer.past_key_values, use_cache=True).logits
+    rotating = sum(isinstance(m, RotaryEmbedding) for m in model.modules())
+    assert rotating >= 2 and prefill_builds < rotating, (prefill_builds, rotating)
+    assert torch.equal(shared.logits, per_layer.logits) and torch.equal(step, per_layer_step)
