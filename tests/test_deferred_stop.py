@@ -115,6 +115,11 @@ def test_returned_caches_assistants_and_opt_out_keep_the_synchronous_check(defer
     deferred_stop.withdraw_deferred_stop(cache)
     assert not decide(device, cache, False, False)
 
+    class UnhashableCache:
+        __hash__ = None
+
+    assert not decide(device, UnhashableCache(), False, False)  # another library's cache: transformers decides
+
 
 def test_transformers_models_keep_their_own_decision(defer_on_cpu):
     torch.manual_seed(0)

@@ -54,7 +54,7 @@ def install() -> bool:
 
     def is_supported(device, cache, cache_is_returned, is_assistant):
         if not (is_assistant or cache_is_returned) and device.type in DEVICE_TYPES:
-            if cache is not None and cache in _registered:
+            if _is_registered(cache):
                 _deferred.add(cache)
                 return True
             if _defer_everything:
@@ -65,6 +65,13 @@ def install() -> bool:
     is_supported.__doc__ = transformers_decision.__doc__
     cls.is_supported = staticmethod(is_supported)
     return True
+
+
+def _is_registered(cache) -> bool:
+    try:
+        return cache is not None and cache in _registered
+    except TypeError:  # another library's cache that cannot be weakly referenced or hashed: not ours
+        return False
 
 
 def allow_deferred_stop(cache) -> bool:
