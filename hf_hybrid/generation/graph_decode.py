@@ -132,13 +132,13 @@ class StaticDecodeStep:
     (``use_graph=False``)."""
 
     def __init__(self, model, cache, batch: int, device: torch.device, mixer_kwargs: dict, use_graph: bool,
-                 prewarmed: bool = False):
+                 warm_key=None, warmed: set | None = None):
         self.model, self.cache, self.mixer_kwargs, self.use_graph = model, cache, mixer_kwargs, use_graph
-        # prewarmed: an earlier generate() ran this very step (same shapes, mixer options and prompt
-        # length) eagerly, its kernels are compiled and tuned, and that step replaced no cache
-        # tensor: capture at the first step instead of running it eagerly first.
-        self.prewarmed = prewarmed
-        self.warmup_kept_tensors: bool | None = None  # after an eager warm-up: did it keep every cache tensor?
+        # ``warmed``: the model's steps that ran eagerly once in this process without replacing a
+        # cache tensor, by ``warm_key`` (shapes, mixer options, prompt length). prewarmed: this one
+        # did, its kernels are compiled and tuned: capture at the first step, no eager warm-up.
+        self.warm_key, self.warmed = warm_key, warmed if warmed is not None else set()
+        self.prewarmed = use_graph and warm_key in self.warmed
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -174,7 +174,8 @@ class StaticDecodeStep:
             logits = self._forward()
             if first:
                 self.warmup_ms = 1e3 * (time.perf_counter() - start)
-                self.warmup_kept_tensors = self.use_graph and self._tensor_pointers() == before
+                if self.use_graph and self._tensor_pointers() == before:
+                    self.warmed.add(self.warm_key)
             return logits
         if self.graph is not None and self._tensor_pointers() != self.pointers:
             self.graph = self.logits = None  # a cache tensor was replaced (reorder, reset): capture again
@@ -217,7 +218,7 @@ class DecodeGraphSession:
         self.blocked: str | None = None  # why this generation decodes eagerly (beam search, ...)
         self.unpadded: bool | None = None
         self.step_runner: StaticDecodeStep | None = None
-        self.step_key = self.warm_key = None
+        self.step_key = None
         self.active = False  # True while the session's own forward runs (no re-entry)
         self.last_reason: str | None = None
         self.static_steps = 0  # decode steps run on static buffers (captured or replayed, or "eager" mode)
@@ -290,19 +291,16 @@ class DecodeGraphSession:
         if key != self.step_key:
             # What the first step's kernels are specialised on, the cache aside (this generate()'s own).
             warm_key = (type(past_key_values).__name__, past_key_values.get_seq_length(), *key[1:])
-            warmed = self.model._warmed_static_steps()
             self.step_runner = StaticDecodeStep(
                 self.model, past_key_values, input_ids.shape[0], input_ids.device, mixer_kwargs, self.mode == "graph",
-                prewarmed=warm_key in warmed,
+                warm_key=warm_key, warmed=self.model._warmed_static_steps(),
             )
-            self.step_key, self.warm_key = key, warm_key
+            self.step_key = key
         self.active = True
         try:
             logits = self.step_runner.run(input_ids, position_ids)
         finally:
             self.active = False
-        if self.step_runner.warmup_kept_tensors and self.step_runner.eager_steps == 1:
-            self.model._warmed_static_steps().add(self.warm_key)
         self.static_steps += 1
         return CausalLMOutputWithPast(logits=logits, **cache_field(past_key_values))
 

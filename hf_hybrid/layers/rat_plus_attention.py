@@ -128,10 +128,7 @@ class RatPlusAttention(nn.Module):
     def _expand(self, x: torch.Tensor, kv_heads: list[int], heads: tuple[int, ...]) -> torch.Tensor:
         """[.., len(kv_heads), d] -> one slice per query head of the group (head h reads kv h // rep)."""
         rep = self.num_heads // self.num_kv_heads
-        index = [kv_heads.index(h // rep) for h in heads]
-        if index == list(range(x.shape[2])):
-            return x
-        return x.index_select(2, self._index_tensor(tuple(index), x.device))
+        return select_kv_heads(x, [kv_heads.index(h // rep) for h in heads], self._index_tensor)
 
     def _index_tensor(self, index: tuple[int, ...], device) -> torch.Tensor:
         """A device copy of ``index``, made once: a decode step captured in a CUDA graph cannot copy from the host.

@@ -284,10 +284,9 @@ class StaticDilatedStore:
         self.stored = torch.full((batch, columns), -1, dtype=torch.long, device=device)  # visible position, -1: none
         left = tokens - window  # positions below this have left the ring before the next token
         self.keys[:, :sinks], self.values[:, :sinks] = store.sink_keys, store.sink_values
-        sink_pos = torch.arange(sinks, device=device)
-        self.sink_positions = sink_pos  # device constants for the per-step sink update
+        self.sink_positions = torch.arange(sinks, device=device)  # device constants for the per-step sink update
         self.sink_valid = store.sink_valid.clone()
-        self.stored[:, :sinks] = torch.where(self.sink_valid & (sink_pos < left) & ((sink_pos + 1) % dilation != 0), sink_pos, -1)
+        self.stored[:, :sinks] = self._visible_sinks(left)
         ends = store.end_keys.shape[1]
         span = slice(self.first_end, self.first_end + ends)
         self.keys[:, span], self.values[:, span] = store.end_keys, store.end_values
@@ -316,9 +315,15 @@ class StaticDilatedStore:
         # Slot leaving // D holds no visible block end before its own one leaves: writing -1 is harmless.
         self.stored.index_copy_(1, leaving_end_col, torch.where(closes, leaving, -1).expand(batch, 1))
         if sinks:
-            shown = self.sink_valid & (self.sink_positions <= leaving) & ((self.sink_positions + 1) % dilation != 0)
-            self.stored[:, :sinks] = torch.where(shown, self.sink_positions, -1)
+            self.stored[:, :sinks] = self._visible_sinks(position - window)
         return self.keys, self.values, self.stored, STORED_ARE_VISIBLE
+
+    def _visible_sinks(self, left):
+        """The sink columns' positions: held sinks that have left the ring (below ``left``, an int or a
+        device tensor) and are no block end, else -1."""
+        sinks = self.sink_positions
+        shown = self.sink_valid & (sinks < left) & ((sinks + 1) % self.pattern.dilation != 0)
+        return torch.where(shown, sinks, -1)
 
     def to_store(self, tokens: int) -> DilatedStore:
         """Back to the eager layout after ``tokens`` tokens (for a later multi-token update)."""
