@@ -80,3 +80,12 @@ def test_time_budget_skips_variants_past_their_case_share():
     assert shared.ends == {"a": 0.25, "b": 0.5, "c": 1.0}
     shared.keep(["b"])  # --only b: the whole budget goes to b
     assert shared.ends == {"b": 1.0}
+
+
+def test_variant_names_match_by_substring_or_exactly():
+    from hf_hybrid.bench.__main__ import keep_variants, matches
+
+    assert matches("RAT-SWA", "RAT") and matches("RAT+ D=16", "RAT")
+    assert matches("RAT", "=RAT") and not matches("RAT-SWA", "=RAT") and not matches("RAT+", "=RAT")
+    variants = dict.fromkeys(["Llama", "Llama+Liger", "RAT", "RAT-SWA", "RAT+", "RATTENTION"])
+    assert list(keep_variants(variants, "Liger,=RAT,=RAT-SWA")) == ["Llama", "Llama+Liger", "RAT", "RAT-SWA"]

@@ -44,8 +44,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def matches(name: str, wanted: str) -> bool:
-    """Whether ``name`` contains one of the comma-separated parts of ``wanted`` (--only, --variants)."""
-    return any(part.strip() and part.strip() in name for part in wanted.split(","))
+    """Whether ``name`` contains one of the comma-separated parts of ``wanted`` (--only, --variants);
+    a part that starts with "=" must equal the name ("=RAT" picks RAT, not RAT-SWA or RAT+)."""
+    parts = [part.strip() for part in wanted.split(",") if part.strip()]
+    return any(name == part[1:] if part.startswith("=") else part in name for part in parts)
 
 
 def keep_variants(variants: dict, wanted: str) -> dict:

@@ -9,25 +9,38 @@ SE hybrid's six Mamba-2 layers.
 :class:`RecomputedActivations` is a pair of saved-tensor hooks. While it is active, a save of a
 registered tensor, or of a view of it, keeps only the view's geometry; the backward gets the tensor
 back from the registered function, run without gradients (once for all the views one backward
-unpacks). Other saves pass through untouched. It steps aside (:func:`recompute_applies` is False)
-under torch.compile, which plans its own recomputation, and when other saved-tensor hooks are
-already active (activation checkpointing, CPU offload), which manage these tensors themselves.
+unpacks). Saves made in the active region before the tensor was registered count too: an op that
+saves its own output (RAT's fused keys/values kernel) has saved it by the time the caller can
+register it. Other saves pass through untouched. It steps aside (:func:`recompute_applies` is
+False) under torch.compile, which plans its own recomputation, and when other saved-tensor hooks are
+already active (activation checkpointing, CPU offload), which manage these tensors themselves;
+hooks that only observe (their pack function has ``observes_only = True``: the saved-bytes
+accounting, hf_hybrid/bench/saved_tensors.py) stay below it and get every save it passes through.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 
+def _observer_hooks():
+    """(pack, unpack) of the active saved-tensor hooks when they only observe, else None."""
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top_hooks(False) if top_hooks is not None else None
+    return hooks if hooks is not None and getattr(hooks[0], "observes_only", False) else None
+
+
 def recompute_applies() -> bool:
-    """Whether a forward running now may use RecomputedActivations (see the module docstring)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    """Whether a forward running now may use RecomputedActivations (see the module docstring).
+    ``HF_HYBRID_RECOMPUTE=0`` turns it off (memory / time A/B runs)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or os.environ.get("HF_HYBRID_RECOMPUTE") == "0":
         return False
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top_hooks is not None and top_hooks(False) is None
+    return top_hooks is not None and (top_hooks(False) is None or _observer_hooks() is not None)
 
 
 @dataclass
@@ -50,30 +63,55 @@ class _Saved:
 
 
 @dataclass
+class _Kept:
+    """A save passed through (``packed``: the tensor, or what observing hooks below made of it),
+    until a later register() of its storage turns it into ``rebuilt_as``."""
+
+    packed: object
+    storage: int
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+    rebuilt_as: _Saved | None = None
+
+
+def _geometry(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+
+
+@dataclass
 class RecomputedActivations:
     sources: list[_Source] = field(default_factory=list)
+    kept: list[_Kept] = field(default_factory=list)  # this region's pass-through saves; emptied on exit
+    observer: tuple | None = None  # observing hooks below these (see the module docstring)
 
     def register(self, tensor: torch.Tensor, rebuild: Callable[[], torch.Tensor], *inputs: torch.Tensor) -> None:
-        """Saves of ``tensor`` (or views of it) from now on are rebuilt by ``rebuild()``, which reads
-        ``inputs`` and must return a tensor equal to ``tensor`` with its layout. Only whole,
-        contiguous tensors are registered; others stay saved as usual."""
+        """Saves of ``tensor`` (or views of it) in the active region, earlier ones included, are
+        rebuilt by ``rebuild()``, which reads ``inputs`` and must return a tensor equal to ``tensor``
+        with its layout. Only whole, contiguous tensors are registered; others stay saved as usual."""
         whole = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
         if tensor.is_contiguous() and whole:
             versions = tuple(t._version for t in inputs)
-            self.sources.append(_Source(tensor, rebuild, inputs, versions, tensor.untyped_storage().data_ptr()))
+            source = _Source(tensor, rebuild, inputs, versions, tensor.untyped_storage().data_ptr())
+            self.sources.append(source)
+            for kept in self.kept:  # saved before it was registered: let those go too
+                if kept.storage == source.storage and kept.rebuilt_as is None:
+                    source.pending += 1
+                    kept.rebuilt_as, kept.packed = _Saved(source, *kept.geometry), None
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage().data_ptr()
         for source in self.sources:
             if source.storage == storage:
                 source.pending += 1
-                return _Saved(source, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
-        return tensor
+                return _Saved(source, *_geometry(tensor))
+        kept = _Kept(tensor if self.observer is None else self.observer[0](tensor), storage, _geometry(tensor))
+        self.kept.append(kept)
+        return kept
 
-    @staticmethod
-    def _unpack(saved):
-        if not isinstance(saved, _Saved):
-            return saved
+    def _unpack(self, saved):
+        if isinstance(saved, _Kept):
+            if saved.rebuilt_as is None:
+                return saved.packed if self.observer is None else self.observer[1](saved.packed)
+            saved = saved.rebuilt_as
         source = saved.source
         if tuple(t._version for t in source.inputs) != source.versions:
             raise RuntimeError(
@@ -94,9 +132,11 @@ class RecomputedActivations:
         """The hooks, for the forward region that creates and consumes the registered tensors. On
         exit the registered tensors are let go (nothing is packed after it, so a freed storage
         reused by another tensor can never be taken for one of them)."""
+        self.observer = _observer_hooks()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
         finally:
+            self.kept = []
             for source in self.sources:
                 source.tensor = None
