@@ -1,4 +1,4 @@
-"""Forgetting Attention op benchmark: our Triton kernel against SDPA (flash, causal) and FLA.
+"""Forgetting Attention op benchmark: our Triton kernels against SDPA (cuDNN and flash, causal) and FLA.
 
     python -m hf_hybrid.bench.forgetting_attention                 # T = 4K, 16K, 32K, 64K
     python -m hf_hybrid.bench.forgetting_attention --seq 4096 --json out.json
@@ -6,8 +6,11 @@
 
 Shapes follow the FoX issue: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
 tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_attention``
-restricted to the flash backend with ``is_causal=True`` (plain softmax attention, the speed
-floor), flash-linear-attention's ``parallel_forgetting_attn`` when ``fla`` imports, and ours.
+restricted to its cuDNN backend and to its flash backend with ``is_causal=True`` (plain softmax
+attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
+``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours") and, on Hopper, ours
+with the opt-in TMA forward kernel ("ours_tma", kernels/forgetting_attention/hopper.py). Ratios
+are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
 the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), median of
 ``--repeat`` calls; inputs are random (never zeros); log f = logsigmoid(N(4, 1)) per head.
@@ -15,7 +18,9 @@ the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import sys
 
@@ -34,24 +39,50 @@ def _inputs(batch, seq, heads, head_dim, dtype, device):
     return q, k, v, log_f, do
 
 
+@contextlib.contextmanager
+def _tma_forward():
+    """The opt-in TMA forward kernel (HF_HYBRID_FOX_HOPPER=1, kernels/forgetting_attention/hopper.py)."""
+    saved = os.environ.get("HF_HYBRID_FOX_HOPPER")
+    os.environ["HF_HYBRID_FOX_HOPPER"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("HF_HYBRID_FOX_HOPPER")
+        else:
+            os.environ["HF_HYBRID_FOX_HOPPER"] = saved
+
+
 def _ops():
     """name -> fn(q, k, v, log_f) with [B, T, H, D] tensors; SDPA ignores log f."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def sdpa(q, k, v, log_f):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return o.transpose(1, 2)
+    def sdpa(backend):
+        def fn(q, k, v, log_f):
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            return o.transpose(1, 2)
+        return fn
 
-    ops = {"sdpa_flash": sdpa}
+    ops = {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
     try:
         from fla.ops.forgetting_attn import parallel_forgetting_attn
 
         ops["fla"] = lambda q, k, v, log_f: parallel_forgetting_attn(q, k, v, log_f)
     except Exception as exc:  # not installed, or no GPU build
         print(f"[bench] FLA not available ({type(exc).__name__}: {exc}); comparing to SDPA only", file=sys.stderr)
+
+    def tma(q, k, v, log_f):
+        with _tma_forward():
+            return forgetting_attention(q, k, v, log_f, backend="triton")
+
     ops["ours"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="triton")
+    if torch.cuda.get_device_capability()[0] == 9:
+        ops["ours_tma"] = tma
     return ops
+
+
+BASELINES = ("sdpa_cudnn", "sdpa_flash")
 
 
 def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
@@ -64,7 +95,7 @@ def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
         row = {"seq": seq, "batch": batch}
         for name, op in _ops().items():
             leaves = [x.detach().requires_grad_() for x in (q, k, v, log_f)]
-            wrt = leaves if name != "sdpa_flash" else leaves[:3]
+            wrt = leaves[:3] if name in BASELINES else leaves
 
             def fwd():
                 with torch.no_grad():
@@ -90,11 +121,10 @@ def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
 
 
 def _line(row):
-    base = row["sdpa_flash"]
+    base = row["sdpa_cudnn"]
     parts = [f"T={row['seq']:>6} B={row['batch']:>3}"]
-    for name in ("sdpa_flash", "fla", "ours"):
-        if name in row:
-            r = row[name]
+    for name, r in row.items():
+        if isinstance(r, dict):
             parts.append(
                 f"{name}: fwd {r['fwd_ms']:.2f} ms ({r['fwd_ms'] / base['fwd_ms']:.2f}x) "
                 f"fwd+bwd {r['fwd_bwd_ms']:.2f} ms ({r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x)"
@@ -103,21 +133,16 @@ def _line(row):
 
 
 def markdown(rows):
-    """The table for docs/benchmarks: times in ms, ratios to SDPA flash."""
-    has_fla = any("fla" in r for r in rows)
-    head = "| T | batch | SDPA fwd | ours fwd (x SDPA) |" + (" FLA fwd (x SDPA) |" if has_fla else "")
-    head += " SDPA fwd+bwd | ours fwd+bwd (x SDPA) |" + (" FLA fwd+bwd (x SDPA) |" if has_fla else "")
+    """The table for docs/benchmarks: times in ms, ratios to SDPA's cuDNN backend (time / cuDNN's)."""
+    names = [n for n in rows[0] if isinstance(rows[0][n], dict)]
+    head = "| T | batch | " + " | ".join(f"{n} fwd" for n in names) + " | " + " | ".join(f"{n} fwd+bwd" for n in names) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        s, o = r["sdpa_flash"], r["ours"]
-        cells = [f"{r['seq']}", f"{r['batch']}", f"{s['fwd_ms']:.2f}", f"{o['fwd_ms']:.2f} ({o['fwd_ms'] / s['fwd_ms']:.2f}x)"]
-        if has_fla:
-            f = r.get("fla")
-            cells.append(f"{f['fwd_ms']:.2f} ({f['fwd_ms'] / s['fwd_ms']:.2f}x)" if f else "-")
-        cells += [f"{s['fwd_bwd_ms']:.2f}", f"{o['fwd_bwd_ms']:.2f} ({o['fwd_bwd_ms'] / s['fwd_bwd_ms']:.2f}x)"]
-        if has_fla:
-            f = r.get("fla")
-            cells.append(f"{f['fwd_bwd_ms']:.2f} ({f['fwd_bwd_ms'] / s['fwd_bwd_ms']:.2f}x)" if f else "-")
+        base = r["sdpa_cudnn"]
+        cells = [f"{r['seq']}", f"{r['batch']}"]
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            for n in names:
+                cells.append(f"{r[n][key]:.2f} ({r[n][key] / base[key]:.2f}x)" if n in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -163,12 +188,12 @@ def sweep_forward(seqs, tokens, heads, head_dim, repeat):
 
 def _tuned_configs():
     """The block sizes the autotuner picked, per kernel and tuning key."""
+    from hf_hybrid.kernels.forgetting_attention import hopper
     from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
 
-    return {
-        name: {str(key): str(cfg) for key, cfg in getattr(fa_triton, name).cache.items()}
-        for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")
-    }
+    kernels = {name: getattr(fa_triton, name) for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")}
+    kernels["hopper._fwd_kernel"] = hopper._fwd_kernel
+    return {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in kernels.items()}
 
 
 def main(argv=None) -> int:

@@ -28,19 +28,11 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._triton_dot import dot as _mm
+from .hopper import forward as tma_forward
+from .hopper import hopper_forward_applies
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-# Triton's CPU interpreter (3.9) returns garbage for tl.dot on bfloat16 operands; there we feed
-# the (already rounded) operands to the dot in float32. Compiled kernels never take this branch.
-INTERPRET_UPCAST: tl.constexpr = tl.constexpr(triton_interpreting())
-
-
-@triton.jit
-def _mm(a, b, acc, DOT_PREC: tl.constexpr):
-    if INTERPRET_UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
 def _configs(kind: str):
@@ -399,7 +391,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | None = None):
     """q [N_tok, HQ, D], k/v [N_tok, HKV, D], c_t [HQ, N_tok] float32 -> (o, lse [HQ, N_tok]).
-    ``config`` bypasses the autotuner (tests of one specific variant)."""
+    With HF_HYBRID_FOX_HOPPER=1, causal 16-bit inputs on Hopper take the TMA kernel (hopper.py).
+    ``config`` bypasses the autotuner (tests of one specific variant of this portable kernel)."""
+    if config is None and hopper_forward_applies(q, window):
+        # Lengths that add up to sequences x longest are all equal: a dense batch.
+        return tma_forward(q, k, v, c_t, cu, max_len, scale, dense=q.shape[0] == (cu.numel() - 1) * max_len)
     total, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((hq, total), device=q.device, dtype=torch.float32)

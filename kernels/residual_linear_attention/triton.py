@@ -49,20 +49,10 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._triton_dot import dot as _mm
 
 FEATURE_IDS = {"softmax": 0, "relu": 1, "identity": 2}
 HEAD_DIMS = (16, 32, 64, 128)
-# Triton's CPU interpreter (3.9) mishandles tl.dot on bfloat16 operands; there the (already
-# rounded) operands are multiplied in float32. Compiled kernels never take this branch.
-INTERPRET_UPCAST: tl.constexpr = tl.constexpr(triton_interpreting())
-
-
-@triton.jit
-def _mm(a, b, acc, DOT_PREC: tl.constexpr):
-    if INTERPRET_UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
 @triton.jit
