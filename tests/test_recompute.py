@@ -116,3 +116,17 @@ def test_environment_turns_recompute_off(monkeypatch):
     assert recompute_applies()
     monkeypatch.setenv("HF_HYBRID_RECOMPUTE", "0")
     assert not recompute_applies()
+
+
+def test_in_place_change_of_a_passed_through_save_is_refused():
+    """autograd checks no saved tensor's version under saved-tensor hooks: the region does it for the
+    saves it passes through (a parameter modified before backward() would give wrong gradients)."""
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(3, requires_grad=True)
+    recompute = RecomputedActivations()
+    with recompute.active():
+        y = (x * w).sum()
+    with torch.no_grad():
+        w.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

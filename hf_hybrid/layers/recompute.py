@@ -65,11 +65,13 @@ class _Saved:
 @dataclass
 class _Kept:
     """A save passed through (``packed``: the tensor, or what observing hooks below made of it),
-    until a later register() of its storage turns it into ``rebuilt_as``."""
+    until a later register() of its storage turns it into ``rebuilt_as``. ``version``: the tensor's
+    version when saved; autograd checks none under saved-tensor hooks, so the unpack does."""
 
     packed: object
     storage: int
     geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+    version: int
     rebuilt_as: _Saved | None = None
 
 
@@ -103,14 +105,22 @@ class RecomputedActivations:
             if source.storage == storage:
                 source.pending += 1
                 return _Saved(source, *_geometry(tensor))
-        kept = _Kept(tensor if self.observer is None else self.observer[0](tensor), storage, _geometry(tensor))
+        kept = _Kept(tensor if self.observer is None else self.observer[0](tensor), storage, _geometry(tensor), tensor._version)
         self.kept.append(kept)
         return kept
 
     def _unpack(self, saved):
         if isinstance(saved, _Kept):
             if saved.rebuilt_as is None:
-                return saved.packed if self.observer is None else self.observer[1](saved.packed)
+                if self.observer is not None:
+                    return self.observer[1](saved.packed)
+                if saved.packed._version != saved.version:
+                    raise RuntimeError(
+                        "one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: a tensor of shape {list(saved.packed.shape)} saved at version {saved.version} "
+                        f"is at version {saved.packed._version} (hf_hybrid.layers.recompute)."
+                    )
+                return saved.packed
             saved = saved.rebuilt_as
         source = saved.source
         if tuple(t._version for t in source.inputs) != source.versions:

@@ -21,6 +21,8 @@ global attention mask padding keys through the sequence context.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -33,8 +35,9 @@ from ..kernels.residual_linear_attention import (
 )
 from .attention import softmax_attention
 from .context import SequenceContext
-from .fused_norms import norm_backend, qk_norm_rotary, sum_branch_norms
+from .fused_norms import has_forward_hooks, norm_backend, norm_rotary, qk_norm_rotary, sum_branch_norms
 from .norm import RMSNorm
+from .recompute import RecomputedActivations, recompute_applies
 from .rotary import build_rotary, rotary_tables
 
 BRANCH_NORM_EPS = 1e-8
@@ -91,6 +94,28 @@ class _QKVProjections(nn.Module):
         backend = norm_backend(self.backend, q.shape[0] * q.shape[1])
         return qk_norm_rotary(q, k, self.q_norm, self.k_norm, cos_sin, backend)
 
+    @contextlib.contextmanager
+    def _normed_rebuilt(self, rebuild: bool, q, k, q_normed, k_normed, cos_sin=None):
+        """Around the attention that reads ``normed(q, k, cos_sin)``: its saves of those are rebuilt in
+        the backward from q and k (kept anyway by the norm, and by the RLA in a local layer) by the
+        same call, instead of being kept (5 KB per token and layer at the 1.3B shape;
+        layers/recompute.py). A no-op unless ``rebuild``, and for norms with forward hooks
+        (offloading, user hooks): a second call of the module is theirs to allow."""
+        norms = [norm for norm in (self.q_norm, self.k_norm) if norm is not None]
+        if not rebuild or any(has_forward_hooks(norm) for norm in norms):
+            yield
+            return
+        backend = norm_backend(self.backend, q.shape[0] * q.shape[1])
+        tables = tuple(cos_sin) if cos_sin is not None else ()
+        recompute = RecomputedActivations()
+        with recompute.active():
+            for x, out, norm in ((q, q_normed, self.q_norm), (k, k_normed, self.k_norm)):
+                if out is not x:  # no norm and no RoPE: the input itself, nothing to rebuild
+                    inputs = (x, *tables) + ((norm.weight,) if norm is not None else ())
+                    # The lambda reads the inputs only, never ``out``: holding it would keep what is let go.
+                    recompute.register(out, lambda x=x, norm=norm: norm_rotary(x, norm, cos_sin, backend), *inputs)
+            yield
+
 
 class RattentionGlobalAttention(_QKVProjections):
     """Full causal softmax attention with QK-norm and no positional embedding (the paper's global layers),
@@ -109,15 +134,20 @@ class RattentionGlobalAttention(_QKVProjections):
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         q, k, v = self.project(hidden_states)
-        q, k = self.normed(q, k)
+        q_normed, k_normed = self.normed(q, k)
         if seq == 1 and context.key_valid is None and getattr(cache_layer, "static_decode_active", False):
-            return self._static_decode(q, k, v, cache_layer)  # generate()'s static step (hf_hybrid/generation)
-        # transformers' layout for caches and attention functions: [batch, heads, seq, head_dim].
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache_layer is not None:
-            k, v = cache_layer.update(k, v)
-        key_start = context.past_length + seq - k.shape[2]
-        out = softmax_attention(self, q, k, v, context, key_start=key_start)
+            # generate()'s static step (hf_hybrid/generation)
+            return self._static_decode(q_normed, k_normed, v, cache_layer)
+        # A training forward from the first token: the attention's saves of the normed q and k are
+        # rebuilt in the backward. (With a cache the attention reads the cache's copy of k.)
+        whole = cache_layer is None or cache_layer.get_seq_length() == 0
+        with self._normed_rebuilt(whole and recompute_applies(), q, k, q_normed, k_normed):
+            # transformers' layout for caches and attention functions: [batch, heads, seq, head_dim].
+            q, k, v = q_normed.transpose(1, 2), k_normed.transpose(1, 2), v.transpose(1, 2)
+            if cache_layer is not None:
+                k, v = cache_layer.update(k, v)
+            key_start = context.past_length + seq - k.shape[2]
+            out = softmax_attention(self, q, k, v, context, key_start=key_start)
         return self.o_proj(out.reshape(batch, seq, -1))
 
     def _static_decode(self, q, k, v, cache_layer) -> torch.Tensor:
@@ -175,21 +205,43 @@ class RattentionLocalAttention(_QKVProjections):
         batch, seq, _ = hidden_states.shape
         q, k, v = self.project(hidden_states)
         v = _zero_padding(v, context)
-        q_swa = k_swa = None
+        q_swa = k_swa = cos_sin = None
         if self.use_swa:
             cos_sin = rotary_tables(self.rotary, context)
             q_swa, k_swa = self.normed(q, k, cos_sin)
 
         cached = cache_layer is not None and cache_layer.get_seq_length() > 0
+        # A training forward over a whole sequence (no cache, or an empty one, which copies what it
+        # keeps) with the kernels: q~, k~ and o_proj's input are rebuilt in the backward instead of kept.
+        rebuild = not cached and (hidden_states.is_cuda or self.backend == "triton") and recompute_applies()
         if cached:
             o_swa, o_rla = self._with_cache(q, k, v, q_swa, k_swa, context, cache_layer)
         else:
-            o_swa, o_rla, state = self._whole_sequence(q, k, v, q_swa, k_swa, context)
+            with self._normed_rebuilt(rebuild and self.use_swa, q, k, q_swa, k_swa, cos_sin):
+                o_swa, o_rla, state = self._whole_sequence(q, k, v, q_swa, k_swa, context)
             if cache_layer is not None:
                 cache_layer.update(k_swa, v, k if self.use_rla else None, state, capacity=self.cache_capacity)
 
-        out = sum_branch_norms(o_swa, self.swa_norm, o_rla, self.rla_norm, norm_backend(self.backend, batch * seq))
+        backend = norm_backend(self.backend, batch * seq)
+        out = sum_branch_norms(o_swa, self.swa_norm, o_rla, self.rla_norm, backend)
+        if rebuild:
+            return self._o_proj_rebuilt(out, o_swa, o_rla, backend)
         return self.o_proj(out.reshape(batch, seq, -1))
+
+    def _o_proj_rebuilt(self, out, o_swa, o_rla, backend: str) -> torch.Tensor:
+        """o_proj(out) with its save of ``out`` = swa_norm(o_swa) + rla_norm(o_rla) rebuilt in the backward
+        from the branch outputs, which the norms' backward keeps anyway, by the same call (4 KB per token
+        and layer at the 1.3B shape)."""
+        batch, seq = out.shape[:2]
+        branches = [(o, norm) for o, norm in ((o_swa, self.swa_norm), (o_rla, self.rla_norm)) if o is not None]
+        if any(has_forward_hooks(norm) for _, norm in branches):
+            return self.o_proj(out.reshape(batch, seq, -1))
+        inputs = [t for o, norm in branches for t in (o, norm.weight)]
+        recompute = RecomputedActivations()
+        with recompute.active():
+            rebuild = lambda: sum_branch_norms(o_swa, self.swa_norm, o_rla, self.rla_norm, backend)  # noqa: E731
+            recompute.register(out, rebuild, *inputs)
+            return self.o_proj(out.reshape(batch, seq, -1))
 
     def _whole_sequence(self, q, k, v, q_swa, k_swa, context):
         """Prefill / training from the first token: the fast ops over the whole sequence."""
