@@ -26,16 +26,18 @@ PROGRAMS_PER_SM = 16
 _SM_COUNT: dict[int, int] = {}
 
 
-def plan_splits(rows_heads: int, keys: int, block: int, dim: int, device: torch.device):
+def plan_splits(rows_heads: int, keys: int, block: int, dim: int, device: torch.device, programs_per_sm: int | None = None):
     """(splits, keys per split: a multiple of block, stats [2, pairs]: m and l, partial outputs
     [pairs, dim]) for rows_heads (row, head) pairs over ``keys`` slots, float32. With one split the
-    kernel writes the output directly (DIRECT) and the buffers are unread placeholders."""
+    kernel writes the output directly (DIRECT) and the buffers are unread placeholders.
+    ``programs_per_sm``: a kernel's own tuned value instead of PROGRAMS_PER_SM."""
     blocks = triton.cdiv(max(keys, 1), block)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _SM_COUNT:
             _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        wanted = (PROGRAMS_PER_SM * _SM_COUNT[index]) // max(rows_heads, 1)
+        per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+        wanted = (per_sm * _SM_COUNT[index]) // max(rows_heads, 1)
     else:  # Triton's CPU interpreter: three splits wherever there are blocks for them (tests the merge)
         wanted = 3
     per_split = triton.cdiv(blocks, max(1, min(wanted, blocks))) * block

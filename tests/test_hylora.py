@@ -226,6 +226,7 @@ def test_se_hybrid_trainer_save_reload_merge(tmp_path):
     run_trainer_roundtrip(tiny_se_hybrid(), tmp_path)
 
 
+@pytest.mark.slow  # the whole example end to end (2+ minutes on CPU); the HyLoRA Trainer round trip above stays in CI
 def test_finetune_se_hylora_example(tmp_path):
     """examples/finetune_se_hylora.py at its tiny default: pre-train at L, HyLoRA + SE-Attn at 4L,
     evaluate with full attention; the example asserts its own outputs (see its check())."""

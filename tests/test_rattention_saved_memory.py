@@ -49,6 +49,13 @@ def _model(dtype: torch.dtype):
     return model
 
 
+# On CUDA, SDPA's float32 kernels for a masked (band or causal) attention save contiguous copies of
+# q~ / k~, not the tensors the layers register, so nothing is rebuilt there (nor wrongly kept: the
+# registration is unused). The models' own CUDA window path is flex_attention; the bench's bf16
+# training step measures the drop (docs/benchmarks.md).
+_NOT_ON_CUDA = pytest.mark.skipif(DEVICE == "cuda", reason="SDPA's fp32 CUDA kernels save copies of q~ / k~: no rebuild to test")
+
+
 def _ids(batch: int = 2, seq: int = 16) -> torch.Tensor:
     return torch.randint(1, 32, (batch, seq), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
@@ -67,7 +74,7 @@ def _mixer_bytes_per_token(model, ids) -> dict[int, float]:
     return totals
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=_NOT_ON_CUDA), torch.bfloat16])
 def test_mixers_keep_less_by_the_rebuilt_tensors(monkeypatch, dtype):
     model, ids = _model(dtype), _ids()
     esize, q_width, kv_width = dtype.itemsize, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
@@ -88,7 +95,10 @@ def test_mixers_keep_less_by_the_rebuilt_tensors(monkeypatch, dtype):
     assert after[LOCAL] <= bound, (after, bound)
 
 
-@pytest.mark.parametrize("dtype, use_cache", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, None)])
+@pytest.mark.parametrize("dtype, use_cache", [
+    pytest.param(torch.float32, False, marks=_NOT_ON_CUDA), (torch.bfloat16, False),
+    pytest.param(torch.float32, None, marks=_NOT_ON_CUDA),
+])
 def test_gradients_are_bit_equal_with_and_without_the_rebuilding(monkeypatch, dtype, use_cache):
     """use_cache=False: the bench's training step; None: the config's default (a cache is filled, as in
     a Trainer's step), where the local cache copies what it keeps and the global one holds k itself."""
@@ -134,7 +144,7 @@ def test_an_input_of_a_rebuild_modified_before_the_backward_is_refused(layer, mo
 
 
 def test_the_rebuild_steps_aside_under_HF_HYBRID_RECOMPUTE_0(monkeypatch):
-    model, ids = _model(torch.float32), _ids()
+    model, ids = _model(torch.bfloat16), _ids()
     after = _mixer_bytes_per_token(model, ids)
     monkeypatch.setenv("HF_HYBRID_RECOMPUTE", "0")
     before = _mixer_bytes_per_token(model, ids)

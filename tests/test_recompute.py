@@ -40,6 +40,31 @@ def test_rebuilt_views_give_the_same_gradients_and_are_not_kept():
     assert recompute.sources[0].rebuilt is None  # freed after its last view was unpacked
 
 
+def test_a_rebuild_reading_another_rebuilt_tensor_shares_it():
+    """g = exp(h) rebuilt from h = tanh(a), itself rebuilt: h is rebuilt once, for g's rebuild and
+    for the unpack of sin's save of h, and let go after that unpack."""
+    torch.manual_seed(0)
+    a = torch.randn(5, 3, requires_grad=True)
+
+    def step(recompute):
+        h = torch.tanh(a)
+        g = torch.exp(h)  # saves its output g
+        if recompute is not None:
+            h_source = recompute.register(h, lambda: calls.append("h") or torch.tanh(a), a)
+            recompute.register(g, lambda: calls.append("g") or torch.exp(recompute.value(h_source)), a)
+        return (g * torch.sin(h)).sum()
+
+    calls = []
+    expected = torch.autograd.grad(step(None), a)[0]
+    recompute = RecomputedActivations()
+    with recompute.active():
+        loss = step(recompute)
+    got = torch.autograd.grad(loss, a)[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert sorted(calls) == ["g", "h"]
+    assert all(source.rebuilt is None for source in recompute.sources)
+
+
 def test_an_input_modified_before_the_backward_is_refused():
     a, w = torch.randn(4, 7, requires_grad=True), torch.randn(4, 3, requires_grad=True)
     source = a * 1.0

@@ -5,10 +5,13 @@ holds at toy size.
 """
 import json
 
+import pytest
+
 from hf_hybrid.reproduce import se
 from hf_hybrid.reproduce.__main__ import main
 
 
+@pytest.mark.slow  # ~100 s on CPU: the four fine-tuning cells x two seeds
 def test_reproduce_se_cpu_preset_writes_table_plot_and_raw_numbers(tmp_path):
     assert main(["se", "--preset", "cpu", "--out", str(tmp_path), "--seeds", "0,1"]) == 0
     for suffix in ("md", "png", "json"):

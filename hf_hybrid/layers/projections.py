@@ -46,15 +46,22 @@ def _plain_linear(module: nn.Module) -> bool:
     )
 
 
-def project_shared_input(x: torch.Tensor, projections: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
-    """(proj(x) for proj in projections), with the summed-input-gradient backward above when a
-    gradient is being recorded, autocast is off and every projection is a plain bias-free nn.Linear;
-    otherwise the modules are called as usual (inference, autocast, LoRA, quantisation, hooks)."""
+def shared_input_applies(x: torch.Tensor, projections: tuple[nn.Module, ...]) -> bool:
+    """Whether project_shared_input takes the Function above: a gradient is being recorded, autocast
+    is off and every projection is a plain bias-free nn.Linear. Then every output is exactly
+    ``F.linear(x, proj.weight)``, which a backward may run again instead of keeping the output."""
     weights = [getattr(p, "weight", None) for p in projections]
     recording = torch.is_grad_enabled() and (x.requires_grad or any(w is not None and w.requires_grad for w in weights))
     # Under autocast the GEMMs' dtypes are autocast's to choose: the Function's own backward would
     # mix the casted gradients with the saved full-precision weights.
     autocast = torch.is_autocast_enabled(x.device.type)
-    if recording and not autocast and all(_plain_linear(p) for p in projections):
-        return _SharedInputLinear.apply(x, *weights)
+    return recording and not autocast and all(_plain_linear(p) for p in projections)
+
+
+def project_shared_input(x: torch.Tensor, projections: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """(proj(x) for proj in projections), with the summed-input-gradient backward above when
+    :func:`shared_input_applies`; otherwise the modules are called as usual (inference, autocast,
+    LoRA, quantisation, hooks)."""
+    if shared_input_applies(x, projections):
+        return _SharedInputLinear.apply(x, *(p.weight for p in projections))
     return tuple(p(x) for p in projections)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..kernels._backend import resolve_backend
 from ..kernels.chunk_attention import block_end_attention, chunk_end_attention, chunk_ends
@@ -30,7 +31,7 @@ from ..kernels.gated_recurrence import gated_recurrence, rat_keys_values
 from ..kernels._common import expand_groups
 from ..kernels.output_gate import sigmoid_gate
 from .context import SequenceContext
-from .projections import project_shared_input
+from .projections import project_shared_input, shared_input_applies
 from .recompute import RecomputedActivations, recompute_applies
 from .rotary import build_rotary, rotary_tables
 
@@ -168,23 +169,43 @@ class RatAttention(nn.Module):
         """(RoPE(k~), v~) of a whole sequence through the fused kernel (rat_keys_values)."""
         return rat_keys_values(k, v, gate_logits, self.gate_bias, self.chunk_size, cos_sin, backend=self.backend)
 
-    def _train_fused(self, q, k, v, gate_logits, gate_z, cos_sin, store=None):
+    def _rebuilt_gates(self, recompute, x, gate_logits, gate_z):
+        """With ``x`` (the projections' shared input, kept by them anyway): the gate logits and z
+        are rebuilt in the backward by running g_proj / z_proj on x again (8 KB per token less at
+        the 1.3B shape, for two more GEMMs per layer), instead of being kept by the kernels that
+        read them. Returns a function giving the gate logits to the k~ / v~ rebuild and what it
+        reads (the tensors whose in-place change the backward refuses)."""
+        if x is not None:
+            shape, logits_weight, z_weight = gate_logits.shape, self.g_proj.weight, self.z_proj.weight
+            logits_source = recompute.register(gate_logits, lambda: F.linear(x, logits_weight).view(shape), x, logits_weight)
+            recompute.register(gate_z, lambda: F.linear(x, z_weight), x, z_weight)
+            if logits_source is not None:
+                # Not recompute.value: a closure over `recompute` would make a reference cycle
+                # (recompute -> its sources -> their rebuilds -> this closure) that keeps k, v, q and
+                # x alive after the backward until the garbage collector runs (4.6 GB at T=32K).
+                return (lambda: RecomputedActivations.value(logits_source)), (x, logits_weight)
+        return (lambda: gate_logits), (gate_logits,)
+
+    def _train_fused(self, q, k, v, gate_logits, gate_z, cos_sin, store=None, x=None):
         """The fused path of a training forward, keeping less for the backward: k_rot and v~
         (saved by the attention and by their own kernel) and the rotated q are rebuilt in the
         backward from k, v, the gate logits and q, which those kernels keep anyway (8.5 KB per
-        token less at the 1.3B shape, for one more pass of each kernel; layers/recompute.py).
+        token less at the 1.3B shape, for one more pass of each kernel; layers/recompute.py),
+        and with ``x`` the gate logits and z too (_rebuilt_gates).
         ``store``: (cache_layer, positions, chunk_index, context) of an empty cache to fill (the
         cache copies the chunk ends into its own buffers, so nothing there holds k_rot or v~)."""
         batch, seq, heads, dim = v.shape
         recompute = RecomputedActivations()
         with recompute.active():
+            logits, logits_inputs = self._rebuilt_gates(recompute, x, gate_logits, gate_z)
             k_rot, v_tilde = self._keys_values(k, v, gate_logits, cos_sin)
             if store is not None:
                 cache_layer, positions, chunk_index, context = store
                 self._store_prefill(cache_layer, k, v, gate_logits, k_rot, v_tilde, None, positions, chunk_index, context)
             q_rot = rotate(q, cos_sin, backend=self.backend)
-            pair = _RebuiltPair(lambda: self._keys_values(k, v, gate_logits, cos_sin))
-            inputs = (k, v, gate_logits, self.gate_bias)
+            # The closures read the gate logits through `logits` only: a reference would keep them.
+            pair = _RebuiltPair(lambda: self._keys_values(k, v, logits(), cos_sin))
+            inputs = (k, v, self.gate_bias, *logits_inputs)
             recompute.register(k_rot, lambda: pair.take(0), *inputs)
             recompute.register(v_tilde, lambda: pair.take(1), *inputs)
             recompute.register(q_rot, lambda: rotate(q, cos_sin, backend=self.backend), q)
@@ -223,9 +244,10 @@ class RatAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         heads, dim, L, groups = self.num_heads, self.head_dim, self.chunk_size, self.num_qk_groups
-        q, k, v, gate_logits, gate_z = project_shared_input(
-            hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.z_proj)
-        )  # gate_z: the output gate, sigmoid(gate_z), is applied in _output
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.z_proj)
+        plain_projections = shared_input_applies(hidden_states, projections)
+        # gate_z: the output gate, sigmoid(gate_z), is applied in _output
+        q, k, v, gate_logits, gate_z = project_shared_input(hidden_states, projections)
         q, k = q.view(batch, seq, groups, dim), k.view(batch, seq, groups, dim)
         v, gate_logits = v.view(batch, seq, heads, dim), gate_logits.view(batch, seq, heads, dim)
 
@@ -243,7 +265,8 @@ class RatAttention(nn.Module):
         whole = start == 0 and (cache_layer is None or (kernel and self._fills_empty_cache(cache_layer)))
         if self.fused_gates and whole and kernel and recompute_applies():
             store = None if cache_layer is None else (cache_layer, positions, chunk_index, context)
-            return self._train_fused(q, k, v, gate_logits, gate_z, cos_sin, store)
+            x = hidden_states if plain_projections else None  # gates rebuildable as F.linear(x, W)
+            return self._train_fused(q, k, v, gate_logits, gate_z, cos_sin, store, x)
         if self.fused_gates and whole:
             k_rot, v_tilde = self._keys_values(k, v, gate_logits, cos_sin)
             k_tilde = None  # only a cache needs the un-rotated states

@@ -46,7 +46,7 @@ def recompute_applies() -> bool:
 @dataclass
 class _Source:
     tensor: torch.Tensor | None  # held while the context is active: its storage cannot be reused then
-    rebuild: Callable[[], torch.Tensor]
+    rebuild: Callable[[], torch.Tensor] | None  # None once every saved view was unpacked
     inputs: tuple[torch.Tensor, ...]  # what rebuild reads: their versions must not change before the backward
     versions: tuple[int, ...]
     storage: int  # data_ptr of the registered tensor's storage
@@ -75,6 +75,14 @@ class _Kept:
     rebuilt_as: _Saved | None = None
 
 
+def _check_versions(source: _Source) -> None:
+    if tuple(t._version for t in source.inputs) != source.versions:
+        raise RuntimeError(
+            "A tensor that the backward rebuilds an activation from was modified in place after the forward "
+            "(hf_hybrid.layers.recompute); do not modify the mixer's inputs or parameters before backward()."
+        )
+
+
 def _geometry(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     return tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
 
@@ -85,19 +93,37 @@ class RecomputedActivations:
     kept: list[_Kept] = field(default_factory=list)  # this region's pass-through saves; emptied on exit
     observer: tuple | None = None  # observing hooks below these (see the module docstring)
 
-    def register(self, tensor: torch.Tensor, rebuild: Callable[[], torch.Tensor], *inputs: torch.Tensor) -> None:
+    def register(self, tensor: torch.Tensor, rebuild: Callable[[], torch.Tensor], *inputs: torch.Tensor) -> _Source | None:
         """Saves of ``tensor`` (or views of it) in the active region, earlier ones included, are
         rebuilt by ``rebuild()``, which reads ``inputs`` and must return a tensor equal to ``tensor``
-        with its layout. Only whole, contiguous tensors are registered; others stay saved as usual."""
+        with its layout. Only whole, contiguous tensors are registered (the source is returned, for
+        :meth:`value`); others stay saved as usual (None)."""
         whole = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-        if tensor.is_contiguous() and whole:
-            versions = tuple(t._version for t in inputs)
-            source = _Source(tensor, rebuild, inputs, versions, tensor.untyped_storage().data_ptr())
-            self.sources.append(source)
-            for kept in self.kept:  # saved before it was registered: let those go too
-                if kept.storage == source.storage and kept.rebuilt_as is None:
-                    source.pending += 1
-                    kept.rebuilt_as, kept.packed = _Saved(source, *kept.geometry), None
+        if not (tensor.is_contiguous() and whole):
+            return None
+        versions = tuple(t._version for t in inputs)
+        source = _Source(tensor, rebuild, inputs, versions, tensor.untyped_storage().data_ptr())
+        self.sources.append(source)
+        for kept in self.kept:  # saved before it was registered: let those go too
+            if kept.storage == source.storage and kept.rebuilt_as is None:
+                source.pending += 1
+                kept.rebuilt_as, kept.packed = _Saved(source, *kept.geometry), None
+        return source
+
+    @staticmethod
+    def value(source: _Source) -> torch.Tensor:
+        """A registered tensor for another rebuild that reads it (RAT's k~ and v~ read the gate
+        logits): rebuilt if need be and, while saved views of it wait for their unpack, shared with
+        them, so it is rebuilt once per backward. Hold no reference to the tensor itself in such a
+        rebuild: that would keep it in memory."""
+        if source.rebuilt is not None:
+            return source.rebuilt
+        _check_versions(source)
+        with torch.no_grad():
+            rebuilt = source.rebuild()
+        if source.pending > 0:
+            source.rebuilt = rebuilt
+        return rebuilt
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage().data_ptr()
@@ -123,18 +149,15 @@ class RecomputedActivations:
                 return saved.packed
             saved = saved.rebuilt_as
         source = saved.source
-        if tuple(t._version for t in source.inputs) != source.versions:
-            raise RuntimeError(
-                "A tensor that the backward rebuilds an activation from was modified in place after the forward "
-                "(hf_hybrid.layers.recompute); do not modify the mixer's inputs or parameters before backward()."
-            )
         if source.rebuilt is None:
+            _check_versions(source)
             with torch.no_grad():
                 source.rebuilt = source.rebuild()
         view = source.rebuilt.as_strided(saved.size, saved.stride, saved.offset)
         source.pending -= 1
-        if source.pending <= 0:  # the last view of this backward: free the rebuilt tensor with it
-            source.rebuilt = None
+        if source.pending <= 0:  # the last view of this backward: free the rebuilt tensor with it,
+            # and the rebuild's closure (it holds the inputs; any reference cycle through it ends here).
+            source.rebuilt, source.rebuild, source.inputs, source.versions = None, None, (), ()
         return view
 
     @contextlib.contextmanager

@@ -9,6 +9,10 @@ from .._split_decode import combine, empty_state, plan_splits, store_partial
 from .decode import DECODE_BLOCK_N, DECODE_WARPS, LOG2E, _attend_ends
 from .rat_decode import CosSin, rat_decode_supported
 
+# The streaming tile, warps and programs per SM of the chunk-end loop (hf_hybrid/bench/rat_decode_sweep.py
+# times the alternatives at generate()'s shapes).
+BLOCK_N, WARPS, PROGRAMS_PER_SM = DECODE_BLOCK_N, DECODE_WARPS, None
+
 
 @triton.jit
 def _recurrence_step(GL, BIAS, SK, K, keep, gl_off, bias_off, sk_off, k_off, dims):
@@ -115,7 +119,7 @@ def rat_decode_step_triton(
     cos, sin = cos_sin if cos_sin is not None else (q_groups, q_groups)  # unread without RoPE
     cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
     scale = dim**-0.5 if scale is None else float(scale)
-    splits, per_split, stats, partial = plan_splits(batch * heads, key_buffer.shape[1], DECODE_BLOCK_N, dim, v.device)
+    splits, per_split, stats, partial = plan_splits(batch * heads, key_buffer.shape[1], BLOCK_N, dim, v.device, PROGRAMS_PER_SM)
     out = torch.empty_like(v)
     _rat_decode_kernel[(batch * heads, splits)](
         q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, cos, sin,
@@ -123,7 +127,7 @@ def rat_decode_step_triton(
         q_groups.stride(0), k_groups.stride(0), v.stride(0), gate_logits.stride(0), state_key.stride(0),
         key_buffer.stride(0), key_buffer.stride(1), out.stride(0),
         heads, key_buffer.shape[1], chunk_size, per_split, scale * LOG2E,
-        GROUPS=groups, HEAD_DIM=dim, BLOCK_N=DECODE_BLOCK_N, HAS_ROPE=cos_sin is not None,
-        DIRECT=splits == 1, num_warps=DECODE_WARPS,
+        GROUPS=groups, HEAD_DIM=dim, BLOCK_N=BLOCK_N, HAS_ROPE=cos_sin is not None,
+        DIRECT=splits == 1, num_warps=WARPS,
     )
-    return combine(stats, partial, out, heads, splits, DECODE_WARPS)
+    return combine(stats, partial, out, heads, splits, WARPS)

@@ -94,7 +94,7 @@ def test_mixer_matches_bamba_forward_and_gradients(proj_bias, training):
         assert error < 1e-4, f"{name}: relative gradient error {error:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.slow)])  # triton: ~1 min interpreted
 def test_model_never_runs_the_bamba_fallback(no_bamba_fallback, backend):
     model = tiny_model(mamba_backend=backend)
     ids = random_ids(seq=17)
