@@ -410,3 +410,26 @@ def test_bare_decode_loop_runs_every_step_on_the_static_path():
 
     assert decode_loop_ms(model, ids, 5, mode="eager", measure=measure) == pytest.approx(0.8)
     assert measured == [True] and model._decode_graph_session is None
+
+
+FEW_ROW_MODELS = ("rat", "fox_pro", "rattention", "rat_plus_d4_w2_i2", "se_hybrid_full")
+
+
+@pytest.mark.parametrize("name", FEW_ROW_MODELS)
+def test_few_row_projections_decode_like_the_modules(monkeypatch, name):
+    """The decode steps' projections and MLPs through the few-row kernel (kernels/few_row_linear, run
+    in Triton's interpreter here; on CUDA by default): the same tokens as the modules' own F.linear,
+    logits within float32 rounding, and the kernel really ran (once per layer's projection group)."""
+    from hf_hybrid.layers import projections
+
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    plain, _ = generate(model, ids, "eager", max_new_tokens=4, do_sample=False)
+    calls = []
+    original = projections.few_row_linear
+    monkeypatch.setattr(projections, "few_row_linear", lambda *a: calls.append(len(a[1])) or original(*a))
+    monkeypatch.setattr(projections, "FEW_ROW_BACKEND", "triton")
+    fast, report = generate(model, ids, "eager", max_new_tokens=4, do_sample=False)
+    assert report["static_steps"] == 3 and calls, (report, calls)
+    assert torch.equal(fast.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(fast.logits, 1), torch.stack(plain.logits, 1), atol=1e-4, rtol=1e-4)

@@ -71,3 +71,49 @@ def test_autocast_takes_the_modules_path_with_consistent_dtypes():
         assert all(o.dtype == torch.bfloat16 for o in outs)
         sum(o.float().sum() for o in outs).backward()
     assert x.grad.dtype == torch.float32 and all(p.weight.grad.dtype == torch.float32 for p in projections)
+
+
+# ----------------------------------------------------------------------------- few-row projections
+from hf_hybrid.kernels._backend import triton_interpreting  # noqa: E402
+from hf_hybrid.layers import projections as projections_module  # noqa: E402
+from hf_hybrid.layers.projections import project_few_rows  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() or triton_interpreting()),
+                                  reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _count_kernel_calls(monkeypatch) -> list:
+    calls = []
+    original = projections_module.few_row_linear
+    monkeypatch.setattr(projections_module, "few_row_linear", lambda *a: calls.append(len(a[1])) or original(*a))
+    monkeypatch.setattr(projections_module, "FEW_ROW_BACKEND", "triton")
+    return calls
+
+
+@needs_kernel
+def test_few_rows_without_gradient_run_the_kernel_once_for_all_projections(monkeypatch):
+    calls = _count_kernel_calls(monkeypatch)
+    projections = _projections()
+    x = torch.randn(3, 1, 12)
+    with torch.no_grad():
+        got = project_few_rows(x, projections)
+        single = project_few_rows(x, projections[1:2])
+    assert calls == [3]  # one launch for the three weights; a single weight stays with the module (cuBLAS)
+    for a, p in zip(got, projections):
+        torch.testing.assert_close(a, p(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(single[0], projections[1](x))
+
+
+@needs_kernel
+def test_few_rows_keep_the_modules_for_gradients_many_rows_and_wrapped_modules(monkeypatch):
+    calls = _count_kernel_calls(monkeypatch)
+    projections = _projections()
+    x = torch.randn(2, 1, 12, requires_grad=True)
+    assert all(torch.equal(a, p(x)) for a, p in zip(project_few_rows(x, projections), projections))  # recording
+    with torch.no_grad():
+        many = torch.randn(2, 40, 12)  # 80 rows: past the kernel's few
+        assert all(torch.equal(a, p(many)) for a, p in zip(project_few_rows(many, projections), projections))
+        projections[0].register_forward_hook(lambda module, args, out: out * 2)  # a hook: its module's own forward
+        hooked = project_few_rows(x.detach(), projections)
+        assert torch.equal(hooked[0], 2 * (x.detach() @ projections[0].weight.t()))
+    assert calls == []

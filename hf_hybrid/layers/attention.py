@@ -37,6 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from .context import SequenceContext
+from .projections import project_few_rows
 from .rotary import apply_rotary, build_rotary, rotary_tables
 
 logger = logging.get_logger(__name__)
@@ -172,9 +173,9 @@ class SoftmaxAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k, v = project_few_rows(hidden_states, (self.q_proj, self.k_proj, self.v_proj))  # one launch when decoding
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        k, v = k.view(batch, seq, self.num_kv_heads, self.head_dim), v.view(batch, seq, self.num_kv_heads, self.head_dim)
         cos_sin = rotary_tables(self.rotary, context)
         q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         # transformers' cache layers and attention functions take [batch, heads, seq, head_dim].

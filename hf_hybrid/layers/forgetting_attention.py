@@ -38,6 +38,7 @@ from ..kernels.forgetting_attention import (
 )
 from .context import SequenceContext
 from .norm import RMSNorm
+from .projections import project_few_rows
 from .rotary import apply_rotary, build_rotary, rotary_tables
 
 FORGET_GATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
@@ -160,9 +161,8 @@ class ForgettingAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(hidden_states).view(batch, seq, heads, dim)
-        k = self.k_proj(hidden_states).view(batch, seq, kv_heads, dim)
-        v = self.v_proj(hidden_states).view(batch, seq, kv_heads, dim)
+        q, k, v = project_few_rows(hidden_states, (self.q_proj, self.k_proj, self.v_proj))  # one launch when decoding
+        q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv_heads, dim), v.view(batch, seq, kv_heads, dim)
         log_f = self.log_forget(hidden_states)
         query_valid = context.query_valid
         if query_valid is not None:

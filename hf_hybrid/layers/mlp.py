@@ -6,11 +6,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from .backbone_fusion import fused_layer_applies, fused_silu_mul
+from .projections import project_few_rows
 
 
 class SwiGLUMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)), no biases. On CUDA with Liger installed the
-    SiLU and the product are one kernel (backbone_fusion.py)."""
+    SiLU and the product are one kernel (backbone_fusion.py); a decode step's few rows go through
+    the few-row projection kernel (projections.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -19,6 +21,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        # A decode step's few rows: one launch for gate and up (layers/projections.py).
+        gate, up = project_few_rows(x, (self.gate_proj, self.up_proj))
         hidden = fused_silu_mul(gate, up) if fused_layer_applies(x) else F.silu(gate) * up
         return self.down_proj(hidden)

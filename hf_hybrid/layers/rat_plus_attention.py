@@ -41,6 +41,7 @@ from ..kernels.topk_block_attention import (
 )
 from ..sparse import AttentionPattern, SparseInferenceConfig
 from .context import SequenceContext
+from .projections import project_few_rows
 from .rotary import apply_rotary, build_rotary, rotary_tables
 
 # A cache's store returns this in place of a block summary when every key position >= 0 it returns
@@ -184,9 +185,9 @@ class RatPlusAttention(nn.Module):
         rep = heads // kv
         group_kv = [sorted({h // rep for h in group_heads}) for _, group_heads in groups]
 
-        q = self.q_proj(hidden_states).view(batch, seq, heads, dim)
-        k = self.k_proj(hidden_states).view(batch, seq, kv, dim)
-        v = self.v_proj(hidden_states).view(batch, seq, kv, dim)
+        # One launch for the four projections when decoding (layers/projections.py).
+        q, k, v, gate_z = project_few_rows(hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.z_proj))
+        q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv, dim), v.view(batch, seq, kv, dim)
         k_tilde, v_tilde = self.recurrence(hidden_states, k, v, context, cache_layer)
         cos_sin = rotary_tables(self.rotary, context)
         q = apply_rotary(q, cos_sin)
@@ -223,5 +224,4 @@ class RatPlusAttention(nn.Module):
                 y = out
             else:
                 y[:, :, list(group_heads)] = out
-        gate_z = self.z_proj(hidden_states)
         return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))

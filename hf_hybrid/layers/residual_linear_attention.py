@@ -37,6 +37,7 @@ from .attention import softmax_attention
 from .context import SequenceContext
 from .fused_norms import has_forward_hooks, norm_backend, norm_rotary, qk_norm_rotary, sum_branch_norms
 from .norm import RMSNorm
+from .projections import project_few_rows
 from .recompute import RecomputedActivations, recompute_applies
 from .rotary import build_rotary, rotary_tables
 
@@ -83,10 +84,9 @@ class _QKVProjections(nn.Module):
 
     def project(self, hidden_states: torch.Tensor):
         batch, seq, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        q, k, v = project_few_rows(hidden_states, (self.q_proj, self.k_proj, self.v_proj))  # one launch when decoding
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        return q, k.view(batch, seq, self.num_kv_heads, self.head_dim), v.view(batch, seq, self.num_kv_heads, self.head_dim)
 
     def normed(self, q: torch.Tensor, k: torch.Tensor, cos_sin=None):
         """QK-norm (when configured), then RoPE (when ``cos_sin`` is given): one fused pass per

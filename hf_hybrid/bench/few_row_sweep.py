@@ -1,0 +1,94 @@
+"""Tile sweep of the few-row projection kernel (kernels/few_row_linear) against cuBLAS (F.linear per
+weight, what the modules run) at a decode step's shapes.
+
+    python -m hf_hybrid.bench.few_row_sweep --json sweep.json
+
+The 1.3B shape (hidden 2048, 16 heads x 128, SwiGLU 5632), bf16, M = 8 and 32 rows (the generate()
+benchmark's batches): RAT's five projections (q, k in 2 groups of 128, v, gate logits, z), a
+Llama-style q/k/v, one 2048 x 2048 o_proj, the MLP's gate+up and its down projection. Times are
+CUDA-graph replays (triton.testing.do_bench_cudagraph), as inside generate()'s graphed step; GB/s
+counts the weights read. ``best``: the configuration with the lowest summed time over the cases,
+with every output within bf16 rounding (1e-2 relative) of cuBLAS.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+from torch.nn import functional as F
+
+CASES = {  # name: (input width K, output widths N_i)
+    "rat_qkvgz": (2048, (256, 256, 2048, 2048, 2048)),
+    "qkv": (2048, (2048, 2048, 2048)),
+    "o_proj": (2048, (2048,)),
+    "gate_up": (2048, (5632, 5632)),
+    "down": (5632, (2048,)),
+}
+ROWS = (8, 32)
+CONFIGS = list(itertools.product((16, 32), (64, 128, 256), (2, 4), (3, 5)))  # (BLOCK_N, BLOCK_K, warps, stages)
+
+
+def set_config(block_n: int, block_k: int, warps: int, stages: int) -> None:
+    from ..kernels.few_row_linear import triton as kernel
+
+    kernel.BLOCK_N, kernel.BLOCK_K, kernel.WARPS, kernel.STAGES = block_n, block_k, warps, stages
+
+
+def sweep() -> dict:
+    import triton.testing
+
+    from ..kernels.few_row_linear import few_row_linear
+    from ..kernels.few_row_linear import triton as kernel
+
+    shipped = (kernel.BLOCK_N, kernel.BLOCK_K, kernel.WARPS, kernel.STAGES)
+    rows_out = []
+    dev = torch.device("cuda")
+    for rows, (name, (depth, widths)) in itertools.product(ROWS, CASES.items()):
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(rows, depth, device=dev, dtype=torch.bfloat16, generator=g)
+        weights = tuple(torch.randn(n, depth, device=dev, dtype=torch.bfloat16, generator=g) / depth**0.5 for n in widths)
+        nbytes = sum(w.numel() * 2 for w in weights)
+        expected = [F.linear(x, w).float() for w in weights]
+        base = triton.testing.do_bench_cudagraph(lambda: [F.linear(x, w) for w in weights])
+        rows_out.append(dict(rows=rows, case=name, variant="cuBLAS", us=round(base * 1e3, 2), gb_per_s=round(nbytes / base / 1e6)))
+        print(json.dumps(rows_out[-1]), flush=True)
+        for config in [shipped] + CONFIGS:
+            set_config(*config)
+            try:
+                got = few_row_linear(x, weights, backend="triton")
+                error = max(((o.float() - e).norm() / e.norm()).item() for o, e in zip(got, expected))
+                ms = triton.testing.do_bench_cudagraph(lambda: few_row_linear(x, weights, backend="triton"))
+            except Exception as exc:  # a tile that does not compile or fit
+                rows_out.append(dict(rows=rows, case=name, config=list(config), error=str(exc)[:200]))
+                continue
+            rows_out.append(dict(rows=rows, case=name, config=list(config), us=round(ms * 1e3, 2),
+                                 gb_per_s=round(nbytes / ms / 1e6), vs_cublas=round(base / ms, 3), rel_error=float(f"{error:.2e}")))
+    set_config(*shipped)
+    totals: dict[tuple, list[float]] = {}
+    for r in rows_out:
+        if "config" in r and "us" in r and r["rel_error"] <= 1e-2:
+            totals.setdefault(tuple(r["config"]), []).append(r["us"])
+    cases = len(ROWS) * len(CASES)
+    best = min((c for c, t in totals.items() if len(t) >= cases), key=lambda c: sum(totals[c]))
+    best_rows = [r for r in rows_out if r.get("config") == list(best) or r.get("variant") == "cuBLAS"]
+    return dict(rows=rows_out, best=list(best), shipped=list(shipped), best_rows=best_rows, device=torch.cuda.get_device_name())
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the rows and the chosen configuration here")
+    args = parser.parse_args(argv)
+    result = sweep()
+    for r in result["best_rows"]:
+        print(json.dumps(r), flush=True)
+    print("best (BLOCK_N, BLOCK_K, warps, stages):", result["best"], "shipped:", result["shipped"], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
