@@ -36,7 +36,9 @@ from ..kernels.forgetting_attention import (
     forgetting_attention_decode,
     forgetting_attention_with_cache,
 )
+from .backbone_fusion import fused_decode_active
 from .context import SequenceContext
+from .fused_norms import norm_backend, norm_rotary, qk_norm_rotary
 from .norm import RMSNorm
 from .projections import project_few_rows
 from .rotary import apply_rotary, build_rotary, rotary_tables
@@ -85,11 +87,14 @@ class ShiftLinear(nn.Module):
         self.num_heads = num_heads
         self.proj = nn.Linear(hidden_size, num_heads, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, x: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, x: torch.Tensor, previous: torch.Tensor | None,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits``: proj(hidden_states) when the caller computed it already (with the layer's other
+        projections of hidden_states, in one launch when decoding)."""
         if previous is None:
             previous = x.new_zeros(x.shape[0], *x.shape[2:])
         shifted = torch.cat([previous[:, None].to(x.dtype), x[:, :-1]], dim=1)
-        alpha = torch.sigmoid(self.proj(hidden_states))[..., None].to(x.dtype)
+        alpha = torch.sigmoid(self.proj(hidden_states) if logits is None else logits)[..., None].to(x.dtype)
         return alpha * shifted + (1 - alpha) * x
 
 
@@ -161,7 +166,7 @@ class ForgettingAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = project_few_rows(hidden_states, (self.q_proj, self.k_proj, self.v_proj))  # one launch when decoding
+        q, k, v, gate, k_shift_logits, v_shift_logits = self._projections(hidden_states)
         q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv_heads, dim), v.view(batch, seq, kv_heads, dim)
         log_f = self.log_forget(hidden_states)
         query_valid = context.query_valid
@@ -174,10 +179,16 @@ class ForgettingAttention(nn.Module):
         raw_k, raw_v = k, v
         if self.k_shift is not None:
             prev_k, prev_v = cache_layer.shift_state() if cache_layer is not None else (None, None)
-            k = self.k_shift(hidden_states, k, prev_k)
-            v = self.v_shift(hidden_states, v, prev_v)
+            k = self.k_shift(hidden_states, k, prev_k, k_shift_logits)
+            v = self.v_shift(hidden_states, v, prev_v, v_shift_logits)
+        # generate()'s static decode step: one fused kernel per norm there (layers/fused_norms.py), where
+        # the module is six small ones; training and prefill keep the modules.
+        fused_norms = fused_decode_active()
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if fused_norms:
+                q, k = qk_norm_rotary(q, k, self.q_norm, self.k_norm, None, norm_backend(self.backend, batch * seq))
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             cos_sin = rotary_tables(self.rotary, context)
             q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
@@ -204,11 +215,21 @@ class ForgettingAttention(nn.Module):
             )
 
         if self.o_norm is not None:
-            o = self.o_norm(o)
+            o = norm_rotary(o, self.o_norm, None, norm_backend(self.backend, batch * seq)) if fused_norms else self.o_norm(o)
         o = o.reshape(batch, seq, heads * dim)
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(hidden_states))
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o)
+
+    def _projections(self, hidden_states: torch.Tensor):
+        """q, k, v, the output gate's logits and the KV-shift logits (None for parts the block lacks):
+        the bias-free projections of hidden_states, in one few-row launch when decoding."""
+        shifts = [s.proj if s is not None else None for s in (self.k_shift, self.v_shift)]
+        optional = [self.g_proj, *shifts]
+        present = [m for m in optional if m is not None]
+        outs = iter(project_few_rows(hidden_states, (self.q_proj, self.k_proj, self.v_proj, *present)))
+        q, k, v = next(outs), next(outs), next(outs)
+        return (q, k, v, *(next(outs) if m is not None else None for m in optional))
 
     def _attend_segment(self, q, k, v, log_f, query_valid: torch.Tensor | None) -> torch.Tensor:
         """Attention of a segment that starts at index 0 over its own keys (nothing cached before it);
