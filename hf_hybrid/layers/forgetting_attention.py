@@ -36,7 +36,6 @@ from ..kernels.forgetting_attention import (
     forgetting_attention_decode,
     forgetting_attention_with_cache,
 )
-from .backbone_fusion import fused_decode_active
 from .context import SequenceContext
 from .fused_norms import norm_backend, norm_rotary, qk_norm_rotary
 from .norm import RMSNorm
@@ -181,14 +180,12 @@ class ForgettingAttention(nn.Module):
             prev_k, prev_v = cache_layer.shift_state() if cache_layer is not None else (None, None)
             k = self.k_shift(hidden_states, k, prev_k, k_shift_logits)
             v = self.v_shift(hidden_states, v, prev_v, v_shift_logits)
-        # generate()'s static decode step: one fused kernel per norm there (layers/fused_norms.py), where
-        # the module is six small ones; training and prefill keep the modules.
-        fused_norms = fused_decode_active()
+        # The per-head norms through the fused norm kernel (layers/fused_norms.py: one launch forward and
+        # backward where the module is six small ones and keeps float32 intermediates) in training,
+        # prefill and generate()'s static decode step; the modules' own math for a few eager tokens.
+        norms = norm_backend(self.backend, batch * seq)
         if self.q_norm is not None:
-            if fused_norms:
-                q, k = qk_norm_rotary(q, k, self.q_norm, self.k_norm, None, norm_backend(self.backend, batch * seq))
-            else:
-                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = qk_norm_rotary(q, k, self.q_norm, self.k_norm, None, norms)
         if self.rotary is not None:
             cos_sin = rotary_tables(self.rotary, context)
             q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
@@ -215,7 +212,7 @@ class ForgettingAttention(nn.Module):
             )
 
         if self.o_norm is not None:
-            o = norm_rotary(o, self.o_norm, None, norm_backend(self.backend, batch * seq)) if fused_norms else self.o_norm(o)
+            o = norm_rotary(o, self.o_norm, None, norms)
         o = o.reshape(batch, seq, heads * dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
