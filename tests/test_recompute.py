@@ -87,6 +87,7 @@ def test_steps_aside_for_other_hooks_no_grad_and_compile():
     assert float(compiled(torch.zeros(()))) == 0.0
 
 
+@pytest.mark.slow  # ~40 s interpreted; the RAT and RATTENTION rebuild tests cover the mechanism in CI
 def test_se_mixer_rebuilds_its_conv_and_norm_outputs_exactly(monkeypatch):
     """A tiny SE hybrid's Mamba-2 layers on the Triton path (interpreter on CPU), left padding and
     an in_proj bias: the same loss and gradients with the rebuilding on and off, and the conv run

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hf_hybrid.reproduce.__main__ import main
 from hf_hybrid.reproduce.fox import PRESETS
 
 
+@pytest.mark.slow  # a CPU preset end to end (~1 min on a 2-core CI runner); HF_HYBRID_SLOW=1 runs it
 def test_fox_cpu_preset_writes_table_plot_and_per_seed_numbers(tmp_path):
     assert main(["fox", "--preset", "cpu", "--out", str(tmp_path), "--seeds", "0,1"]) == 0
     for suffix in ("md", "png", "json"):

@@ -1,9 +1,12 @@
 """The `rat` reproduction's cpu preset runs end to end and writes its report (the effect itself is not asserted)."""
 import json
 
+import pytest
+
 from hf_hybrid.reproduce.__main__ import main
 
 
+@pytest.mark.slow  # a CPU preset end to end (~1 min on a 2-core CI runner); HF_HYBRID_SLOW=1 runs it
 def test_rat_cpu_preset_writes_report(tmp_path):
     assert main(["rat", "--preset", "cpu", "--out", str(tmp_path), "--seeds", "0,1"]) == 0
     for ext in ("md", "png", "json"):

@@ -2,9 +2,12 @@
 ``hf_hybrid.models.rat_plus.table3`` entry point still works (the effect itself is not asserted)."""
 import json
 
+import pytest
+
 from hf_hybrid.reproduce.__main__ import main
 
 
+@pytest.mark.slow  # a CPU preset end to end (~1 min on a 2-core CI runner); HF_HYBRID_SLOW=1 runs it
 def test_rat_plus_cpu_preset_writes_report(tmp_path):
     assert main(["rat_plus", "--preset", "cpu", "--out", str(tmp_path), "--seeds", "0,1"]) == 0
     for ext in ("md", "png", "json"):

@@ -4,10 +4,13 @@ Runs the toy preset end to end; asserts the outputs and their structure, not tha
 holds at this size."""
 import json
 
+import pytest
+
 from hf_hybrid.reproduce.__main__ import main
 from hf_hybrid.reproduce.rattention import PRESETS
 
 
+@pytest.mark.slow  # a CPU preset end to end (~1 min on a 2-core CI runner); HF_HYBRID_SLOW=1 runs it
 def test_reproduce_rattention_cpu_preset(tmp_path):
     assert main(["rattention", "--preset", "cpu", "--out", str(tmp_path), "--seeds", "0,1"]) == 0
     for suffix in ("md", "png", "json"):

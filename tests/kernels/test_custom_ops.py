@@ -124,7 +124,13 @@ def _cases():
 CASES = list(_cases())
 
 
-@pytest.mark.parametrize("op, args", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+_SLOW_OPCHECK = {"ssd_scan", "ssd_scan_D_state", "gated_recurrence_chunked_init"}  # 20-25 s each interpreted
+
+
+@pytest.mark.parametrize(
+    "op, args", [pytest.param(*case[1:], marks=pytest.mark.slow) if case[0] in _SLOW_OPCHECK else case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
 def test_opcheck(op, args):
     torch.library.opcheck(op, args)
 

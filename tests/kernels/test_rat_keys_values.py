@@ -114,7 +114,7 @@ def test_explicit_triton_refuses_a_chunk_it_cannot_tile():
 
 
 @needs_triton
-@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("chunk", [32, pytest.param(64, marks=pytest.mark.slow)])
 def test_chunks_past_the_fused_kernel_take_the_op_by_op_triton_path(chunk):
     """L > MAX_FUSED_CHUNK: explicit 'triton' refuses (naming the way out), and the op-by-op Triton
     composition the 'auto' backend uses there equals the reference, forward and every gradient."""

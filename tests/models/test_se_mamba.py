@@ -104,6 +104,7 @@ def test_model_never_runs_the_bamba_fallback(no_bamba_fallback, backend):
     assert_prefill_decode_matches(model.eval(), ids, prefill_length=14)
 
 
+@pytest.mark.slow  # ~40 s interpreted; the kernels' own tests compare them with the references
 def test_triton_backend_matches_reference_backend():
     ids = random_ids(seq=21)
     results = {}
@@ -117,7 +118,7 @@ def test_triton_backend_matches_reference_backend():
         torch.testing.assert_close(results["triton"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
 def test_left_padding_with_projection_bias(backend):
     """in_proj's bias must not carry padding into the conv window or the SSM state."""
     model = tiny_model(mamba_backend=backend, mamba_proj_bias=True)
@@ -188,6 +189,7 @@ def run_step(seq: int, what: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a 16K-token step on CPU
 @pytest.mark.skipif(sys.platform != "linux", reason="reads ru_maxrss in KiB (Linux)")
 def test_mamba_layer_training_step_at_16k_tokens_stays_small():
     """One Mamba-2 mixer (default sizes), forward + backward over 16384 tokens on CPU. Measured on
