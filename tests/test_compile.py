@@ -160,6 +160,7 @@ def test_fullgraph_training_step_equals_eager_triton_backend(arch):
 
 
 @needs_triton
+@pytest.mark.slow  # interpreted Triton under torch.compile, ~25 s (see _SLOW_TRITON_COMPILE)
 def test_fox_padded_batch_compiles_on_the_triton_backend():
     """A padded batch under compile takes the exact masked path (the varlen boundaries are a host decision)."""
     model = tiny_model("fox", "triton", hidden=64)

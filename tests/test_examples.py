@@ -65,12 +65,14 @@ def test_pretrain_example_learns_and_saves(tmp_path, model_type):
     assert recall_accuracy(reloaded, eval_set["input_ids"], eval_set["labels"]) == summary["recall_accuracy"]
 
 
+@pytest.mark.slow  # ~25 s on a 2-core runner (HF_HYBRID_SLOW=1); conversion and adaptation have their own tests
 def test_convert_and_adapt_example():
     result = load_example("convert_and_adapt").main([])
     assert result["max_logit_difference"] < 1e-4
     assert result["loss_after"]["D=16"] < result["loss_before"]["D=16"] - 0.3
 
 
+@pytest.mark.slow  # ~40 s on a 2-core runner (HF_HYBRID_SLOW=1); sparse generation has its own tests
 def test_sparse_generation_example():
     result = load_example("sparse_generation").main([])
     assert result["entries"]["D=16"][0] < result["entries"]["dense"][0]

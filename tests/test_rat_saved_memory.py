@@ -77,7 +77,7 @@ def test_gates_behind_a_hooked_projection_are_kept(monkeypatch):
     assert before - after == (2 * inner + group_width) * esize, (before, after)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])  # fp32: slow
 def test_rat_gradients_are_bit_equal_with_and_without_the_rebuilding(monkeypatch, dtype):
     model, ids = _model(dtype), _ids()
     calls = []

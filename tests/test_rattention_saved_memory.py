@@ -96,7 +96,7 @@ def test_mixers_keep_less_by_the_rebuilt_tensors(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype, use_cache", [
-    pytest.param(torch.float32, False, marks=_NOT_ON_CUDA), (torch.bfloat16, False),
+    pytest.param(torch.float32, False, marks=[_NOT_ON_CUDA, pytest.mark.slow]), (torch.bfloat16, False),
     pytest.param(torch.float32, None, marks=_NOT_ON_CUDA),
 ])
 def test_gradients_are_bit_equal_with_and_without_the_rebuilding(monkeypatch, dtype, use_cache):

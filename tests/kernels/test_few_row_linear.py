@@ -66,20 +66,22 @@ def test_runs_only_where_it_should():
 
 
 def test_kernel_compiles_for_sm90_without_spills():
-    from sm90_check import sm90_compile
+    """Each tile the wrapper picks (8, 32 and MAX_ROWS rows), compiled for the H100 in one fresh process."""
+    from sm90_check import _json_from_fresh_process
 
-    from hf_hybrid.kernels.few_row_linear import triton as kernel
-
-    bf = "*bf16"
-    types = {f"{p}{i}": bf for p in ("W", "O") for i in range(6)} | {"X": bf}
-    for rows in (8, 32, MAX_ROWS):  # each tile the wrapper picks
-        block_m, block_n, block_k, warps, _ = kernel.tile_for(rows)
-        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC="tf32")
-        report = sm90_compile("hf_hybrid.kernels.few_row_linear.triton", {
-            "_few_row_linear_kernel": (types, constexprs, warps),
-        })
-        usage = report["_few_row_linear_kernel"]
-        assert usage["stack_bytes"] == 0, (rows, usage)
+    usage = _json_from_fresh_process(
+        "import json\n"
+        "from hf_hybrid.bench.sm90 import compile_for_sm90\n"
+        "from hf_hybrid.kernels.few_row_linear import triton as kernel\n"
+        "types = {f'{p}{i}': '*bf16' for p in ('W', 'O') for i in range(6)} | {'X': '*bf16'}\n"
+        "out = {}\n"
+        f"for rows in (8, 32, {MAX_ROWS}):\n"
+        "    block_m, block_n, block_k, warps, stages = kernel.tile_for(rows)\n"
+        "    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC='tf32')\n"
+        "    out[rows] = compile_for_sm90(kernel._few_row_linear_kernel, types, constexprs, warps, stages)\n"
+        "print(json.dumps(out))\n"
+    )
+    assert len(usage) == 3 and all(u["stack_bytes"] == 0 for u in usage.values()), usage
 
 
 @pytest.mark.gpu

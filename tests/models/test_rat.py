@@ -267,7 +267,7 @@ def test_cuda_model_triton_path_matches_reference_and_decodes(dtype, tolerance):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and not hf_hybrid.kernels._backend.triton_interpreting(), reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("seq", [21, 32])
+@pytest.mark.parametrize("seq", [21, pytest.param(32, marks=pytest.mark.slow)])  # 32: ~25 s interpreted
 def test_fused_gates_layer_equals_op_by_op_layer(seq):
     """fused_gates=True (one kernel for gate, both recurrences and RoPE of k~) computes the same
     layer output and the same gradients of the input and of every weight, gate bias included."""
@@ -326,7 +326,8 @@ def test_one_kernel_decode_step_decodes_like_the_full_forward(monkeypatch, overr
     assert len(calls) == 7 * 2  # 7 decode steps x 2 RAT layers
 
 
-@pytest.mark.parametrize("prefill", [5, 8, 13])  # mid-chunk, at a chunk end, past several chunks
+# mid-chunk, at a chunk end (slow: ~20 s each interpreted), past several chunks
+@pytest.mark.parametrize("prefill", [pytest.param(5, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow), 13])
 def test_prefill_into_an_empty_cache_runs_the_fused_kernels(monkeypatch, prefill):
     """kernel_backend='triton': a prefill into an empty cache takes the fused keys/values and
     block-end kernels of the cache-less forward; the op-by-op recurrence runs only over the last
