@@ -111,9 +111,9 @@ def hf_hybrid_ops_in_graph(model, inputs) -> set[str]:
 
 
 # In Triton's CPU interpreter these take 15 s to 2 minutes each: slow checks (HF_HYBRID_SLOW=1). The
-# reference-backend cases stay in CI but for RAT+ and the SE hybrid (20-40 s each).
+# reference-backend cases of RAT and RATTENTION stay in CI (the others take 10-40 s each).
 _SLOW_TRITON_COMPILE = {"se", "rattention", "rat_plus", "rat", "fox"}
-_SLOW_REFERENCE_COMPILE = {"se", "rat_plus"}
+_SLOW_REFERENCE_COMPILE = {"se", "rat_plus", "rat_swa", "fox"}
 
 
 # ---------------------------------------------------------------- CPU: reference backend, every model

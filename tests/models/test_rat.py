@@ -311,7 +311,7 @@ def test_decode_steps_keep_the_cache_buffers_in_place():
     assert layer_cache.num_entries == 19 // 4  # completed chunks only
 
 
-@pytest.mark.parametrize("overrides", [{}, {"use_rope": False, "num_qk_groups": 1}])
+@pytest.mark.parametrize("overrides", [{}, pytest.param({"use_rope": False, "num_qk_groups": 1}, marks=pytest.mark.slow)])
 def test_one_kernel_decode_step_decodes_like_the_full_forward(monkeypatch, overrides):
     """kernel_backend='triton' (Triton's interpreter on CPU): every decode step runs the one-kernel
     path (kernels/chunk_attention/rat_decode_triton.py), and its logits equal the full forward's."""
