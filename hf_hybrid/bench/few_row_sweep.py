@@ -19,6 +19,8 @@ import json
 import torch
 from torch.nn import functional as F
 
+from .sweeps import lowest_total, write_json
+
 CASES = {  # name: (input width K, output widths N_i)
     "rat_qkvgz": (2048, (256, 256, 2048, 2048, 2048)),
     "qkv": (2048, (2048, 2048, 2048)),
@@ -66,14 +68,9 @@ def sweep() -> dict:
             rows_out.append(dict(rows=rows, case=name, config=list(config), us=round(ms * 1e3, 2),
                                  gb_per_s=round(nbytes / ms / 1e6), vs_cublas=round(base / ms, 3), rel_error=float(f"{error:.2e}")))
     set_config(*shipped)
-    totals: dict[tuple, list[float]] = {}
-    for r in rows_out:
-        if "config" in r and "us" in r and r["rel_error"] <= 1e-2:
-            totals.setdefault(tuple(r["config"]), []).append(r["us"])
-    cases = len(ROWS) * len(CASES)
-    best = min((c for c, t in totals.items() if len(t) >= cases), key=lambda c: sum(totals[c]))
-    best_rows = [r for r in rows_out if r.get("config") == list(best) or r.get("variant") == "cuBLAS"]
-    return dict(rows=rows_out, best=list(best), shipped=list(shipped), best_rows=best_rows, device=torch.cuda.get_device_name())
+    best = lowest_total(rows_out, "us", len(ROWS) * len(CASES))
+    best_rows = [r for r in rows_out if r.get("config") == best or r.get("variant") == "cuBLAS"]
+    return dict(rows=rows_out, best=best, shipped=list(shipped), best_rows=best_rows, device=torch.cuda.get_device_name())
 
 
 def main(argv=None) -> dict:
@@ -84,9 +81,7 @@ def main(argv=None) -> dict:
     for r in result["best_rows"]:
         print(json.dumps(r), flush=True)
     print("best (BLOCK_N, BLOCK_K, warps, stages):", result["best"], "shipped:", result["shipped"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return result
 
 

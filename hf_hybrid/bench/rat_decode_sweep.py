@@ -18,6 +18,8 @@ import json
 
 import torch
 
+from .sweeps import lowest_total, write_json
+
 SHAPES = ((8, 16384), (32, 2048))  # (batch, prompt tokens): the generate() benchmark's two settings
 CONFIGS = list(itertools.product((16, 32, 64), (2, 4, 8), (4, 8, 16, 32)))  # (BLOCK_N, warps, programs per SM)
 HEADS, GROUPS, DIM, CHUNK = 16, 2, 128, 16
@@ -77,13 +79,7 @@ def sweep() -> dict:
                              rel_error=float(f"{error:.2e}")))
             print(json.dumps(rows[-1]), flush=True)
     set_config(*shipped)
-    totals: dict[tuple, list[float]] = {}
-    for row in rows:
-        if "config" in row:
-            totals.setdefault(tuple(row["config"]), []).append(row["us"])
-    too_far = {tuple(r["config"]) for r in rows if "config" in r and r["rel_error"] > 1e-2}
-    best = min((c for c, t in totals.items() if len(t) == len(SHAPES) and c not in too_far), key=lambda c: sum(totals[c]))
-    return dict(rows=rows, best=list(best), shipped=list(shipped), device=torch.cuda.get_device_name())
+    return dict(rows=rows, best=lowest_total(rows, "us", len(SHAPES)), shipped=list(shipped), device=torch.cuda.get_device_name())
 
 
 def main(argv=None) -> dict:
@@ -92,9 +88,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     result = sweep()
     print("best (BLOCK_N, warps, programs per SM):", result["best"], "shipped:", result["shipped"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return result
 
 

@@ -20,6 +20,8 @@ import json
 import torch
 import torch.nn.functional as F
 
+from .sweeps import lowest_total, write_json
+
 SHAPES = ((8, 16384), (32, 2048))  # (batch, filled keys): the generate() benchmark's two settings
 CONFIGS = list(itertools.product((16, 32, 64), (2, 4, 8), (4, 8, 16, 32)))  # (BLOCK_N, warps, programs per SM)
 
@@ -81,13 +83,7 @@ def sweep() -> dict:
             rows.append(dict(batch=batch, filled=filled, variant=f"triton {block}x{warps}w {per_sm}/SM", ms=round(ms, 4),
                              vs_sdpa=round(base / ms, 3), config=[block, warps, per_sm], rel_error=float(f"{error:.2e}")))
             print(json.dumps(rows[-1]), flush=True)
-    totals = {}
-    for row in rows:
-        if "config" in row:
-            totals.setdefault(tuple(row["config"]), []).append(row["ms"])
-    too_far = {tuple(r["config"]) for r in rows if "config" in r and r["rel_error"] > 1e-2}
-    best = min((c for c, t in totals.items() if len(t) == len(SHAPES) and c not in too_far), key=lambda c: sum(totals[c]))
-    return dict(rows=rows, best=list(best), device=torch.cuda.get_device_name())
+    return dict(rows=rows, best=lowest_total(rows, "ms", len(SHAPES)), device=torch.cuda.get_device_name())
 
 
 def main(argv=None) -> dict:
@@ -104,9 +100,7 @@ def main(argv=None) -> dict:
         result["generate"] = []
         for batch, prompt in ((8, 16384), (32, 2048)):
             result["generate"] += generate_benchmark(["--batch", str(batch), "--prompt", str(prompt), "--models", "llama,fox,rat"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return result
 
 
