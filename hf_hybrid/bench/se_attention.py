@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         command="python -m hf_hybrid.bench.se_attention " + " ".join(sys.argv[1:] if argv is None else argv),
         shape=f"batch {args.batch}, heads {args.heads}, head_dim {args.head_dim}, bf16; S={args.block_size}, k={args.top_k}",
     )
-    from hf_hybrid.kernels.span_expanded_attention.lse_attention import _kind
+    from hf_hybrid.kernels._lse_attention import _kind
 
     env["se_fused_kernel"] = _kind(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=torch.bfloat16))
     print(f"device: {env['device']}  torch {env['torch']}  {env['shape']}  SE fused kernel: {env['se_fused_kernel']}")

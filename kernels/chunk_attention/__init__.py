@@ -7,6 +7,9 @@ from .._backend import resolve_backend
 from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad, optional, placeholder
 from .._common import expand_groups
 from ..output_gate import sigmoid_gate_reference
+from .sdpa_ends import _HEAD_DIMS as _SDPA_HEAD_DIMS
+from .sdpa_ends import applies as sdpa_applies
+from .sdpa_ends import block_end_attention_sdpa_fwd
 from .reference import (
     block_end_attention_reference,
     block_end_mask,
@@ -128,7 +131,12 @@ def block_end_attention(
     q may instead hold G heads, G dividing k's heads, shared as in RAT (head h uses q head h % G):
     the Triton forward reads them in place. output_gate (k's shape, optional): the result is
     sigmoid(output_gate) * attention (RAT's z gate), applied in the Triton forward's epilogue, its
-    gradient computed by the Triton backward's row-wise kernel."""
+    gradient computed by the Triton backward's row-wise kernel.
+
+    backend "auto" on CUDA runs RAT's geometry (no window, no sinks) in fp16 / bf16 as one causal
+    cuDNN attention over the chunk ends plus row kernels (sdpa_ends.py), everything else on the
+    Triton kernels; "sdpa" asks for that path on any device (CPU: PyTorch's flash kernel and the
+    Triton interpreter), "triton" for the Triton kernels."""
     grouped = _shares_query_heads("block_end_attention", q, k)
     _check_qkv("block_end_attention", k if grouped else q, k, v)
     if output_gate is not None and output_gate.shape != k.shape:
@@ -139,7 +147,10 @@ def block_end_attention(
         raise ValueError(
             f"block_end_attention: local_window ({local_window}) and num_sink_tokens ({num_sink_tokens}) must be >= 0."
         )
-    impl = resolve_backend(backend, q.device, "block_end_attention")
+    impl = resolve_backend(backend, q.device, "block_end_attention", extra=("sdpa",))
+    if impl == "sdpa" or (backend == "auto" and impl == "triton" and sdpa_applies(
+            q, k, block_size, local_window, num_sink_tokens)):
+        return _block_end_attention_sdpa(q, k, v, output_gate, block_size, local_window, num_sink_tokens, scale)
     if impl == "triton" and (backend == "triton" or _triton_fits(q)):
         _check_triton_head_dim("block_end_attention", q)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -153,6 +164,24 @@ def block_end_attention(
         q = expand_groups(q, k.shape[2])
     out = block_end_attention_reference(q, k, v, block_size, local_window, num_sink_tokens, scale)
     return out if output_gate is None else sigmoid_gate_reference(output_gate, out)
+
+
+def _block_end_attention_sdpa(q, k, v, output_gate, block_size, local_window, num_sink_tokens, scale):
+    if local_window or num_sink_tokens:
+        raise ValueError(
+            "block_end_attention: backend='sdpa' covers RAT's geometry only (local_window=0, num_sink_tokens=0); "
+            f"got local_window={local_window}, num_sink_tokens={num_sink_tokens}. Pass backend='triton' or 'auto'."
+        )
+    if q.shape[-1] not in _SDPA_HEAD_DIMS:
+        raise ValueError(f"block_end_attention: backend='sdpa' supports head_dim in {_SDPA_HEAD_DIMS}; got {q.shape[-1]}.")
+    if k.shape[1] <= block_size:  # no chunk ends: the own pair alone
+        out = v if output_gate is None else v * torch.sigmoid(output_gate.float()).to(v.dtype)
+        return out.clone() if output_gate is None else out
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if output_gate is not None and output_gate.stride(-1) != 1:
+        output_gate = output_gate.contiguous()
+    return block_end_attention_sdpa_fwd(q, k, v, output_gate, int(block_size), scale)[0]
 
 
 # ---------------------------------------------------------------- custom ops (see .._custom_ops)

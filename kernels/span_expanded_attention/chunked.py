@@ -8,7 +8,7 @@ Work per mode (T tokens, chunks of M, k retrieved blocks of S tokens, groups of 
                 under a band mask (T x 2W scores, memory-efficient kernel).
 * ``se`` / ``se_random``: two fused calls merged by log-sum-exp inside one autograd Function:
     1. own chunk, causal, chunks stacked on the batch axis (cuDNN or FlashAttention-2 on CUDA,
-       see lse_attention.py);
+       see kernels/_lse_attention.py);
     2. each group's G queries against its kS gathered block keys, groups stacked on the batch
        axis, no mask (only slots that hold a real past block are included: chunk i has
        min(k, floor(iM/S)) of them, so chunk 0 skips this call and, when M < kS, a few early
@@ -38,7 +38,7 @@ import torch
 from torch.nn import functional as F
 
 from .._backend import triton_available
-from .lse_attention import attention_with_lse, attention_with_lse_backward
+from .._lse_attention import attention_with_lse, attention_with_lse_backward
 from .reference import RETRIEVAL_MODES, expand_kv_heads, selection_for_sequence
 
 

@@ -62,6 +62,8 @@ def _cases():
     yield "block_end", chunk_attention.block_end_attention_fwd, (q, k, v, None, 4, 0, 0, D**-0.5, False)
     yield "block_end_gated_shared_q_window_sinks", chunk_attention.block_end_attention_fwd, (
         leaf(B, T, 1, D), k, v, z, 4, 2, 1, D**-0.5, True)
+    yield "block_end_sdpa_gated_shared_q", chunk_attention.block_end_attention_sdpa_fwd, (leaf(B, T, 1, D), k, v, z, 4, D**-0.5)
+    yield "block_end_sdpa", chunk_attention.block_end_attention_sdpa_fwd, (q, k, v, None, 2, D**-0.5)
     ends = leaf(B, 3, H, D), leaf(B, 3, H, D)
     query_chunk = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2, 3]] * B, device=DEVICE)
     yield "chunk_end", chunk_attention.chunk_end_attention_fwd, (q, k, v, *ends, query_chunk, D**-0.5)
@@ -140,6 +142,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "sigmoid_gate_fwd", "sigmoid_gate_bwd", "gated_recurrence_fwd", "gated_recurrence_bwd",
         "rat_keys_values_fwd", "rat_keys_values_bwd", "rms_norm_rotary_fwd", "rms_norm_rotary_bwd",
         "branch_norm_sum_fwd", "branch_norm_sum_bwd", "block_end_attention_fwd", "block_end_attention_bwd",
+        "block_end_attention_sdpa_fwd", "block_end_attention_sdpa_bwd",
         "chunk_end_attention_fwd", "chunk_end_attention_bwd", "chunk_end_decode",
         "forgetting_attention_fwd", "forgetting_attention_bwd", "forgetting_attention_decode",
         "residual_linear_attention_fwd", "residual_linear_attention_bwd",

@@ -367,7 +367,7 @@ def test_gpu_auto_uses_the_fast_path_and_is_causal():
 def test_gpu_lse_kernels_agree_with_math():
     """Whichever fused kernel is picked (cuDNN after its self-check, else FlashAttention-2) returns
     the same output, lse and gradients as the plain-PyTorch version, also with foreign (merged) stats."""
-    from hf_hybrid.kernels.span_expanded_attention import lse_attention as la
+    from hf_hybrid.kernels import _lse_attention as la
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, grad = (torch.randn(3, 2, 192, 64, device="cuda", generator=gen) for _ in range(4))

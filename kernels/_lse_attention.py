@@ -1,12 +1,17 @@
 """Attention forward that also returns the log-sum-exp, and the matching backward, on PyTorch's
 own fused kernels.
 
-Why private ops: SE-Attn's output is one softmax over two key sets (retrieved blocks; own chunk).
-We run each set as its own fused attention, merge the two partial outputs by their log-sum-exps,
-and in the backward call each kernel's backward with the *merged* output and log-sum-exp. An
-attention backward only needs P = exp(s - lse) and rowsum(dO * O), so with the merged statistics
-each call returns exactly that key set's share of the gradient (the ring-attention identity).
-The public ``scaled_dot_product_attention`` returns no log-sum-exp, hence ``torch.ops.aten``.
+Why private ops: SE-Attn's output (one softmax over retrieved blocks and the own chunk) and RAT's
+(chunk ends and the token's own key, kernels/chunk_attention/sdpa_ends.py) are one softmax over
+two key sets. We run a set as its own fused attention, merge the partial outputs by their
+log-sum-exps, and in the backward call each kernel's backward with the *merged* output and
+log-sum-exp. An attention backward only needs P = exp(s - lse) and rowsum(dO * O), so with the
+merged statistics each call returns exactly that key set's share of the gradient (the
+ring-attention identity). The public ``scaled_dot_product_attention`` returns no log-sum-exp,
+hence ``torch.ops.aten``.
+
+Grouped queries (more query heads than key heads, query head i reading key head i // groups) run
+natively on cuDNN; the other kernels get keys repeated per query head and sum their gradients.
 
 Kernels, by device and dtype:
 * CUDA fp16/bf16: cuDNN attention (what SDPA itself picks on Hopper, ~2x FlashAttention-2 there),
@@ -40,8 +45,17 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _groups(q, k) -> int:
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention_with_lse: query heads ({q.shape[1]}) must be a multiple of key heads ({k.shape[1]}).")
+    return q.shape[1] // k.shape[1]
+
+
 def _forward(kind: str, q, k, v, causal: bool, scale: float):
     n, heads, length = q.shape[:3]
+    groups = _groups(q, k)
+    if groups > 1 and kind != "cudnn":
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if kind == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(accumulate_dtype(q.dtype)), Saved(kind)
@@ -61,6 +75,11 @@ def _forward(kind: str, q, k, v, causal: bool, scale: float):
 
 
 def _backward(saved: Saved, grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    groups = _groups(q, k)
+    if groups > 1 and saved.kind != "cudnn":
+        wide = (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+        dq, dk, dv = _backward(saved, grad_out, q, *wide, out, lse, causal, scale)
+        return dq, *(g.unflatten(1, (k.shape[1], groups)).sum(2) for g in (dk, dv))
     kind = saved.kind
     if kind == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -107,12 +126,14 @@ def _cudnn_agrees(device: torch.device, dtype: torch.dtype, head_dim: int) -> bo
         runs = base.view(2, 2, 128, 2, head_dim).transpose(2, 3).reshape(4, 2, 128, head_dim)
         keys = torch.randn(4, 2, 256, head_dim, device=device, dtype=dtype, generator=gen)
         scale = head_dim**-0.5
-        for q, k, causal in ((runs, runs, True), (runs, keys, False)):
+        grouped = torch.randn(2, 8, 200, head_dim, device=device, dtype=dtype, generator=gen)
+        for q, k, causal in ((runs, runs, True), (runs, keys, False), (grouped, grouped[:, ::4], True)):
             grad = torch.randn_like(q)
             results = {}
             for kind in ("flash", "cudnn"):
-                out, lse, saved = _forward(kind, q, k, k, causal, scale)
-                grads = _backward(saved, grad, q, k, k, out, lse, causal, scale)
+                out, lse, _ = _forward(kind, q, k, k, causal, scale)
+                # the backward from shapes alone, as callers that keep no Saved run it
+                grads = _backward(rebuilt_saved(kind, q, k), grad, q, k, k, out, lse, causal, scale)
                 results[kind] = (out, lse, *grads)
             for a, b in zip(results["flash"], results["cudnn"]):
                 if a.shape != b.shape or not torch.allclose(a.float(), b.float(), atol=3e-2, rtol=3e-2):
@@ -133,6 +154,29 @@ def _kind(q: torch.Tensor) -> str:
     if q.dtype not in (torch.float16, torch.bfloat16):
         return "math"
     return "cudnn" if _use_cudnn(q.device, q.dtype, int(q.shape[-1])) else "flash"
+
+
+def rebuilt_saved(kind: str, q: torch.Tensor, k: torch.Tensor) -> Saved:
+    """What :func:`attention_with_lse` returned as ``saved``, rebuilt from the shapes: these calls
+    use no dropout, so the random-number state they hand over is never read (for custom ops,
+    whose outputs must be tensors)."""
+    n, heads, len_q, len_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if kind not in ("flash", "cudnn"):
+        return Saved(kind)
+    seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
+    if kind == "flash":
+        return Saved(kind, (None, None, len_q, len_k, seed, offset))
+    return Saved(kind, ((n, heads, len_q, 1), None, None, len_q, len_k, seed, offset))
+
+
+def kernel_kind(q: torch.Tensor) -> str:
+    """Which kernel :func:`attention_with_lse` runs for q (cuDNN after its self-check on CUDA)."""
+    return _kind(q)
+
+
+def attention_with_kind(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """:func:`attention_with_lse` on a named kernel (``kernel_kind`` picks it otherwise)."""
+    return _forward(kind, q, k, v, causal, scale)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
