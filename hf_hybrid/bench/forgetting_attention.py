@@ -9,7 +9,8 @@ tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_
 restricted to its cuDNN backend and to its flash backend with ``is_causal=True`` (plain softmax
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
 ``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours") and, on Hopper, ours
-with the opt-in TMA forward kernel ("ours_tma", kernels/forgetting_attention/hopper.py). Ratios
+with the opt-in TMA forward kernel ("ours_tma", kernels/forgetting_attention/hopper.py), and ours on
+cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs in bf16). Ratios
 are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
 the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), median of
@@ -77,12 +78,16 @@ def _ops():
             return forgetting_attention(q, k, v, log_f, backend="triton")
 
     ops["ours"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="triton")
+    # cuDNN with the forget bias as extra head dimensions (kernels/forgetting_attention/sdpa.py):
+    # what "auto" runs in bf16 on CUDA for whole sequences
+    ops["ours_sdpa"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="sdpa")
     if torch.cuda.get_device_capability()[0] == 9:
         ops["ours_tma"] = tma
     return ops
 
 
 BASELINES = ("sdpa_cudnn", "sdpa_flash")
+FORWARD_ONLY = ("ours_sdpa",)  # no backward (kernels/forgetting_attention/sdpa.py says why)
 
 
 def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
@@ -105,13 +110,13 @@ def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
                 torch.autograd.grad(op(*leaves), wrt, do)
 
             t_f = time_fn(fwd, device, warmup=3, repeat=repeat)
-            t_fb = time_fn(fwd_bwd, device, warmup=3, repeat=repeat)
+            t_fb = None if name in FORWARD_ONLY else time_fn(fwd_bwd, device, warmup=3, repeat=repeat)
             row[name] = {
                 "fwd_ms": t_f.median_ms,
-                "fwd_bwd_ms": t_fb.median_ms,
+                "fwd_bwd_ms": None if t_fb is None else t_fb.median_ms,
                 "fwd_tflops": flops_fwd / t_f.median_ms / 1e9,
-                "fwd_bwd_tflops": 3.5 * flops_fwd / t_fb.median_ms / 1e9,
-                "peak_gb": t_fb.peak_mem_gb,
+                "fwd_bwd_tflops": None if t_fb is None else 3.5 * flops_fwd / t_fb.median_ms / 1e9,
+                "peak_gb": (t_f if t_fb is None else t_fb).peak_mem_gb,
             }
             del leaves
             torch.cuda.empty_cache()
@@ -125,10 +130,9 @@ def _line(row):
     parts = [f"T={row['seq']:>6} B={row['batch']:>3}"]
     for name, r in row.items():
         if isinstance(r, dict):
-            parts.append(
-                f"{name}: fwd {r['fwd_ms']:.2f} ms ({r['fwd_ms'] / base['fwd_ms']:.2f}x) "
-                f"fwd+bwd {r['fwd_bwd_ms']:.2f} ms ({r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x)"
-            )
+            both = "" if r["fwd_bwd_ms"] is None else (
+                f" fwd+bwd {r['fwd_bwd_ms']:.2f} ms ({r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x)")
+            parts.append(f"{name}: fwd {r['fwd_ms']:.2f} ms ({r['fwd_ms'] / base['fwd_ms']:.2f}x)" + both)
     return " | ".join(parts)
 
 
@@ -142,7 +146,7 @@ def markdown(rows):
         cells = [f"{r['seq']}", f"{r['batch']}"]
         for key in ("fwd_ms", "fwd_bwd_ms"):
             for n in names:
-                cells.append(f"{r[n][key]:.2f} ({r[n][key] / base[key]:.2f}x)" if n in r else "-")
+                cells.append(f"{r[n][key]:.2f} ({r[n][key] / base[key]:.2f}x)" if n in r and r[n][key] is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

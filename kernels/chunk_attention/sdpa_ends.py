@@ -31,7 +31,8 @@ import triton
 from .._lse_attention import attention_with_kind, attention_with_lse_backward, kernel_kind, rebuilt_saved
 from .._custom_ops import fake_like, kernel_op, optional, placeholder
 
-ENV_SWITCH = "HF_HYBRID_BLOCK_ENDS"  # "triton": keep RAT's ends on the Triton kernels (A/B timing)
+# "triton": RAT's ends always on the Triton kernels; "sdpa": on this path from any length (A/B timings)
+ENV_SWITCH = "HF_HYBRID_BLOCK_ENDS"
 _HEAD_DIMS = (64, 128)
 # Fewer chunk ends than this stay on the Triton kernels under "auto": at T = 8K (511 ends, L = 16)
 # the dense call and its row kernels took 1.23 ms forward + backward against Triton's 0.86 (H200,
@@ -41,11 +42,13 @@ MIN_ENDS = 1024
 
 def applies(q: torch.Tensor, k: torch.Tensor, block_size: int, local_window: int, num_sink_tokens: int) -> bool:
     """Whether ``block_end_attention``'s automatic choice takes this path on CUDA."""
-    if os.environ.get(ENV_SWITCH, "") == "triton" or not q.is_cuda:
+    switch = os.environ.get(ENV_SWITCH, "")
+    if switch == "triton" or not q.is_cuda:
         return False
     if local_window or num_sink_tokens or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
         return False
-    if q.shape[-1] not in _HEAD_DIMS or _num_slots(k.shape[1], block_size) < MIN_ENDS:
+    min_ends = 2 if switch == "sdpa" else MIN_ENDS
+    if q.shape[-1] not in _HEAD_DIMS or _num_slots(k.shape[1], block_size) < min_ends:
         return False
     return kernel_kind(q) == "cudnn"
 

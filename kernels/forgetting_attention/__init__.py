@@ -11,12 +11,15 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .._custom_ops import KernelContext, fake_like, kernel_op
+from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad
 from .decode import (
     forgetting_attention_decode_reference,
     forgetting_attention_with_cache_reference,
     forgetting_attention_with_cache_sdpa,
 )
+from .sdpa import _HEAD_DIMS as _SDPA_HEAD_DIMS
+from .sdpa import applies as sdpa_applies
+from .sdpa import forgetting_attention_sdpa
 from .reference import (
     cumulative_log_forget,
     cumulative_log_forget_by_head,
@@ -89,7 +92,9 @@ def forgetting_attention(
     (<= 0, any float dtype, summed in float32). scale defaults to D ** -0.5. window_size W: key j
     is visible to query i iff 0 <= i - j < W. cu_seqlens: int [N+1] sequence boundaries of packed
     inputs (B must be 1); nothing crosses a boundary. Returns o [B,T,HQ,D] in q's dtype.
-    backend: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton".
+    backend: "auto" (Triton on CUDA, reference elsewhere; without gradients in bf16, no window or
+    packing, from sdpa.MIN_LEN tokens, cuDNN with the forget bias as extra head dimensions, sdpa.py),
+    "reference", "triton" or "sdpa" (that forward-only path; on CPU PyTorch's flash kernel).
     """
     _check_heads(_OP, q, k, v)
     if k.shape[1] != q.shape[1]:
@@ -109,7 +114,9 @@ def forgetting_attention(
             raise ValueError(f"{_OP}: cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
         if not torch.compiler.is_compiling():  # a host sync; compiled, the Triton op checks it when it runs
             _check_cu_seqlens_values(cu_seqlens, q.shape[1])
-    impl = resolve_backend(backend, q.device, _OP)
+    impl = resolve_backend(backend, q.device, _OP, extra=("sdpa",))
+    if impl == "sdpa" or (impl == "triton" and backend == "auto" and sdpa_applies(q, k, v, log_f, window_size, cu_seqlens)):
+        return _forgetting_attention_sdpa(q, k, v, log_f, scale, window_size, cu_seqlens)
     triton_ok = q.shape[3] in _TRITON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
     if backend == "auto" and not triton_ok:
         impl = "reference"  # "auto" picks what can run; an explicit "triton" explains below
@@ -127,6 +134,26 @@ def forgetting_attention(
         c_by_head = cumulative_log_forget_by_head(log_f, cu_seqlens)
         return forgetting_attention_fwd(q, k, v, c_by_head, cu_seqlens, scale, window_size)[0]
     return forgetting_attention_reference(q, k, v, log_f, scale, window_size, cu_seqlens)
+
+
+def _forgetting_attention_sdpa(q, k, v, log_f, scale, window_size, cu_seqlens):
+    if window_size is not None or cu_seqlens is not None:
+        raise ValueError(
+            f"{_OP}: backend='sdpa' runs whole causal sequences only; got window_size={window_size}, "
+            f"cu_seqlens={'given' if cu_seqlens is not None else None}. Pass backend='auto' or 'triton'."
+        )
+    if q.shape[3] not in _SDPA_HEAD_DIMS:
+        raise ValueError(f"{_OP}: backend='sdpa' supports head_dim in {_SDPA_HEAD_DIMS}; got {q.shape[3]}.")
+    if needs_grad(q, k, v, log_f):
+        raise ValueError(
+            f"{_OP}: backend='sdpa' is forward-only (its forget-gate gradient would come from bf16 column sums, "
+            "inaccurate at long lengths); call it under torch.no_grad() or pass backend='auto' / 'triton' to train."
+        )
+    if q.shape[1] == 0:
+        return torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return forgetting_attention_sdpa(q, k, v, cumulative_log_forget_by_head(log_f), scale)
 
 
 def forgetting_attention_with_cache(

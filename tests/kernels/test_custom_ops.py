@@ -64,6 +64,9 @@ def _cases():
         leaf(B, T, 1, D), k, v, z, 4, 2, 1, D**-0.5, True)
     yield "block_end_sdpa_gated_shared_q", chunk_attention.block_end_attention_sdpa_fwd, (leaf(B, T, 1, D), k, v, z, 4, D**-0.5)
     yield "block_end_sdpa", chunk_attention.block_end_attention_sdpa_fwd, (q, k, v, None, 2, D**-0.5)
+    c_by_head = cumulative_log_forget_by_head(torch.nn.functional.logsigmoid(torch.randn(B, T, 2 * H, device=DEVICE)))
+    yield "forgetting_attention_sdpa_gqa", forgetting.forgetting_attention_sdpa, (  # forward only
+        leaf(B, T, 2 * H, D).detach(), k.detach(), v.detach(), c_by_head, D**-0.5)
     ends = leaf(B, 3, H, D), leaf(B, 3, H, D)
     query_chunk = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2, 3]] * B, device=DEVICE)
     yield "chunk_end", chunk_attention.chunk_end_attention_fwd, (q, k, v, *ends, query_chunk, D**-0.5)
@@ -143,6 +146,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "rat_keys_values_fwd", "rat_keys_values_bwd", "rms_norm_rotary_fwd", "rms_norm_rotary_bwd",
         "branch_norm_sum_fwd", "branch_norm_sum_bwd", "block_end_attention_fwd", "block_end_attention_bwd",
         "block_end_attention_sdpa_fwd", "block_end_attention_sdpa_bwd",
+        "forgetting_attention_sdpa",
         "chunk_end_attention_fwd", "chunk_end_attention_bwd", "chunk_end_decode",
         "forgetting_attention_fwd", "forgetting_attention_bwd", "forgetting_attention_decode",
         "residual_linear_attention_fwd", "residual_linear_attention_bwd",
