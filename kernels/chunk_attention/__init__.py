@@ -181,7 +181,8 @@ def _block_end_attention_sdpa(q, k, v, output_gate, block_size, local_window, nu
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if output_gate is not None and output_gate.stride(-1) != 1:
         output_gate = output_gate.contiguous()
-    return block_end_attention_sdpa_fwd(q, k, v, output_gate, int(block_size), scale)[0]
+    store_merged = needs_grad(q, k, v, output_gate)  # what only a backward reads
+    return block_end_attention_sdpa_fwd(q, k, v, output_gate, int(block_size), scale, store_merged)[0]
 
 
 # ---------------------------------------------------------------- custom ops (see .._custom_ops)

@@ -100,9 +100,11 @@ def _check(q, k, v, output_gate, block_size) -> None:
 @kernel_op("block_end_attention_sdpa_fwd")
 def block_end_attention_sdpa_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output_gate: torch.Tensor | None, block_size: int, scale: float,
+    store_merged: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, merged output in the slot layout [B, H L, E, D], merged lse [B, H L, E]). q [B, T, G, D]
-    (head h reads q head h % G); k, v, output_gate [B, T, H, D]."""
+    (head h reads q head h % G); k, v, output_gate [B, T, H, D]. ``store_merged`` False (no backward
+    follows): the last two hold the ends' partial results instead, and the merge writes y only."""
     from .sdpa_ends_triton import _merge_kernel
 
     _check(q, k, v, output_gate, block_size)
@@ -118,13 +120,14 @@ def block_end_attention_sdpa_fwd(
     grid, meta = _launch(seq, batch * heads)
     _merge_kernel[grid](
         q, k, v, z, out_slots, lse, y, *_strides(q), *_strides(k), *_strides(v), *_strides(z), *_strides(y),
-        seq, heads, q.shape[2], block_size, num_slots, scale, HAS_GATE=output_gate is not None, HEAD_DIM=dim, **meta,
+        seq, heads, q.shape[2], block_size, num_slots, scale, HAS_GATE=output_gate is not None,
+        STORE_MERGED=store_merged, HEAD_DIM=dim, **meta,
     )
     return y, out_slots, lse
 
 
 @block_end_attention_sdpa_fwd.register_fake
-def _(q, k, v, output_gate, block_size, scale):
+def _(q, k, v, output_gate, block_size, scale, store_merged=True):
     batch, seq, heads, dim = k.shape
     num_slots = _num_slots(seq, block_size)
     y = torch.empty(batch, seq, heads, dim, device=q.device, dtype=q.dtype)
@@ -179,7 +182,7 @@ def _(q, k, v, output_gate, out_slots, lse, dy, block_size, scale):
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, gate, block_size, scale = inputs
+    q, k, v, gate, block_size, scale, _store_merged = inputs
     _, out_slots, lse = output
     ctx.save_for_backward(q, k, v, gate, out_slots, lse)
     ctx.args = (block_size, scale)
@@ -188,7 +191,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy, _dout_slots, _dlse):
     q, k, v, gate, out_slots, lse = ctx.saved_tensors
     dq, dk, dv, dgate = block_end_attention_sdpa_bwd(q, k, v, gate, out_slots, lse, dy, *ctx.args)
-    return dq, dk, dv, optional(dgate, gate is not None), None, None
+    return dq, dk, dv, optional(dgate, gate is not None), None, None, None
 
 
 block_end_attention_sdpa_fwd.register_autograd(_backward, setup_context=_setup)

@@ -50,10 +50,11 @@ def _merge_kernel(
     Q, K, V, Z, OQ, LSEQ, Y,
     sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, szb, szt, szh, syb, syt, syh,
     T, H, G, L, E, scale,
-    HAS_GATE: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_GATE: tl.constexpr, STORE_MERGED: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Merges the ends' softmax (OQ, LSEQ: output and natural-log lse of the dense call) with the
-    own pair, in place: OQ, LSEQ become the merged output and lse; Y = sigmoid(Z) * merged."""
+    own pair: Y = sigmoid(Z) * merged; with STORE_MERGED (a backward follows) OQ, LSEQ become the
+    merged output and lse, in place."""
     pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -72,8 +73,9 @@ def _merge_kernel(
     w_o = tl.exp(s - m)
     den = w_a + w_o
     o = (w_a[:, None] * o_a + w_o[:, None] * v) / den[:, None]
-    tl.store(OQ + slot[:, None] * HEAD_DIM + dims[None, :], o.to(OQ.dtype.element_ty), mask=ends[:, None])
-    tl.store(LSEQ + slot, m + tl.log(den), mask=ends)
+    if STORE_MERGED:
+        tl.store(OQ + slot[:, None] * HEAD_DIM + dims[None, :], o.to(OQ.dtype.element_ty), mask=ends[:, None])
+        tl.store(LSEQ + slot, m + tl.log(den), mask=ends)
     if HAS_GATE:
         z = tl.load(Z + b.to(tl.int64) * szb + h * szh + offs_t.to(tl.int64)[:, None] * szt + dims[None, :],
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
