@@ -214,6 +214,7 @@ class RatPlusAttention(nn.Module):
                 k_rot, v_tilde_model, k_pos_new, groups, group_kv, k_tilde[:, -1], v_tilde[:, -1],
                 static=seq == 1 and context.key_valid is None,  # fixed buffers in generate()'s static step
                 need_keys=[not fresh or pattern.kind == "topk" for pattern, _ in groups],
+                first_position=context.uniform_start,  # unpadded rows: no nonzero() host reads
             )
             if fresh:  # top-k groups keep the cache's block summaries
                 per_group = [c if pattern.kind == "topk" else o for (pattern, _), o, c in zip(groups, own, per_group)]

@@ -58,9 +58,10 @@ class FullStore:
         self.keys = self.values = self.positions = None
         self.summary = self.complete = None
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, need_keys: bool = True):
+    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, need_keys: bool = True,
+               first_position: int | None = None):
         """Append a segment ([batch, seq, kv, dim], positions [batch, seq], -1 = padding); the
-        returned tensors are the store's own (``need_keys`` costs nothing here).
+        returned tensors are the store's own (``need_keys`` and ``first_position`` cost nothing here).
 
         Returns (keys, values, positions, summary) over everything held; summary is None unless top-k.
         """
@@ -135,7 +136,8 @@ class DilatedStore:
         self.window_values = keys.new_zeros(batch, 0, heads, dim)
         self.window_positions = torch.zeros(batch, 0, dtype=torch.long, device=keys.device)
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, need_keys: bool = True):
+    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, need_keys: bool = True,
+               first_position: int | None = None):
         """Store a segment and return (keys, values, positions, None) for its attention, or None
         when ``need_keys`` is False (a prefill that attends over its own keys: then only the
         window's tail of the segment is copied, not the whole segment twice).
@@ -143,27 +145,16 @@ class DilatedStore:
         The returned keys are [sinks; block ends; window + new tokens]. Sinks and block ends that
         also lie in the window/new span, and sinks that are block ends, get position -1 so every key
         appears once; ``dilated_mask`` over these positions then gives exactly the pattern's keys.
+        ``first_position``: every row holds positions first_position, first_position + 1, ...
+        (no padding), so the sinks and ends to keep are known on the host: strided copies instead
+        of nonzero() scatters, whose device-to-host reads stall a prefill (3 per layer).
         """
         if self.sink_keys is None:
             self._lazy_init(keys)
-        dilation, sinks = self.pattern.dilation, self.pattern.num_sink_tokens
-        real = positions >= 0
-        # Sinks: slot p for positions p < I.
-        rows, cols = (real & (positions < sinks)).nonzero(as_tuple=True)
-        slots = positions[rows, cols]
-        self.sink_keys[rows, slots] = keys[rows, cols]
-        self.sink_values[rows, slots] = values[rows, cols]
-        self.sink_valid[rows, slots] = True
-        # Block ends: slot p // D for positions with (p + 1) % D == 0.
-        rows, cols = (real & ((positions + 1) % dilation == 0)).nonzero(as_tuple=True)
-        if rows.numel():
-            slots = positions[rows, cols] // dilation
-            needed = int(slots.max()) + 1
-            self.end_keys, self.end_values = _grow(self.end_keys, needed), _grow(self.end_values, needed)
-            self.end_valid = _grow(self.end_valid, needed, False)
-            self.end_keys[rows, slots] = keys[rows, cols]
-            self.end_values[rows, slots] = values[rows, cols]
-            self.end_valid[rows, slots] = True
+        if first_position is not None:
+            self._store_aligned(keys, values, first_position)
+        else:
+            self._store_scattered(keys, values, positions)
         # Recent span = previous window + this segment; keep its last W columns for the next call.
         window = self.pattern.local_window + self.extra_window
         tail = keys.shape[1] if need_keys else min(window, keys.shape[1])  # what the next window can hold
@@ -177,6 +168,7 @@ class DilatedStore:
         if not need_keys:
             return None
 
+        dilation, sinks = self.pattern.dilation, self.pattern.num_sink_tokens
         first_recent = torch.where(recent_positions >= 0, recent_positions, _FAR).amin(dim=1, keepdim=True)
         sink_pos = torch.arange(sinks, device=keys.device).expand_as(self.sink_valid)
         sink_ok = self.sink_valid & (sink_pos < first_recent) & ((sink_pos + 1) % dilation != 0)
@@ -188,6 +180,45 @@ class DilatedStore:
             [torch.where(sink_ok, sink_pos, -1), torch.where(end_ok, end_pos, -1), recent_positions], dim=1
         )
         return all_keys, all_values, all_positions, None
+
+    def _store_scattered(self, keys, values, positions) -> None:
+        dilation, sinks = self.pattern.dilation, self.pattern.num_sink_tokens
+        real = positions >= 0
+        # Sinks: slot p for positions p < I.
+        rows, cols = (real & (positions < sinks)).nonzero(as_tuple=True)
+        slots = positions[rows, cols]
+        self.sink_keys[rows, slots] = keys[rows, cols]
+        self.sink_values[rows, slots] = values[rows, cols]
+        self.sink_valid[rows, slots] = True
+        # Block ends: slot p // D for positions with (p + 1) % D == 0.
+        rows, cols = (real & ((positions + 1) % dilation == 0)).nonzero(as_tuple=True)
+        if rows.numel():
+            slots = positions[rows, cols] // dilation
+            self._grow_ends(int(slots.max()) + 1)
+            self.end_keys[rows, slots] = keys[rows, cols]
+            self.end_values[rows, slots] = values[rows, cols]
+            self.end_valid[rows, slots] = True
+
+    def _store_aligned(self, keys, values, start: int) -> None:
+        """_store_scattered for positions start + t in every row (see update)."""
+        dilation, sinks, seq = self.pattern.dilation, self.pattern.num_sink_tokens, keys.shape[1]
+        stop = min(sinks, start + seq)
+        if stop > start:  # sinks: slots start .. stop - 1
+            self.sink_keys[:, start:stop] = keys[:, : stop - start]
+            self.sink_values[:, start:stop] = values[:, : stop - start]
+            self.sink_valid[:, start:stop] = True
+        first = (dilation - 1 - start) % dilation  # first token closing a block
+        if first < seq:
+            slot = (start + first) // dilation
+            count = len(range(first, seq, dilation))
+            self._grow_ends(slot + count)
+            self.end_keys[:, slot : slot + count] = keys[:, first::dilation]
+            self.end_values[:, slot : slot + count] = values[:, first::dilation]
+            self.end_valid[:, slot : slot + count] = True
+
+    def _grow_ends(self, needed: int) -> None:
+        self.end_keys, self.end_values = _grow(self.end_keys, needed), _grow(self.end_values, needed)
+        self.end_valid = _grow(self.end_valid, needed, False)
 
     def trim_window(self) -> None:
         """Back to the last local_window columns (after a crop: later crops reach back only to it)."""
@@ -381,6 +412,7 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         state_value: torch.Tensor,
         static: bool = False,
         need_keys: list[bool] | None = None,
+        first_position: int | None = None,
     ) -> list[tuple]:
         """Store a segment for every head group and return, per group, (keys, values, positions, summary).
 
@@ -389,7 +421,8 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         state_key / state_value: float32 k~, v~ of the segment's last token. ``static``: one
         unpadded token per row, which a cache in static decode mode writes into its fixed buffers.
         ``need_keys[g]`` False: group g's caller attends over the segment's own keys, so its store
-        returns None instead of building the keys over everything held.
+        returns None instead of building the keys over everything held. ``first_position``: the rows are
+        unpadded and hold positions first_position + t (the stores then find what to keep on the host).
         """
         if self.groups is None:
             self.lazy_initialization(key_states, value_states)
@@ -409,7 +442,8 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         self._size_windows_for_crops()
         needed = need_keys if need_keys is not None else [True] * len(self.stores)
         return [
-            store.update(select_kv_heads(key_states, kv_heads), select_kv_heads(value_states, kv_heads), positions, need)
+            store.update(select_kv_heads(key_states, kv_heads), select_kv_heads(value_states, kv_heads), positions, need,
+                         first_position)
             for store, kv_heads, need in zip(self.stores, group_kv_heads, needed)
         ]
 
