@@ -249,9 +249,12 @@ def _block_end_setup(ctx, inputs, output):
     out, lse, ungated = output
     ctx.save_for_backward(q, k, v, gate, out if gate is None else ungated, lse)
     ctx.args = (block_size, local_window, num_sink_tokens, scale)
+    ctx.set_materialize_grads(False)  # lse and the ungated copy feed nothing: no zero-filled gradients
 
 
 def _block_end_backward(ctx, dout, _dlse, _dungated):
+    if dout is None:
+        return (None,) * 9
     q, k, v, gate, out, lse = ctx.saved_tensors
     dq, dk, dv, dgate = block_end_attention_bwd(q, k, v, gate, out, lse, dout, *ctx.args)
     return dq, dk, dv, optional(dgate, gate is not None), None, None, None, None, None

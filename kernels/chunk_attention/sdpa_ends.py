@@ -186,9 +186,12 @@ def _setup(ctx, inputs, output):
     _, out_slots, lse = output
     ctx.save_for_backward(q, k, v, gate, out_slots, lse)
     ctx.args = (block_size, scale)
+    ctx.set_materialize_grads(False)  # out_slots and lse feed nothing: no zero-filled gradients for them
 
 
 def _backward(ctx, dy, _dout_slots, _dlse):
+    if dy is None:
+        return (None,) * 7
     q, k, v, gate, out_slots, lse = ctx.saved_tensors
     dq, dk, dv, dgate = block_end_attention_sdpa_bwd(q, k, v, gate, out_slots, lse, dy, *ctx.args)
     return dq, dk, dv, optional(dgate, gate is not None), None, None, None

@@ -127,10 +127,14 @@ def _bwd_kernel(
     registers) and BLOCK_D columns of each half, token by token from the chunk's end: the
     adjoints are [BLOCK_H, BLOCK_D] float32 tiles and the previous states come from the forward's
     outputs (KROT un-rotated, VT). Narrow column slices keep registers low and programs many."""
-    b = (tl.program_id(0) // n_chunks).to(tl.int64)
-    t0 = (tl.program_id(0) % n_chunks) * L
+    # One flat grid, column slices fastest: the slices of one chunk run side by side, so the 128-byte
+    # lines they split (BLOCK_D columns each) are fetched from memory once, not once per slice.
+    slices = tl.cdiv(HALF, BLOCK_D)
+    chunk_row = tl.program_id(0) // slices
+    b = (chunk_row // n_chunks).to(tl.int64)
+    t0 = (chunk_row % n_chunks) * L
     heads = tl.arange(0, BLOCK_H)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = (tl.program_id(0) % slices) * BLOCK_D + tl.arange(0, BLOCK_D)
     cols = offs_d[None, :]
     head_ok, first, k_first, bias1, bias2 = _head_tile(BIAS, heads, cols, GROUPS, HEADS, D, HALF)
     ck1 = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -183,7 +187,7 @@ def _bwd_kernel(
         dbias2 += dl2
         g_next1 = g1
         g_next2 = g2
-    bias_row = DBIAS + tl.program_id(0).to(tl.int64) * (HEADS * D)
+    bias_row = DBIAS + chunk_row.to(tl.int64) * (HEADS * D)
     tl.store(bias_row + first, dbias1, mask=head_ok)
     tl.store(bias_row + first + HALF, dbias2, mask=head_ok)
 
@@ -197,12 +201,14 @@ BWD_BLOCK_D, BWD_WARPS = 16, 4
 
 
 def _launch(kernel, tensors, k_groups, v, chunk_size, cos_sin, num_warps, grid_y, **blocks):
-    """Grid (batch x chunk, grid_y): head blocks in the forward, column slices in the backward."""
+    """Grid (batch x chunk, grid_y) with head blocks in the forward; the backward's column slices
+    ride in the first axis (batch x chunk x slice, slices fastest; grid_y = 1)."""
     batch, seq, heads, dim = v.shape
     n_chunks = triton.cdiv(seq, chunk_size)
     cos, sin = cos_sin if cos_sin is not None else (v, v)  # never read without RoPE
     sc_b = 0 if cos.shape[0] == 1 else cos.stride(0)
-    kernel[(batch * n_chunks, grid_y)](
+    slices = triton.cdiv(dim // 2, blocks["BLOCK_D"]) if "BLOCK_D" in blocks else 1
+    kernel[(batch * n_chunks * slices, grid_y)](
         *tensors[:4], cos, sin, *tensors[4:],
         seq, n_chunks, k_groups.stride(0), k_groups.stride(1), sc_b, cos.stride(1),
         GROUPS=k_groups.shape[2], HEADS=heads, D=dim, HALF=dim // 2, L=chunk_size, HAS_ROPE=cos_sin is not None,
@@ -238,7 +244,7 @@ class _RatKeysValues(torch.autograd.Function):
         _launch(
             _bwd_kernel,
             (k_groups, v, gate_logits, gate_bias, k_rot, v_tilde, d_k_rot, d_v_tilde, dk, dv, dlogit, dbias_parts),
-            k_groups, v, chunk_size, (cos, sin) if has_rope else None, BWD_WARPS, triton.cdiv(dim // 2, block_d),
+            k_groups, v, chunk_size, (cos, sin) if has_rope else None, BWD_WARPS, 1,
             BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=block_d,
         )
         dbias = dbias_parts.sum(0).to(gate_bias.dtype).view(gate_bias.shape)
