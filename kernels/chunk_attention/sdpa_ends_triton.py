@@ -46,6 +46,25 @@ def _own_score(Q, K, b, h, offs_t, row_ok, dims, sqb, sqt, sqg, skb, skt, skh, G
 
 
 @triton.jit
+def _own_rows(Q, K, V, pid_t, pid_bh, sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, T, H, G, L, E, scale,
+              BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """What both row kernels start from, for BLOCK_T tokens of one (batch, head): the rows, their
+    q / k / v in float32, the own score s = scale q . k, and each token's slot (0 where it has
+    none) with the mask of tokens that have one."""
+    b, h = pid_bh // H, pid_bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = offs_t < T
+    q, k, s = _own_score(Q, K, b, h, offs_t, row_ok, dims, sqb, sqt, sqg, skb, skt, skh, G, scale)
+    v = tl.load(V + b.to(tl.int64) * svb + h * svh + offs_t.to(tl.int64)[:, None] * svt + dims[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    slot, has_slot = _slots(offs_t, h, L, E)
+    ends = row_ok & has_slot
+    slot = b.to(tl.int64) * H * L * E + tl.where(ends, slot, 0).to(tl.int64)
+    return b, h, offs_t, dims, row_ok, q, k, s, v, slot, ends
+
+
+@triton.jit
 def _merge_kernel(
     Q, K, V, Z, OQ, LSEQ, Y,
     sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, szb, szt, szh, syb, syt, syh,
@@ -55,17 +74,9 @@ def _merge_kernel(
     """Merges the ends' softmax (OQ, LSEQ: output and natural-log lse of the dense call) with the
     own pair: Y = sigmoid(Z) * merged; with STORE_MERGED (a backward follows) OQ, LSEQ become the
     merged output and lse, in place."""
-    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    dims = tl.arange(0, HEAD_DIM)
-    row_ok = offs_t < T
-    _, _, s = _own_score(Q, K, b, h, offs_t, row_ok, dims, sqb, sqt, sqg, skb, skt, skh, G, scale)
-    v = tl.load(V + b.to(tl.int64) * svb + h * svh + offs_t.to(tl.int64)[:, None] * svt + dims[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    slot, has_slot = _slots(offs_t, h, L, E)
-    ends = row_ok & has_slot
-    slot = b.to(tl.int64) * H * L * E + tl.where(ends, slot, 0).to(tl.int64)
+    b, h, offs_t, dims, row_ok, q, k, s, v, slot, ends = _own_rows(
+        Q, K, V, tl.program_id(0), tl.program_id(1), sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, T, H, G, L, E, scale,
+        BLOCK_T, HEAD_DIM)
     lse_a = tl.load(LSEQ + slot, mask=ends, other=float("-inf"))
     o_a = tl.load(OQ + slot[:, None] * HEAD_DIM + dims[None, :], mask=ends[:, None], other=0.0).to(tl.float32)
     m = tl.maximum(lse_a, s)
@@ -95,17 +106,9 @@ def _own_backward_kernel(
     own pair's shares: dV = p dO, dK = ds scale q, DS = ds (float32 [B, H, T], for dQ), where
     p = exp(s - lse) with the merged lse and ds = p (dO . v - dO . O). DK / DV / DZ are laid out
     like K (contiguous [B, T, H, D]); chunk-0 tokens (output = own value) get dV = dO, no dK."""
-    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    dims = tl.arange(0, HEAD_DIM)
-    row_ok = offs_t < T
-    q, k, s = _own_score(Q, K, b, h, offs_t, row_ok, dims, sqb, sqt, sqg, skb, skt, skh, G, scale)
-    v = tl.load(V + b.to(tl.int64) * svb + h * svh + offs_t.to(tl.int64)[:, None] * svt + dims[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    slot, has_slot = _slots(offs_t, h, L, E)
-    ends = row_ok & has_slot
-    slot = b.to(tl.int64) * H * L * E + tl.where(ends, slot, 0).to(tl.int64)
+    b, h, offs_t, dims, row_ok, q, k, s, v, slot, ends = _own_rows(
+        Q, K, V, tl.program_id(0), tl.program_id(1), sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, T, H, G, L, E, scale,
+        BLOCK_T, HEAD_DIM)
     o = tl.load(OQ + slot[:, None] * HEAD_DIM + dims[None, :], mask=ends[:, None], other=0.0).to(tl.float32)
     o = tl.where(ends[:, None], o, v)
     do = tl.load(DY + b.to(tl.int64) * syb + h * syh + offs_t.to(tl.int64)[:, None] * syt + dims[None, :],
@@ -123,7 +126,7 @@ def _own_backward_kernel(
     ds = tl.where(ends, p * (tl.sum(do * v, 1) - tl.sum(do * o, 1)), 0.0)
     tl.store(DV + out, (p[:, None] * do).to(DV.dtype.element_ty), mask=row_ok[:, None])
     tl.store(DK + out, (ds[:, None] * scale * q).to(DK.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(DS + pid_bh.to(tl.int64) * T + offs_t, ds, mask=row_ok)
+    tl.store(DS + (b * H + h).to(tl.int64) * T + offs_t, ds, mask=row_ok)
 
 
 @triton.jit

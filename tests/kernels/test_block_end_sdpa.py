@@ -7,19 +7,7 @@ import torch
 from hf_hybrid.kernels.chunk_attention import block_end_attention, block_end_attention_reference
 
 pytest.importorskip("hf_hybrid.kernels.chunk_attention.sdpa_ends_triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
-
-
-def _grads(fn, inputs, weight):
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    out = fn(*leaves)
-    (out.float() * weight).sum().backward()
-    return [out] + [leaf.grad for leaf in leaves]
+from test_chunk_attention import DEVICE, _grads, _randn  # noqa: E402  (the Triton path's helpers)
 
 
 def _reference(q, k, v, gate, L):
