@@ -122,8 +122,9 @@ class RatPlusAttention(nn.Module):
             gate = gate.masked_fill(~context.query_valid[:, :, None, None], 1.0)
         state_k, state_v = cache_layer.recurrent_state() if cache_layer is not None else (None, None)
         start = context.past_length
-        k_tilde = gated_recurrence(k.float(), gate, 0, start, state_k, backend=self.backend)
-        v_tilde = gated_recurrence(v.float(), gate, 0, start, state_v, backend=self.backend)
+        # float32 states from the 16-bit k, v without float32 copies of them (the kernel reads x as is)
+        k_tilde = gated_recurrence(k, gate, 0, start, state_k, backend=self.backend, out_dtype=torch.float32)
+        v_tilde = gated_recurrence(v, gate, 0, start, state_v, backend=self.backend, out_dtype=torch.float32)
         return k_tilde, v_tilde
 
     # ------------------------------------------------------------------ attention per head group

@@ -24,6 +24,7 @@ def gated_recurrence(
     start_position: int = 0,
     initial_state: torch.Tensor | None = None,
     backend: str = "auto",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x, g: [batch, seq, heads, head_dim] (any trailing shape); g in (0, 1) after the sigmoid.
 
@@ -31,7 +32,11 @@ def gated_recurrence(
     whole sequence (RAT+). start_position is the absolute position of x[:, 0] and initial_state
     [batch, ...] the state carried from earlier tokens (both for cached continuation).
     backend "scan" is the log-depth pure-PyTorch scan ("auto" off CUDA); "reference" the loop.
+    out_dtype: the states' dtype (default x's); torch.float32 with 16-bit x gives what x.float()
+    would, without that copy (the Triton kernel reads x in its own dtype and accumulates in float32).
     """
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"gated_recurrence: out_dtype must be None, x's dtype or torch.float32; got {out_dtype}.")
     if x.shape != g.shape:
         raise ValueError(f"gated_recurrence: x {tuple(x.shape)} and g {tuple(g.shape)} must have the same shape.")
     if chunk_size < 0:
@@ -47,8 +52,11 @@ def gated_recurrence(
         if x.dim() < 2:
             raise ValueError(f"gated_recurrence: x must be [batch, seq, ...], got shape {tuple(x.shape)}.")
         if x.numel() == 0:
-            return x.clone()
-        return gated_recurrence_fwd(x, g, int(chunk_size), int(start_position), initial_state)
+            return x.to(out_dtype or x.dtype, copy=True)
+        float32_out = out_dtype == torch.float32 and x.dtype != torch.float32
+        return gated_recurrence_fwd(x, g, int(chunk_size), int(start_position), initial_state, float32_out)
+    if out_dtype is not None:
+        x = x.to(out_dtype)
     if impl == "reference":
         return gated_recurrence_reference(x, g, chunk_size, start_position, initial_state)
     return gated_recurrence_scan(x, g, chunk_size, start_position, initial_state)
@@ -59,16 +67,18 @@ def gated_recurrence(
 
 @kernel_op("gated_recurrence_fwd")
 def gated_recurrence_fwd(
-    x: torch.Tensor, g: torch.Tensor, chunk_size: int, start_position: int, initial_state: torch.Tensor | None
+    x: torch.Tensor, g: torch.Tensor, chunk_size: int, start_position: int, initial_state: torch.Tensor | None,
+    float32_out: bool = False,
 ) -> torch.Tensor:
+    """The states in x's dtype, or in float32 with ``float32_out``."""
     from .triton import _GatedRecurrence
 
-    return _GatedRecurrence.forward(KernelContext(), x, g, chunk_size, start_position, initial_state)
+    return _GatedRecurrence.forward(KernelContext(), x, g, chunk_size, start_position, initial_state, float32_out)
 
 
 @gated_recurrence_fwd.register_fake
-def _(x, g, chunk_size, start_position, initial_state):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _(x, g, chunk_size, start_position, initial_state, float32_out=False):
+    return torch.empty(x.shape, dtype=torch.float32 if float32_out else x.dtype, device=x.device)
 
 
 @kernel_op("gated_recurrence_bwd")
@@ -83,7 +93,7 @@ def gated_recurrence_bwd(
     init = initial_state.contiguous().view(batch, -1) if initial_state is not None else None
     init_shape = initial_state is not None and initial_state.shape
     ctx = KernelContext((*rows, init), config=(chunk_size, start_position, x.shape, init_shape))
-    dx, dg, _, _, dinit = _GatedRecurrence.backward(ctx, dh)
+    dx, dg, _, _, dinit, _ = _GatedRecurrence.backward(ctx, dh)
     return dx, dg, placeholder(x) if dinit is None else dinit
 
 
@@ -93,7 +103,7 @@ def _(x, g, h, initial_state, dh, chunk_size, start_position):
 
 
 def _setup(ctx, inputs, output):
-    x, g, chunk_size, start_position, initial_state = inputs
+    x, g, chunk_size, start_position, initial_state, _float32_out = inputs
     ctx.save_for_backward(x, g, output, initial_state)
     ctx.config = (chunk_size, start_position, initial_state is not None)
 
@@ -102,7 +112,7 @@ def _backward(ctx, dh):
     x, g, h, initial_state = ctx.saved_tensors
     chunk_size, start_position, has_init = ctx.config
     dx, dg, dinit = gated_recurrence_bwd(x, g, h, initial_state, dh, chunk_size, start_position)
-    return dx, dg, None, None, optional(dinit, has_init)
+    return dx, dg, None, None, optional(dinit, has_init), None
 
 
 gated_recurrence_fwd.register_autograd(_backward, setup_context=_setup)

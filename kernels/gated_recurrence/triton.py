@@ -189,9 +189,9 @@ def _plan(seq: int, chunk_size: int, start_position: int) -> tuple[int, int, int
     return GENERAL_SEGMENT, 0, triton.cdiv(seq, GENERAL_SEGMENT), False
 
 
-def _launch_forward(x, g, chunk_size, start_position, init):
+def _launch_forward(x, g, chunk_size, start_position, init, out_dtype=None):
     batch, seq, channels = x.shape
-    h = torch.empty_like(x)
+    h = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
     seg, shift, num_seg, direct = _plan(seq, chunk_size, start_position)
     grid = (num_seg, triton.cdiv(channels, BLOCK_N), batch)
     common = dict(CHUNKED=chunk_size > 0, SEG=seg, BLOCK_N=BLOCK_N, UNROLL=math.gcd(seg, STEP_UNROLL), num_warps=NUM_WARPS)
@@ -242,12 +242,12 @@ def _launch_backward(x, g, h, init, dh, chunk_size, start_position):
 
 class _GatedRecurrence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g, chunk_size, start_position, initial_state):
+    def forward(ctx, x, g, chunk_size, start_position, initial_state, float32_out=False):
         shape = x.shape
         x3 = x.contiguous().view(shape[0], shape[1], -1)
         g3 = g.contiguous().view(shape[0], shape[1], -1)
         init = initial_state.contiguous().view(shape[0], -1) if initial_state is not None else None
-        h3 = _launch_forward(x3, g3, chunk_size, start_position, init)
+        h3 = _launch_forward(x3, g3, chunk_size, start_position, init, torch.float32 if float32_out else None)
         ctx.save_for_backward(x3, g3, h3, init)
         ctx.config = (chunk_size, start_position, shape, initial_state is not None and initial_state.shape)
         return h3.view(shape)
@@ -259,7 +259,7 @@ class _GatedRecurrence(torch.autograd.Function):
         dh3 = dh.contiguous().view(x3.shape)
         dx, dg, dinit = _launch_backward(x3, g3, h3, init, dh3, chunk_size, start_position)
         dinit = dinit.view(init_shape) if dinit is not None else None
-        return dx.view(shape), dg.view(shape), None, None, dinit
+        return dx.view(shape), dg.view(shape), None, None, dinit, None
 
 
 def gated_recurrence_triton(

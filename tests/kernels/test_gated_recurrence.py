@@ -75,6 +75,32 @@ def test_bf16_matches_reference_loosely():
     _compare(x, g, 8, 5, state, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("backend", ["triton", "scan"])
+@pytest.mark.parametrize("chunk_size,start", [(0, 3), (4, 0)])
+def test_float32_states_from_bf16_inputs(backend, chunk_size, start):
+    """out_dtype=float32 with bf16 x (RAT+'s keys and values) == the recurrence of x.float(): the
+    same states and gate / state gradients bit for bit; dx is the same float32 value rounded to bf16
+    by the kernel instead of by x.float()'s backward (Triton's interpreter truncates: 1 ulp)."""
+    x, g, state = _inputs(2, 21, (2, 8), torch.bfloat16, True, seed=5)
+    state = state.float()
+    weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x.device)
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, g, state)]
+        h = fn(*leaves)
+        (h * weight).sum().backward()
+        return [h] + [leaf.grad for leaf in leaves]
+
+    got = run(lambda x, g, s: gated_recurrence(x, g, chunk_size, start, s, backend=backend, out_dtype=torch.float32))
+    want = run(lambda x, g, s: gated_recurrence(x.float(), g, chunk_size, start, s, backend=backend))
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.bfloat16
+    for name, a, b in zip(["h", "dx", "dg", "d_state"], got, want):
+        exact = name != "dx"
+        torch.testing.assert_close(a, b, rtol=0 if exact else 2**-7, atol=0, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="out_dtype"):
+        gated_recurrence(x, g, backend=backend, out_dtype=torch.float16)
+
+
 def test_dispatch_and_errors():
     x, g, _ = _inputs(1, 5, (2,), torch.float32, False)
     with pytest.raises(ValueError, match="same shape"):
