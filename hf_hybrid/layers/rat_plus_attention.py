@@ -116,16 +116,16 @@ class RatPlusAttention(nn.Module):
         if not self.use_recurrence:
             return k.float(), v.float()
         batch, seq = x.shape[:2]
-        # The gate's logits go to the recurrence, which takes their sigmoid in float32 itself.
-        logits = self.g_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        gate = torch.sigmoid(self.g_proj(x).float()).view(batch, seq, self.num_kv_heads, self.head_dim)
         if context.query_valid is not None:
-            # Padding must not touch the state: a gate of 1 (logit +inf) keeps it and ignores the input.
-            logits = logits.masked_fill(~context.query_valid[:, :, None, None], float("inf"))
+            # Padding must not touch the state: a gate of 1 keeps it and ignores the input.
+            gate = gate.masked_fill(~context.query_valid[:, :, None, None], 1.0)
         state_k, state_v = cache_layer.recurrent_state() if cache_layer is not None else (None, None)
         start = context.past_length
         # float32 states from the 16-bit k, v without float32 copies of them (the kernel reads x as is)
-        run = dict(backend=self.backend, out_dtype=torch.float32, gate_logits=True)
-        return gated_recurrence(k, logits, 0, start, state_k, **run), gated_recurrence(v, logits, 0, start, state_v, **run)
+        k_tilde = gated_recurrence(k, gate, 0, start, state_k, backend=self.backend, out_dtype=torch.float32)
+        v_tilde = gated_recurrence(v, gate, 0, start, state_v, backend=self.backend, out_dtype=torch.float32)
+        return k_tilde, v_tilde
 
     # ------------------------------------------------------------------ attention per head group
     def _expand(self, x: torch.Tensor, kv_heads: list[int], heads: tuple[int, ...]) -> torch.Tensor:

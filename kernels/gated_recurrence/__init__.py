@@ -25,7 +25,6 @@ def gated_recurrence(
     initial_state: torch.Tensor | None = None,
     backend: str = "auto",
     out_dtype: torch.dtype | None = None,
-    gate_logits: bool = False,
 ) -> torch.Tensor:
     """x, g: [batch, seq, heads, head_dim] (any trailing shape); g in (0, 1) after the sigmoid.
 
@@ -35,8 +34,6 @@ def gated_recurrence(
     backend "scan" is the log-depth pure-PyTorch scan ("auto" off CUDA); "reference" the loop.
     out_dtype: the states' dtype (default x's); torch.float32 with 16-bit x gives what x.float()
     would, without that copy (the Triton kernel reads x in its own dtype and accumulates in float32).
-    gate_logits: g holds the gate before its sigmoid (any float dtype; +inf is a gate of 1); the
-    kernel applies the sigmoid in float32 and returns the logits' gradient.
     """
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"gated_recurrence: out_dtype must be None, x's dtype or torch.float32; got {out_dtype}.")
@@ -57,11 +54,9 @@ def gated_recurrence(
         if x.numel() == 0:
             return x.to(out_dtype or x.dtype, copy=True)
         float32_out = out_dtype == torch.float32 and x.dtype != torch.float32
-        return gated_recurrence_fwd(x, g, int(chunk_size), int(start_position), initial_state, float32_out, gate_logits)
+        return gated_recurrence_fwd(x, g, int(chunk_size), int(start_position), initial_state, float32_out)
     if out_dtype is not None:
         x = x.to(out_dtype)
-    if gate_logits:
-        g = torch.sigmoid(g.float())
     if impl == "reference":
         return gated_recurrence_reference(x, g, chunk_size, start_position, initial_state)
     return gated_recurrence_scan(x, g, chunk_size, start_position, initial_state)
@@ -73,26 +68,23 @@ def gated_recurrence(
 @kernel_op("gated_recurrence_fwd")
 def gated_recurrence_fwd(
     x: torch.Tensor, g: torch.Tensor, chunk_size: int, start_position: int, initial_state: torch.Tensor | None,
-    float32_out: bool = False, gate_logits: bool = False,
+    float32_out: bool = False,
 ) -> torch.Tensor:
-    """The states in x's dtype, or in float32 with ``float32_out``; g the gate or, with
-    ``gate_logits``, its logits."""
+    """The states in x's dtype, or in float32 with ``float32_out``."""
     from .triton import _GatedRecurrence
 
-    return _GatedRecurrence.forward(
-        KernelContext(), x, g, chunk_size, start_position, initial_state, float32_out, gate_logits
-    )
+    return _GatedRecurrence.forward(KernelContext(), x, g, chunk_size, start_position, initial_state, float32_out)
 
 
 @gated_recurrence_fwd.register_fake
-def _(x, g, chunk_size, start_position, initial_state, float32_out=False, gate_logits=False):
+def _(x, g, chunk_size, start_position, initial_state, float32_out=False):
     return torch.empty(x.shape, dtype=torch.float32 if float32_out else x.dtype, device=x.device)
 
 
 @kernel_op("gated_recurrence_bwd")
 def gated_recurrence_bwd(
     x: torch.Tensor, g: torch.Tensor, h: torch.Tensor, initial_state: torch.Tensor | None, dh: torch.Tensor,
-    chunk_size: int, start_position: int, gate_logits: bool = False,
+    chunk_size: int, start_position: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .triton import _GatedRecurrence
 
@@ -100,27 +92,27 @@ def gated_recurrence_bwd(
     rows = (t.contiguous().view(batch, seq, -1) for t in (x, g, h))
     init = initial_state.contiguous().view(batch, -1) if initial_state is not None else None
     init_shape = initial_state is not None and initial_state.shape
-    ctx = KernelContext((*rows, init), config=(chunk_size, start_position, x.shape, init_shape, gate_logits))
-    dx, dg, _, _, dinit, _, _ = _GatedRecurrence.backward(ctx, dh)
+    ctx = KernelContext((*rows, init), config=(chunk_size, start_position, x.shape, init_shape))
+    dx, dg, _, _, dinit, _ = _GatedRecurrence.backward(ctx, dh)
     return dx, dg, placeholder(x) if dinit is None else dinit
 
 
 @gated_recurrence_bwd.register_fake
-def _(x, g, h, initial_state, dh, chunk_size, start_position, gate_logits=False):
+def _(x, g, h, initial_state, dh, chunk_size, start_position):
     return fake_like(x, g, initial_state)
 
 
 def _setup(ctx, inputs, output):
-    x, g, chunk_size, start_position, initial_state, _float32_out, gate_logits = inputs
+    x, g, chunk_size, start_position, initial_state, _float32_out = inputs
     ctx.save_for_backward(x, g, output, initial_state)
-    ctx.config = (chunk_size, start_position, initial_state is not None, gate_logits)
+    ctx.config = (chunk_size, start_position, initial_state is not None)
 
 
 def _backward(ctx, dh):
     x, g, h, initial_state = ctx.saved_tensors
-    chunk_size, start_position, has_init, gate_logits = ctx.config
-    dx, dg, dinit = gated_recurrence_bwd(x, g, h, initial_state, dh, chunk_size, start_position, gate_logits)
-    return dx, dg, None, None, optional(dinit, has_init), None, None
+    chunk_size, start_position, has_init = ctx.config
+    dx, dg, dinit = gated_recurrence_bwd(x, g, h, initial_state, dh, chunk_size, start_position)
+    return dx, dg, None, None, optional(dinit, has_init), None
 
 
 gated_recurrence_fwd.register_autograd(_backward, setup_context=_setup)

@@ -39,22 +39,13 @@ CARRY_UNROLL = 32
 
 
 @triton.jit
-def _gate(G, offs, m, LOGITS: tl.constexpr):
-    """The gate at offs in float32 (1 where masked), through its sigmoid when G holds logits."""
-    if LOGITS:
-        return tl.sigmoid(tl.load(G + offs, mask=m, other=float("inf")).to(tl.float32))
-    return tl.load(G + offs, mask=m, other=1.0).to(tl.float32)
-
-
-@triton.jit
 def _recurrence_fwd_kernel(
     X, G, H, INIT, SUM_STATE, SUM_GATE,
     T, N, start, L, shift, num_seg,
     CHUNKED: tl.constexpr, INIT_MODE: tl.constexpr, SUMMARY: tl.constexpr,
-    SEG: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, LOGITS: tl.constexpr = False,
+    SEG: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # INIT_MODE: 0 none, 1 INIT [B, N] feeds segment 0 only, 2 INIT [B, num_seg, N] per segment.
-    # LOGITS: G holds the gate before its sigmoid (then a masked load of +inf is a gate of 1).
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -75,7 +66,7 @@ def _recurrence_fwd_kernel(
             m = tl.where(valid, cmask, False)  # (block & scalar bools gives int32 in the interpreter)
             offs = (b * T + t) * N + cols
             x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
-            g = _gate(G, offs, m, LOGITS)  # g = 1, x = 0 keeps h outside [0, T)
+            g = tl.load(G + offs, mask=m, other=1.0).to(tl.float32)  # g = 1, x = 0 keeps h outside [0, T)
             if CHUNKED:
                 restart = valid & (((start + t) % L) == 0)
                 h = tl.where(restart, 0.0, h)
@@ -144,9 +135,8 @@ def _recurrence_bwd_kernel(
     X, G, H, INIT, DH, DX, DG, DINIT, CARRY, SUM_ACC, SUM_GATE,
     T, N, start, L, shift, num_seg,
     CHUNKED: tl.constexpr, HAS_INIT: tl.constexpr, HAS_CARRY: tl.constexpr, SUMMARY: tl.constexpr,
-    SEG: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, LOGITS: tl.constexpr = False,
+    SEG: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    # LOGITS: G holds logits and DG receives the logits' gradient, dg * g (1 - g).
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -166,7 +156,7 @@ def _recurrence_bwd_kernel(
             m = tl.where(valid, cmask, False)  # (block & scalar bools gives int32 in the interpreter)
             offs = (b * T + t) * N + cols
             dh = tl.load(DH + offs, mask=m, other=0.0).to(tl.float32)
-            g = _gate(G, offs, m, LOGITS)
+            g = tl.load(G + offs, mask=m, other=1.0).to(tl.float32)
             a = dh + acc
             restart = valid & (((start + t) % L) == 0) & CHUNKED
             if not SUMMARY:
@@ -176,10 +166,7 @@ def _recurrence_bwd_kernel(
                     hprev += tl.load(INIT + b * N + cols, mask=tl.where(t == 0, m, False), other=0.0).to(tl.float32)
                 hprev = tl.where(restart, 0.0, hprev)
                 tl.store(DX + offs, ((1.0 - g) * a).to(DX.dtype.element_ty), mask=m)
-                dg = a * (hprev - x)
-                if LOGITS:
-                    dg = dg * g * (1.0 - g)
-                tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=m)
+                tl.store(DG + offs, (a * (hprev - x)).to(DG.dtype.element_ty), mask=m)
             geff = tl.where(restart, 0.0, g)
             acc = geff * a
             if SUMMARY:
@@ -202,13 +189,12 @@ def _plan(seq: int, chunk_size: int, start_position: int) -> tuple[int, int, int
     return GENERAL_SEGMENT, 0, triton.cdiv(seq, GENERAL_SEGMENT), False
 
 
-def _launch_forward(x, g, chunk_size, start_position, init, out_dtype=None, logits=False):
+def _launch_forward(x, g, chunk_size, start_position, init, out_dtype=None):
     batch, seq, channels = x.shape
     h = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
     seg, shift, num_seg, direct = _plan(seq, chunk_size, start_position)
     grid = (num_seg, triton.cdiv(channels, BLOCK_N), batch)
-    common = dict(CHUNKED=chunk_size > 0, SEG=seg, BLOCK_N=BLOCK_N, UNROLL=math.gcd(seg, STEP_UNROLL), LOGITS=logits,
-                  num_warps=NUM_WARPS)
+    common = dict(CHUNKED=chunk_size > 0, SEG=seg, BLOCK_N=BLOCK_N, UNROLL=math.gcd(seg, STEP_UNROLL), num_warps=NUM_WARPS)
     args = (seq, channels, start_position, max(chunk_size, 1), shift, num_seg)
     if direct or num_seg == 1:
         _recurrence_fwd_kernel[grid](x, g, h, init if init is not None else x, x, x, *args,
@@ -226,14 +212,13 @@ def _launch_forward(x, g, chunk_size, start_position, init, out_dtype=None, logi
     return h
 
 
-def _launch_backward(x, g, h, init, dh, chunk_size, start_position, logits=False):
+def _launch_backward(x, g, h, init, dh, chunk_size, start_position):
     batch, seq, channels = x.shape
     dx, dg = torch.empty_like(x), torch.empty_like(g)
     dinit = torch.empty_like(init) if init is not None else None
     seg, shift, num_seg, direct = _plan(seq, chunk_size, start_position)
     grid = (num_seg, triton.cdiv(channels, BLOCK_N), batch)
-    common = dict(CHUNKED=chunk_size > 0, HAS_INIT=init is not None, SEG=seg, BLOCK_N=BLOCK_N,
-                  UNROLL=math.gcd(seg, STEP_UNROLL), LOGITS=logits, num_warps=NUM_WARPS)
+    common = dict(CHUNKED=chunk_size > 0, HAS_INIT=init is not None, SEG=seg, BLOCK_N=BLOCK_N, UNROLL=math.gcd(seg, STEP_UNROLL), num_warps=NUM_WARPS)
     args = (seq, channels, start_position, max(chunk_size, 1), shift, num_seg)
     init_ptr = init if init is not None else x
     dinit_ptr = dinit if dinit is not None else x
@@ -257,24 +242,24 @@ def _launch_backward(x, g, h, init, dh, chunk_size, start_position, logits=False
 
 class _GatedRecurrence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g, chunk_size, start_position, initial_state, float32_out=False, logits=False):
+    def forward(ctx, x, g, chunk_size, start_position, initial_state, float32_out=False):
         shape = x.shape
         x3 = x.contiguous().view(shape[0], shape[1], -1)
         g3 = g.contiguous().view(shape[0], shape[1], -1)
         init = initial_state.contiguous().view(shape[0], -1) if initial_state is not None else None
-        h3 = _launch_forward(x3, g3, chunk_size, start_position, init, torch.float32 if float32_out else None, logits)
+        h3 = _launch_forward(x3, g3, chunk_size, start_position, init, torch.float32 if float32_out else None)
         ctx.save_for_backward(x3, g3, h3, init)
-        ctx.config = (chunk_size, start_position, shape, initial_state is not None and initial_state.shape, logits)
+        ctx.config = (chunk_size, start_position, shape, initial_state is not None and initial_state.shape)
         return h3.view(shape)
 
     @staticmethod
     def backward(ctx, dh):
         x3, g3, h3, init = ctx.saved_tensors
-        chunk_size, start_position, shape, init_shape, logits = ctx.config
+        chunk_size, start_position, shape, init_shape = ctx.config
         dh3 = dh.contiguous().view(x3.shape)
-        dx, dg, dinit = _launch_backward(x3, g3, h3, init, dh3, chunk_size, start_position, logits)
+        dx, dg, dinit = _launch_backward(x3, g3, h3, init, dh3, chunk_size, start_position)
         dinit = dinit.view(init_shape) if dinit is not None else None
-        return dx.view(shape), dg.view(shape), None, None, dinit, None, None
+        return dx.view(shape), dg.view(shape), None, None, dinit, None
 
 
 def gated_recurrence_triton(
@@ -290,4 +275,4 @@ def gated_recurrence_triton(
         raise ValueError(f"gated_recurrence: x must be [batch, seq, ...], got shape {tuple(x.shape)}.")
     if x.shape[1] == 0 or x.numel() == 0:
         return x.clone()
-    return _GatedRecurrence.apply(x, g, int(chunk_size), int(start_position), initial_state, False, False)
+    return _GatedRecurrence.apply(x, g, int(chunk_size), int(start_position), initial_state)

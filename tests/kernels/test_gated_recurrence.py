@@ -101,26 +101,6 @@ def test_float32_states_from_bf16_inputs(backend, chunk_size, start):
         gated_recurrence(x, g, backend=backend, out_dtype=torch.float16)
 
 
-@pytest.mark.parametrize("backend", ["triton", "scan"])
-def test_gate_logits_equal_the_sigmoid_outside(backend):
-    """gate_logits=True (the sigmoid inside the recurrence, +inf a gate of 1) == the sigmoid taken
-    before the call, forward and gradients of x, the logits and the state."""
-    x, g, state = _inputs(2, 21, (2, 8), torch.float32, True, seed=6)
-    logits = torch.logit(g).masked_fill(g > 0.9, float("inf"))  # some positions keep the state
-    weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.device)
-
-    def run(fn):
-        leaves = [t.detach().clone().requires_grad_() for t in (x, logits, state)]
-        h = fn(*leaves)
-        (h * weight).sum().backward()
-        return [h] + [leaf.grad for leaf in leaves]
-
-    got = run(lambda x, z, s: gated_recurrence(x, z, 0, 2, s, backend=backend, gate_logits=True))
-    want = run(lambda x, z, s: gated_recurrence(x, torch.sigmoid(z), 0, 2, s, backend=backend))
-    for name, a, b in zip(["h", "dx", "dlogits", "d_state"], got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-
-
 def test_dispatch_and_errors():
     x, g, _ = _inputs(1, 5, (2,), torch.float32, False)
     with pytest.raises(ValueError, match="same shape"):
