@@ -136,7 +136,8 @@ def block_end_attention(
     backend "auto" on CUDA runs RAT's geometry (no window, no sinks) in fp16 / bf16 as one causal
     cuDNN attention over the chunk ends plus row kernels (sdpa_ends.py), everything else on the
     Triton kernels; "sdpa" asks for that path on any device (CPU: PyTorch's flash kernel and the
-    Triton interpreter), "triton" for the Triton kernels."""
+    Triton interpreter; float32 on CUDA: plain PyTorch attention that materialises the scores, for
+    tests), "triton" for the Triton kernels."""
     grouped = _shares_query_heads("block_end_attention", q, k)
     _check_qkv("block_end_attention", k if grouped else q, k, v)
     if output_gate is not None and output_gate.shape != k.shape:

@@ -94,7 +94,8 @@ def forgetting_attention(
     inputs (B must be 1); nothing crosses a boundary. Returns o [B,T,HQ,D] in q's dtype.
     backend: "auto" (Triton on CUDA, reference elsewhere; without gradients in bf16, no window or
     packing, from sdpa.MIN_LEN tokens, cuDNN with the forget bias as extra head dimensions, sdpa.py),
-    "reference", "triton" or "sdpa" (that forward-only path; on CPU PyTorch's flash kernel).
+    "reference", "triton" or "sdpa" (that forward-only path; on CPU PyTorch's flash kernel, for
+    float32 on CUDA plain PyTorch attention that materialises the scores, for tests).
     """
     _check_heads(_OP, q, k, v)
     if k.shape[1] != q.shape[1]:
