@@ -169,9 +169,14 @@ def rebuilt_saved(kind: str, q: torch.Tensor, k: torch.Tensor) -> Saved:
     return Saved(kind, ((n, heads, len_q, 1), None, None, len_q, len_k, seed, offset))
 
 
-def kernel_kind(q: torch.Tensor) -> str:
-    """Which kernel :func:`attention_with_lse` runs for q (cuDNN after its self-check on CUDA)."""
-    return _kind(q)
+def kernel_kind(q: torch.Tensor, k: torch.Tensor | None = None) -> str:
+    """Which kernel :func:`attention_with_lse` runs for q against k (cuDNN after its self-check on
+    CUDA). cuDNN refuses one query against one key (s_q = s_kv = 1): the plain-PyTorch version,
+    exact, takes those."""
+    kind = _kind(q)
+    if kind == "cudnn" and q.shape[2] == 1 and (k is None or k.shape[2] == 1):
+        return "math"
+    return kind
 
 
 def attention_with_kind(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
@@ -181,7 +186,7 @@ def attention_with_kind(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     """(out, lse, saved) for softmax(q k^T scale [+ causal mask]) v; causal needs len_q == len_k."""
-    return _forward(_kind(q), q, k, v, causal, scale)
+    return _forward(kernel_kind(q, k), q, k, v, causal, scale)
 
 
 def attention_with_lse_backward(grad_out, q, k, v, out, lse, saved: Saved, causal: bool, scale: float):

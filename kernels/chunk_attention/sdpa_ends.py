@@ -50,7 +50,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, block_size: int, local_window: int
     min_ends = 2 if switch == "sdpa" else MIN_ENDS
     if q.shape[-1] not in _HEAD_DIMS or _num_slots(k.shape[1], block_size) < min_ends:
         return False
-    return kernel_kind(q) == "cudnn"
+    return kernel_kind(q.transpose(1, 2)) == "cudnn"  # [batch, heads, len, dim], as the dense call sees it
 
 
 def _num_slots(seq: int, block_size: int) -> int:
@@ -82,13 +82,6 @@ def _query_slots(q: torch.Tensor, heads: int, block_size: int, num_slots: int) -
     return slots
 
 
-def _dense_kind(slots: torch.Tensor) -> str:
-    """The dense kernel for the slot-layout queries: cuDNN refuses s_q = s_kv = 1 (one chunk end),
-    which the plain-PyTorch version computes exactly."""
-    kind = kernel_kind(slots)
-    return "math" if kind in ("cudnn", "flash") and slots.shape[2] == 1 else kind
-
-
 def _check(q, k, v, output_gate, block_size) -> None:
     for name, t in (("q", q), ("k", k), ("v", v), ("output_gate", output_gate)):
         if t is not None and t.stride(-1) != 1:
@@ -112,7 +105,7 @@ def block_end_attention_sdpa_fwd(
     num_slots = _num_slots(seq, block_size)
     slots = _query_slots(q, heads, block_size, num_slots)
     out_slots, lse, _ = attention_with_kind(
-        _dense_kind(slots), slots, _ends(k, block_size, num_slots), _ends(v, block_size, num_slots), True, scale
+        kernel_kind(slots), slots, _ends(k, block_size, num_slots), _ends(v, block_size, num_slots), True, scale
     )
     out_slots, lse = out_slots.contiguous(), lse.contiguous()
     y = torch.empty(batch, seq, heads, dim, device=q.device, dtype=q.dtype)
@@ -163,7 +156,7 @@ def block_end_attention_sdpa_bwd(
     )
     slots = _query_slots(q, heads, block_size, num_slots)
     k_ends, v_ends = _ends(k, block_size, num_slots), _ends(v, block_size, num_slots)
-    saved = rebuilt_saved(_dense_kind(slots), slots, k_ends)
+    saved = rebuilt_saved(kernel_kind(slots), slots, k_ends)
     dslots, dk_ends, dv_ends = attention_with_lse_backward(
         dout_slots, slots, k_ends, v_ends, out_slots, lse, saved, True, scale
     )

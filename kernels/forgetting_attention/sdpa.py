@@ -52,7 +52,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tens
         return False
     if q.shape[1] < (2 if switch == "sdpa" else MIN_LEN):
         return False
-    return kernel_kind(q) == "cudnn"
+    return kernel_kind(q.transpose(1, 2)) == "cudnn"  # [batch, heads, len, dim], as the dense call sees it
 
 
 def _augmented(q, k, c_by_head, scale):
@@ -79,14 +79,6 @@ def _values(q, v, kind):
     return v.transpose(1, 2)
 
 
-def _kind(q):
-    """cuDNN (CUDA, after its self-check) takes values narrower than q' and k'; the other kernels
-    (FlashAttention-2, CPU flash, math) get values padded to their width. cuDNN refuses one-token
-    sequences, which the plain-PyTorch version computes exactly."""
-    kind = kernel_kind(q)
-    return "math" if kind in ("cudnn", "flash") and q.shape[1] == 1 else kind
-
-
 def _check(q, k, v, c_by_head):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
@@ -101,8 +93,10 @@ def forgetting_attention_sdpa(
 ) -> torch.Tensor:
     """o [B, T, HQ, D]; c_by_head [HQ, B * T] float32 (no autograd formula: forward only)."""
     _check(q, k, v, c_by_head)
-    kind = _kind(q)
     qa, ka = _augmented(q, k, c_by_head, scale)
+    # Chosen (and self-checked) at q's own head size, as `applies` chose it. cuDNN takes values
+    # narrower than q', k'; the other kernels get them padded (_values).
+    kind = kernel_kind(q.transpose(1, 2))
     out, _, _ = attention_with_kind(kind, qa, ka, _values(q, v, kind), True, scale)
     return out.transpose(1, 2)[..., : q.shape[-1]].contiguous()
 
