@@ -40,9 +40,16 @@ _HEAD_DIMS = (64, 128)
 MIN_ENDS = 1024
 
 
+def _switch() -> str:
+    value = os.environ.get(ENV_SWITCH, "")
+    if value not in ("", "triton", "sdpa"):
+        raise ValueError(f"{ENV_SWITCH}={value!r}: set it to 'triton' or 'sdpa', or leave it unset (the automatic choice).")
+    return value
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, block_size: int, local_window: int, num_sink_tokens: int) -> bool:
     """Whether ``block_end_attention``'s automatic choice takes this path on CUDA."""
-    switch = os.environ.get(ENV_SWITCH, "")
+    switch = _switch()
     if switch == "triton" or not q.is_cuda:
         return False
     if local_window or num_sink_tokens or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:

@@ -41,9 +41,16 @@ MIN_LEN = 2048
 _HEAD_DIMS = (64, 128)
 
 
+def _switch() -> str:
+    value = os.environ.get(ENV_SWITCH, "")
+    if value not in ("", "triton", "sdpa"):
+        raise ValueError(f"{ENV_SWITCH}={value!r}: set it to 'triton' or 'sdpa', or leave it unset (the automatic choice).")
+    return value
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor, window_size, cu_seqlens) -> bool:
     """Whether ``forgetting_attention``'s automatic choice takes this path on CUDA."""
-    switch = os.environ.get(ENV_SWITCH, "")
+    switch = _switch()
     if switch == "triton" or not q.is_cuda or window_size is not None or cu_seqlens is not None:
         return False
     if needs_grad(q, k, v, log_f):

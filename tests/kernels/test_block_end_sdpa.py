@@ -63,6 +63,10 @@ def test_auto_keeps_triton_off_cuda_and_for_fp32(monkeypatch):
 
     cpu = torch.zeros(1, 64, 2, 64)
     assert not sdpa_ends.applies(cpu, cpu, 16, 0, 0)
+    monkeypatch.setenv(sdpa_ends.ENV_SWITCH, "cudnn")
+    with pytest.raises(ValueError, match=sdpa_ends.ENV_SWITCH):
+        sdpa_ends.applies(cpu, cpu, 16, 0, 0)
+    monkeypatch.delenv(sdpa_ends.ENV_SWITCH)
     if torch.cuda.is_available():
         x = torch.zeros(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
         assert not sdpa_ends.applies(x.float(), x.float(), 16, 0, 0)

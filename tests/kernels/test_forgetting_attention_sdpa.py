@@ -50,6 +50,15 @@ def test_sdpa_refuses_what_it_does_not_cover():
     assert not sdpa.applies(q, k, v, log_f, None, None)  # CPU: the automatic choice keeps its path
 
 
+def test_switch_names_its_values(monkeypatch):
+    from hf_hybrid.kernels.forgetting_attention import sdpa
+
+    q, k, v, log_f = make_inputs(1, 8, 2, 2, 64, torch.float32)
+    monkeypatch.setenv(sdpa.ENV_SWITCH, "on")
+    with pytest.raises(ValueError, match=sdpa.ENV_SWITCH):
+        sdpa.applies(q, k, v, log_f, None, None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_mean", [4.0, -1.0])  # mild and strong forgetting (c reaches -1000s)
 def test_gpu_sdpa_bf16_real_lengths(gate_mean):
