@@ -8,3 +8,9 @@ def expand_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[B, T, G, D] -> [B, T, heads, D]; head h reads group h % G (RAT's q/k sharing)."""
     batch, seq, groups, dim = x.shape
     return x.unsqueeze(2).expand(batch, seq, heads // groups, groups, dim).reshape(batch, seq, heads, dim)
+
+
+def leading_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """Strides of the first three dims of a [batch, seq, heads, dim] tensor (dim contiguous):
+    what the row-wise Triton kernels take to address any such view."""
+    return x.stride(0), x.stride(1), x.stride(2)

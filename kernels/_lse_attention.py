@@ -27,6 +27,7 @@ All tensors here are [n, heads, len, head_dim] (any strides with a unit last str
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +155,15 @@ def _kind(q: torch.Tensor) -> str:
     if q.dtype not in (torch.float16, torch.bfloat16):
         return "math"
     return "cudnn" if _use_cudnn(q.device, q.dtype, int(q.shape[-1])) else "flash"
+
+
+def path_switch(variable: str) -> str:
+    """An op's A/B switch between its Triton kernels and its path on these kernels: the environment
+    variable's value, "" (the automatic choice), "triton" or "sdpa"; anything else raises."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "triton", "sdpa"):
+        raise ValueError(f"{variable}={value!r}: set it to 'triton' or 'sdpa', or leave it unset (the automatic choice).")
+    return value
 
 
 def rebuilt_saved(kind: str, q: torch.Tensor, k: torch.Tensor) -> Saved:

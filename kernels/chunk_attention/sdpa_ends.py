@@ -23,13 +23,12 @@ PyTorch's CPU flash kernel and the Triton interpreter (tests).
 """
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
 
-from .._lse_attention import attention_with_kind, attention_with_lse_backward, kernel_kind, rebuilt_saved
+from .._lse_attention import attention_with_kind, attention_with_lse_backward, kernel_kind, path_switch, rebuilt_saved
 from .._custom_ops import fake_like, kernel_op, optional, placeholder
+from .reference import chunk_ends
+from .._common import leading_strides as _strides
 
 # "triton": RAT's ends always on the Triton kernels; "sdpa": on this path from any length (A/B timings)
 ENV_SWITCH = "HF_HYBRID_BLOCK_ENDS"
@@ -40,16 +39,9 @@ _HEAD_DIMS = (64, 128)
 MIN_ENDS = 1024
 
 
-def _switch() -> str:
-    value = os.environ.get(ENV_SWITCH, "")
-    if value not in ("", "triton", "sdpa"):
-        raise ValueError(f"{ENV_SWITCH}={value!r}: set it to 'triton' or 'sdpa', or leave it unset (the automatic choice).")
-    return value
-
-
 def applies(q: torch.Tensor, k: torch.Tensor, block_size: int, local_window: int, num_sink_tokens: int) -> bool:
     """Whether ``block_end_attention``'s automatic choice takes this path on CUDA."""
-    switch = _switch()
+    switch = path_switch(ENV_SWITCH)
     if switch == "triton" or not q.is_cuda:
         return False
     if local_window or num_sink_tokens or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
@@ -61,22 +53,18 @@ def applies(q: torch.Tensor, k: torch.Tensor, block_size: int, local_window: int
 
 
 def _num_slots(seq: int, block_size: int) -> int:
-    return triton.cdiv(seq, block_size) - 1
+    return -(-seq // block_size) - 1
 
 
 def _ends(x: torch.Tensor, block_size: int, num_slots: int) -> torch.Tensor:
     """[B, E, H, D] ends of chunks 0 .. E - 1 as [B, H, E, D] (a view)."""
-    return x[:, block_size - 1::block_size][:, :num_slots].transpose(1, 2)
-
-
-def _strides(x: torch.Tensor) -> tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
+    return chunk_ends(x, block_size)[:, :num_slots].transpose(1, 2)
 
 
 def _launch(seq: int, rows: int):
     from .sdpa_ends_triton import BLOCK_T, WARPS
 
-    return (triton.cdiv(seq, BLOCK_T), rows), dict(BLOCK_T=BLOCK_T, num_warps=WARPS)
+    return (-(-seq // BLOCK_T), rows), dict(BLOCK_T=BLOCK_T, num_warps=WARPS)
 
 
 def _query_slots(q: torch.Tensor, heads: int, block_size: int, num_slots: int) -> torch.Tensor:

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import leading_strides as _strides
+
 
 LOG2E = 1.4426950408889634
 
@@ -536,10 +538,6 @@ def _check_head_dim(op: str, head_dim: int) -> None:
             f"{op}: the Triton kernel needs head_dim a power of two in [16, 256], got {head_dim}; "
             "pass backend='reference'."
         )
-
-
-def _strides(x: torch.Tensor) -> tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

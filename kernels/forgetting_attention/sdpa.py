@@ -26,13 +26,10 @@ without gradients, a window or packed sequences, from MIN_LEN tokens; fp16 stays
 """
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
 
 from .._custom_ops import kernel_op, needs_grad
-from .._lse_attention import attention_with_kind, kernel_kind
+from .._lse_attention import attention_with_kind, kernel_kind, path_switch
 
 EXTRA = 8  # head dimensions added for the bias: 3 used, padded to a multiple of 8
 # "triton": FoX on the Triton kernels always; "sdpa": without gradients, on this path from any length
@@ -41,16 +38,9 @@ MIN_LEN = 2048
 _HEAD_DIMS = (64, 128)
 
 
-def _switch() -> str:
-    value = os.environ.get(ENV_SWITCH, "")
-    if value not in ("", "triton", "sdpa"):
-        raise ValueError(f"{ENV_SWITCH}={value!r}: set it to 'triton' or 'sdpa', or leave it unset (the automatic choice).")
-    return value
-
-
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor, window_size, cu_seqlens) -> bool:
     """Whether ``forgetting_attention``'s automatic choice takes this path on CUDA."""
-    switch = _switch()
+    switch = path_switch(ENV_SWITCH)
     if switch == "triton" or not q.is_cuda or window_size is not None or cu_seqlens is not None:
         return False
     if needs_grad(q, k, v, log_f):
@@ -69,7 +59,7 @@ def _augmented(q, k, c_by_head, scale):
     batch, seq, heads, dim = q.shape
     qa = q.new_empty(batch, seq, heads, dim + EXTRA)
     ka = torch.empty_like(qa)
-    _augment_kernel[(triton.cdiv(seq, BLOCK_T), batch * heads)](
+    _augment_kernel[(-(-seq // BLOCK_T), batch * heads)](
         q, k, c_by_head.contiguous(), qa, ka, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         seq, heads, heads // k.shape[2], -1.0 / scale, HEAD_DIM=dim, EXTRA=EXTRA, BLOCK_T=BLOCK_T, num_warps=WARPS,
     )
