@@ -433,3 +433,44 @@ def test_few_row_projections_decode_like_the_modules(monkeypatch, name):
     assert report["static_steps"] == 3 and calls, (report, calls)
     assert torch.equal(fast.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(fast.logits, 1), torch.stack(plain.logits, 1), atol=1e-4, rtol=1e-4)
+
+
+FUSED_RAT_PLUS = {
+    "dense": {},
+    "d4_w2_i2": dict(sparse_config=dilated(4, 2, 2)),
+    "d3_w0_i0": dict(sparse_config=dilated(3, 0, 0)),
+    "d4_w5_i3_gate_bias": dict(sparse_config=dilated(4, 5, 3), recurrence_gate_bias=True),
+    "d4_w2_i2_no_recurrence": dict(sparse_config=dilated(4, 2, 2), use_recurrence=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_RAT_PLUS))
+def test_rat_plus_fused_static_step_equals_op_by_op_step(monkeypatch, name):
+    """kernel_backend='triton' (Triton's interpreter on CPU): every static decode step of every RAT+
+    layer runs the fused rat_plus_decode_step (two launches), and its logits equal the op-by-op
+    static step's (the reference backend, same weights) and the uncached forward's."""
+    from hf_hybrid.layers import rat_plus_attention
+
+    calls = []
+    real = rat_plus_attention.rat_plus_decode_step
+    monkeypatch.setattr(rat_plus_attention, "rat_plus_decode_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest sets it)
+    model = rat_plus_model(hidden_size=64, num_attention_heads=4, kernel_backend="triton", **FUSED_RAT_PLUS[name]).to(device)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if getattr(layer.self_attn, "g_proj", None) is not None and layer.self_attn.g_proj.bias is not None:
+                layer.self_attn.g_proj.bias.uniform_(-2.0, 2.0)
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    new = 7  # past a block end leaving every ring
+    fused, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
+    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * 2, (report, len(calls))
+    for layer in model.model.layers:
+        layer.self_attn.backend = "reference"
+    plain, _ = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
+    assert len(calls) == (new - 1) * 2  # the reference backend keeps the op-by-op step
+    fused_logits, plain_logits = torch.stack(fused.logits, 1), torch.stack(plain.logits, 1)
+    assert torch.equal(fused.sequences, plain.sequences)
+    torch.testing.assert_close(fused_logits, plain_logits, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        full = model(fused.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
+    torch.testing.assert_close(fused_logits, full, atol=1e-4, rtol=0)

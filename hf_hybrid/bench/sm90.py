@@ -37,6 +37,19 @@ def compile_for_sm90(fn, pointer_dtypes: dict, constexprs: dict, num_warps: int,
     }
 
 
+def _compile_rows(kernels: dict) -> list[dict]:
+    """{name: (kernel, pointer dtypes, constexprs, warps)} -> one row per kernel (resources or the error)."""
+    rows = []
+    for name, (fn, types, constexprs, warps) in kernels.items():
+        row = {"kernel": name, "num_warps": warps}
+        try:
+            row.update(compile_for_sm90(fn, types, constexprs, warps))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+    return rows
+
+
 def rat_keys_values_report(warps=(2, 4, 8, 16)) -> list[dict]:
     """The fused RAT keys/values kernels at the RAT(L=16) layer shape (bf16, 16 heads x 128, 2 key
     groups; the forward with FWD_HEADS heads per program, the backward with all 16) for each warp count."""
@@ -110,15 +123,25 @@ def rat_decode_report() -> list[dict]:
         "_combine_kernel": (_split_decode._combine_kernel, dict(M_IN=f32, L_IN=f32, ACC_IN=f32, O=bf),
                             dict(HEAD_DIM=128, BLOCK_S=8), decode.DECODE_WARPS),
     }
-    rows = []
-    for name, (fn, types, constexprs, warps) in kernels.items():
-        row = {"kernel": name, "num_warps": warps}
-        try:
-            row.update(compile_for_sm90(fn, types, constexprs, warps))
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        rows.append(row)
-    return rows
+    return _compile_rows(kernels)
+
+
+def rat_plus_decode_report() -> list[dict]:
+    """RAT+'s two decode-step kernels at the 1.3B shape (bf16, 16 query heads x 128, 16 kv heads,
+    a dilated store with sinks) with the shipped warp counts."""
+    from ..kernels.chunk_attention import rat_plus_decode_triton as rp
+
+    bf, f32, i64 = "*bf16", "*fp32", "*i64"
+    kernels = {
+        "_token_kernel": (rp._token_kernel, dict(
+            Q=bf, K=bf, V=bf, GL=bf, SK=f32, SV=f32, POS=i64, COS=f32, SIN=f32, KB=bf, VB=bf, ST=i64,
+            SINK_VALID="*u8", QR=bf,
+        ), dict(GROUP=1, HEAD_DIM=128, SINKS=4, BLOCK_S=4, HAS_RECURRENCE=True, HAS_ROPE=True, HAS_ENDS=True), 1),
+        "_stored_attention_kernel": (rp._stored_attention_kernel, dict(
+            QR=bf, KB=bf, VB=bf, ST=i64, M_OUT=f32, L_OUT=f32, ACC_OUT=f32, O=bf, qk_scale="fp32",
+        ), dict(GROUP=1, HEAD_DIM=128, BLOCK=rp.BLOCK_N, DIRECT=False), rp.WARPS),
+    }
+    return _compile_rows(kernels)
 
 
 def fox_decode_report() -> list[dict]:

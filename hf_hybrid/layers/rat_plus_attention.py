@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..kernels._backend import resolve_backend
-from ..kernels.chunk_attention import block_end_attention
+from ..kernels.chunk_attention import block_end_attention, rat_plus_decode_step
 from ..kernels.fused_norm import rotary
 from ..kernels.gated_recurrence import gated_recurrence
 from ..kernels.output_gate import sigmoid_gate
@@ -174,6 +174,41 @@ class RatPlusAttention(nn.Module):
         )
         return attend(q, k, v, mask, reference)
 
+    # ------------------------------------------------------------------ generate()'s static decode step
+    def _fused_step_store(self, x, context: SequenceContext, cache_layer, groups):
+        """The fixed store of generate()'s static decode step when that step runs fused
+        (kernels/chunk_attention/rat_plus_decode.py: two Triton launches instead of ~30): one
+        unpadded token per row, no gradient, the Triton backend, a head_dim the kernels take. None
+        otherwise, and the op-by-op step below (the reference it is tested against) runs."""
+        dim = self.head_dim
+        if (cache_layer is None or x.shape[1] != 1 or context.key_valid is not None
+                or torch.is_grad_enabled() or self.backend not in ("auto", "triton")
+                or not 16 <= dim <= 256 or dim & (dim - 1) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+                or resolve_backend(self.backend, x.device, "rat_plus_decode_step") != "triton"):
+            return None
+        static_step_store = getattr(cache_layer, "static_step_store", None)
+        return static_step_store(groups) if static_step_store is not None else None
+
+    def _fused_static_step(self, x, context: SequenceContext, cache_layer, store) -> torch.Tensor:
+        batch = x.shape[0]
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.z_proj)
+        separate_gate = self.use_recurrence and self.g_proj.bias is not None  # the few-row kernel takes no bias
+        if self.use_recurrence and not separate_gate:
+            projections += (self.g_proj,)
+        q, k, v, gate_z, *gate = project_few_rows(x, projections)  # one launch for all (layers/projections.py)
+        gate_logits = self.g_proj(x) if separate_gate else (gate[0] if gate else None)
+        kv_shape = (batch, 1, self.num_kv_heads, self.head_dim)
+        state_key, state_value = cache_layer.recurrent_state() if self.use_recurrence else (None, None)
+        keys, values, stored, sink_valid = store.step_buffers()
+        y = rat_plus_decode_step(
+            q.view(batch, 1, self.num_heads, self.head_dim), k.view(kv_shape), v.view(kv_shape),
+            gate_logits.view(kv_shape) if gate_logits is not None else None, state_key, state_value,
+            context.positions[0], rotary_tables(self.rotary, context), keys, values, stored, store.layout, sink_valid,
+            backend=self.backend,
+        )
+        cache_layer.static_decode_advance()
+        return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -184,6 +219,9 @@ class RatPlusAttention(nn.Module):
         batch, seq, _ = hidden_states.shape
         heads, kv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         groups = (sparse_config or DENSE).layer_groups(self.layer_idx, heads)
+        store = self._fused_step_store(hidden_states, context, cache_layer, groups)
+        if store is not None:
+            return self._fused_static_step(hidden_states, context, cache_layer, store)
         rep = heads // kv
         group_kv = [sorted({h // rep for h in group_heads}) for _, group_heads in groups]
 

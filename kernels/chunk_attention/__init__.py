@@ -7,6 +7,7 @@ from .._backend import resolve_backend
 from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad, optional, placeholder
 from .._common import expand_groups
 from ..output_gate import sigmoid_gate_reference
+from .rat_plus_decode import StoreLayout, rat_plus_decode_step_reference
 from .sdpa_ends import _HEAD_DIMS as _SDPA_HEAD_DIMS
 from .sdpa_ends import applies as sdpa_applies
 from .sdpa_ends import block_end_attention_sdpa_fwd
@@ -29,6 +30,9 @@ __all__ = [
     "chunk_ends",
     "query_chunk_index",
     "rat_decode_step",
+    "rat_plus_decode_step",
+    "rat_plus_decode_step_reference",
+    "StoreLayout",
 ]
 
 
@@ -374,3 +378,71 @@ def rat_decode_step_op(
 def _(q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, chunk_size, cos, sin,
       key_buffer, value_buffer, scale):
     return torch.empty(v.shape, dtype=v.dtype, device=v.device)
+
+
+def _check_rat_plus_decode(q, k, v, gate_logits, state_key, state_value, keys, values, stored, layout, sink_valid):
+    op = "rat_plus_decode_step"
+    batch, _, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    if q.shape[1] != 1 or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{op}: q must be [batch, 1, heads, head_dim] with heads a multiple of the store's {kv_heads} kv heads; got {tuple(q.shape)}.")
+    token = (batch, 1, kv_heads, dim)
+    for name, t in (("k", k), ("v", v), ("gate_logits", gate_logits)):
+        if t is not None and tuple(t.shape) != token:
+            raise ValueError(f"{op}: {name} must be {list(token)}, got {tuple(t.shape)}.")
+    if gate_logits is not None:
+        for name, t in (("state_key", state_key), ("state_value", state_value)):
+            if t is None or tuple(t.shape) != (batch, kv_heads, dim) or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"{op}: {name} must be a contiguous float32 [{batch}, {kv_heads}, {dim}] tensor (the recurrent state).")
+    if tuple(values.shape) != tuple(keys.shape) or keys.stride() != values.stride() or keys.shape[0] != batch or keys.shape[3] != dim:
+        raise ValueError(f"{op}: keys / values must be [{batch}, columns, kv_heads, {dim}] buffers of equal strides.")
+    if tuple(stored.shape) != tuple(keys.shape[:2]) or stored.dtype != torch.long:
+        raise ValueError(f"{op}: stored must be a long [{batch}, {keys.shape[1]}] tensor of column positions.")
+    if layout.sinks and (sink_valid is None or tuple(sink_valid.shape) != (batch, layout.sinks)):
+        raise ValueError(f"{op}: sink_valid must be a bool [{batch}, {layout.sinks}] tensor for a layout with sinks.")
+
+
+def rat_plus_decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor | None,
+    state_key: torch.Tensor | None, state_value: torch.Tensor | None, position: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor, values: torch.Tensor,
+    stored: torch.Tensor, layout: StoreLayout, sink_valid: torch.Tensor | None = None,
+    scale: float | None = None, backend: str = "auto",
+) -> torch.Tensor:
+    """RAT+'s decode step on a static store (rat_plus_decode.py states it): writes the recurrent
+    state, the store's columns and ``stored`` in place and returns y [B, 1, H, D]. Not
+    differentiable. Triton: two launches (rat_plus_decode_triton.py); head_dim a power of two in [16, 256]."""
+    _check_rat_plus_decode(q, k, v, gate_logits, state_key, state_value, keys, values, stored, layout, sink_valid)
+    if resolve_backend(backend, q.device, "rat_plus_decode_step") == "reference":
+        return rat_plus_decode_step_reference(
+            q, k, v, gate_logits, state_key, state_value, position, cos_sin, keys, values, stored, layout, sink_valid, scale
+        )
+    _check_triton_head_dim("rat_plus_decode_step", q)
+    cos, sin = cos_sin if cos_sin is not None else (None, None)
+    return rat_plus_decode_step_op(
+        q, k, v, gate_logits, state_key, state_value, position, cos, sin, keys, values, stored, sink_valid,
+        layout.first_end, layout.first_ring, layout.ring, layout.dilation, layout.window, layout.sinks, scale,
+    )
+
+
+@kernel_op("rat_plus_decode_step", mutates_args=("state_key", "state_value", "keys", "values", "stored"))
+def rat_plus_decode_step_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor | None,
+    state_key: torch.Tensor | None, state_value: torch.Tensor | None, position: torch.Tensor,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+    stored: torch.Tensor, sink_valid: torch.Tensor | None, first_end: int, first_ring: int, ring: int,
+    dilation: int, window: int, sinks: int, scale: float | None,
+) -> torch.Tensor:
+    from .rat_plus_decode_triton import rat_plus_decode_step_triton
+
+    layout = StoreLayout(first_end, first_ring, ring, dilation, window, sinks)
+    cos_sin = (cos, sin) if cos is not None else None
+    return rat_plus_decode_step_triton(
+        q, k, v, gate_logits, state_key, state_value, position, cos_sin, keys, values, stored, layout, sink_valid, scale
+    )
+
+
+@rat_plus_decode_step_op.register_fake
+def _(q, k, v, gate_logits, state_key, state_value, position, cos, sin, keys, values, stored, sink_valid,
+      first_end, first_ring, ring, dilation, window, sinks, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -124,6 +124,12 @@ def _cases():
     yield "rat_decode_step", chunk_attention.rat_decode_step_op, (
         rand(B, 1, 2, D), rand(B, 1, 2, D), rand(B, 1, 4, D), rand(B, 1, 4, D), rand(4 * D), rand(B, 4, D),
         rand(B, 4, D), position, 4, step_cos, step_sin, rand(B, 5, 4, D), rand(B, 5, 4, D), None)
+    # RAT+'s step on a dilated static store [2 sinks | 6 block ends | ring of 3] (D=4, W=2)
+    stored = torch.tensor([[0, -1, 3, 7, -1, -1, -1, -1, 9, 8, -1]] * B, device=DEVICE)
+    yield "rat_plus_decode_step", chunk_attention.rat_plus_decode_step_op, (
+        rand(B, 1, 4, D), rand(B, 1, 2, D), rand(B, 1, 2, D), rand(B, 1, 2, D), rand(B, 2, D), rand(B, 2, D),
+        position, step_cos, step_sin, rand(B, 11, 2, D), rand(B, 11, 2, D), stored,
+        torch.ones(B, 2, dtype=torch.bool, device=DEVICE), 2, 8, 3, 4, 2, 2, None)
 
 
 CASES = list(_cases())
@@ -151,6 +157,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "forgetting_attention_fwd", "forgetting_attention_bwd", "forgetting_attention_decode",
         "residual_linear_attention_fwd", "residual_linear_attention_bwd",
         "residual_linear_attention_decode_step", "residual_linear_attention_decode_inplace", "rat_decode_step",
+        "rat_plus_decode_step",
         "causal_conv1d_fwd", "causal_conv1d_bwd", "ssd_scan_fwd", "ssd_scan_bwd", "causal_conv1d_step", "ssd_step",
     }
     missing = {name for name in ops if not hasattr(torch.ops.hf_hybrid, name)}

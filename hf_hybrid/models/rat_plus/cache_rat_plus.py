@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ...kernels.chunk_attention.rat_plus_decode import StoreLayout, store_decoded_token, visible_sinks
 from ...kernels.topk_block_attention import block_summaries
 from ...layers.rat_plus_attention import STORED_ARE_VISIBLE, select_kv_heads
 from ...sparse import AttentionPattern
@@ -272,12 +273,15 @@ class StaticFullStore:
         self.values = torch.zeros_like(self.keys)
         self.positions = store.positions.new_full((store.positions.shape[0], capacity), -1)
         self.keys[:, :used], self.values[:, :used], self.positions[:, :used] = store.keys, store.values, store.positions
+        self.layout = StoreLayout.dense(capacity)
 
     def decode(self, keys, values, position):
         """One token per row [batch, 1, kv, dim] at ``position`` ([1] long tensor)."""
-        self.keys.index_copy_(1, position, keys)
-        self.values.index_copy_(1, position, values)
-        self.positions.index_copy_(1, position, position.expand(self.positions.shape[0], 1))
+        store_decoded_token(self.keys, self.values, self.positions, keys, values, position, self.layout)
+        return self.keys, self.values, self.positions, None
+
+    def step_buffers(self):
+        """(keys, values, stored positions, sink flags) of a fused decode step (kernels/chunk_attention/rat_plus_decode.py)."""
         return self.keys, self.values, self.positions, None
 
     def to_store(self, tokens: int) -> FullStore:
@@ -317,7 +321,7 @@ class StaticDilatedStore:
         self.keys[:, :sinks], self.values[:, :sinks] = store.sink_keys, store.sink_values
         self.sink_positions = torch.arange(sinks, device=device)  # device constants for the per-step sink update
         self.sink_valid = store.sink_valid.clone()
-        self.stored[:, :sinks] = self._visible_sinks(left)
+        self.stored[:, :sinks] = visible_sinks(self.sink_valid, self.sink_positions, left, dilation)
         ends = store.end_keys.shape[1]
         span = slice(self.first_end, self.first_end + ends)
         self.keys[:, span], self.values[:, span] = store.end_keys, store.end_values
@@ -329,32 +333,16 @@ class StaticDilatedStore:
             cols = self.first_ring + positions % self.ring  # unpadded rows: the same columns in every row
             self.keys[:, cols[0]], self.values[:, cols[0]] = store.window_keys[:, -held:], store.window_values[:, -held:]
             self.stored[:, cols[0]] = positions
+        self.layout = StoreLayout(self.first_end, self.first_ring, self.ring, dilation, window, sinks)
 
     def decode(self, keys, values, position):
-        dilation, window, sinks = self.pattern.dilation, self.pattern.local_window, self.pattern.num_sink_tokens
-        batch = keys.shape[0]
-        ring_col = self.first_ring + position % self.ring
-        end_col = self.first_end + torch.div(position, dilation, rounding_mode="floor")
-        for col in (ring_col, end_col):  # the end slot's K/V stay hidden until the block end leaves the ring
-            self.keys.index_copy_(1, col, keys)
-            self.values.index_copy_(1, col, values)
-        self.stored.index_copy_(1, ring_col, position.expand(batch, 1))
-        # The position leaving the ring now (p - W - 1) becomes visible in its own column.
-        leaving = position - window - 1
-        closes = (leaving >= 0) & ((leaving + 1) % dilation == 0)
-        leaving_end_col = self.first_end + torch.div(leaving.clamp(min=0), dilation, rounding_mode="floor")
-        # Slot leaving // D holds no visible block end before its own one leaves: writing -1 is harmless.
-        self.stored.index_copy_(1, leaving_end_col, torch.where(closes, leaving, -1).expand(batch, 1))
-        if sinks:
-            self.stored[:, :sinks] = self._visible_sinks(position - window)
+        store_decoded_token(self.keys, self.values, self.stored, keys, values, position, self.layout,
+                            self.sink_valid, self.sink_positions)
         return self.keys, self.values, self.stored, STORED_ARE_VISIBLE
 
-    def _visible_sinks(self, left):
-        """The sink columns' positions: held sinks that have left the ring (below ``left``, an int or a
-        device tensor) and are no block end, else -1."""
-        sinks = self.sink_positions
-        shown = self.sink_valid & (sinks < left) & ((sinks + 1) % self.pattern.dilation != 0)
-        return torch.where(shown, sinks, -1)
+    def step_buffers(self):
+        """(keys, values, stored positions, sink flags) of a fused decode step (kernels/chunk_attention/rat_plus_decode.py)."""
+        return self.keys, self.values, self.stored, self.sink_valid
 
     def to_store(self, tokens: int) -> DilatedStore:
         """Back to the eager layout after ``tokens`` tokens (for a later multi-token update)."""
@@ -486,6 +474,14 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         out = [self.stores[0].decode(key_states, value_states, positions[0])]
         self.static_decode_advance()
         return out
+
+    def static_step_store(self, groups) -> StaticFullStore | StaticDilatedStore | None:
+        """The fixed store a fused decode step of ``groups`` writes into, when the static step has
+        room for one more token (the caller then runs the step and ``static_decode_advance()``);
+        None otherwise (the layer takes ``update``, which also reports a changed sparse_config)."""
+        if not self.static_decode_active or self.groups != list(groups) or self.cumulative_length >= self._static_capacity:
+            return None
+        return self.stores[0]
 
     def static_decode_advance(self) -> None:
         """The host part of one decode step (what a replayed graph does not run)."""
