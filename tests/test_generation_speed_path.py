@@ -442,13 +442,15 @@ FUSED_RAT_PLUS = {
     "d4_w5_i3_gate_bias": dict(sparse_config=dilated(4, 5, 3), recurrence_gate_bias=True),
     "d4_w2_i2_no_recurrence": dict(sparse_config=dilated(4, 2, 2), use_recurrence=False),
 }
+# ~20 s each interpreted; the kernel tests cover these layouts, tests/gpu the W=0, I=0 one on the GPU
+_SLOW_FUSED = {"d3_w0_i0", "d4_w2_i2_no_recurrence"}
 
 
-@pytest.mark.parametrize("name", sorted(FUSED_RAT_PLUS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_FUSED else n for n in sorted(FUSED_RAT_PLUS)])
 def test_rat_plus_fused_static_step_equals_op_by_op_step(monkeypatch, name):
     """kernel_backend='triton' (Triton's interpreter on CPU): every static decode step of every RAT+
-    layer runs the fused rat_plus_decode_step (two launches), and its logits equal the op-by-op
-    static step's (the reference backend, same weights) and the uncached forward's."""
+    layer runs the fused rat_plus_decode_step (two launches), and its logits equal those of the
+    op-by-op static step after the same prefill, and the uncached forward's."""
     from hf_hybrid.layers import rat_plus_attention
 
     calls = []
@@ -464,13 +466,14 @@ def test_rat_plus_fused_static_step_equals_op_by_op_step(monkeypatch, name):
     new = 7  # past a block end leaving every ring
     fused, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
     assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * 2, (report, len(calls))
-    for layer in model.model.layers:
-        layer.self_attn.backend = "reference"
-    plain, _ = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
-    assert len(calls) == (new - 1) * 2  # the reference backend keeps the op-by-op step
+    # The same model and prefill, the op-by-op static step.
+    monkeypatch.setattr(rat_plus_attention.RatPlusAttention, "_fused_step_store", lambda *args: None)
+    plain, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
+    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * 2
     fused_logits, plain_logits = torch.stack(fused.logits, 1), torch.stack(plain.logits, 1)
     assert torch.equal(fused.sequences, plain.sequences)
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-5, rtol=0)
     with torch.no_grad():
         full = model(fused.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
-    torch.testing.assert_close(fused_logits, full, atol=1e-4, rtol=0)
+    # On the GPU the Triton prefill's float32 tl.dot runs at TF32-like precision (issue 21's figure: 7.5e-4).
+    torch.testing.assert_close(fused_logits, full, atol=1e-4 if device == "cpu" else 3e-3, rtol=0)
