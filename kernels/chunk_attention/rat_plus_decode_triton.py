@@ -16,8 +16,9 @@ from .decode import LOG2E
 from .rat_decode_triton import _rotate
 from .rat_plus_decode import CosSin, StoreLayout
 
-# The streaming tile of the store (the FoX decode kernel's: one query, D-wide keys, split-K).
-BLOCK_N, WARPS = 64, 4
+# The streaming tile of the store: 16 columns x 2 warps, as the chunk-end decode kernels (FoX's
+# H100 sweep had it within 1% of 64 x 4, which on sm_90 with Triton 3.6 needs 255 registers and spills).
+BLOCK_N, WARPS = 16, 2
 
 
 @triton.jit
