@@ -311,6 +311,24 @@ def test_decode_steps_keep_the_cache_buffers_in_place():
     assert layer_cache.num_entries == 19 // 4  # completed chunks only
 
 
+def test_fused_decode_buffers_are_cut_to_the_reserved_slots():
+    """The one-kernel step plans its splits over the buffers it is handed: after reserve(), the
+    same cut (the reserved slots, not the doubled buffer behind them) at every step, so a captured
+    step replays one plan; without a reservation, the slots up to the token's own chunk."""
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (2, 9))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    layer_cache = cache.layers[0]
+    keys, *_ = layer_cache.fused_decode_buffers(4)
+    assert keys.shape[1] == 9 // 4 + 1  # token 9 opens chunk 2: slots 0 .. 2
+    layer_cache.reserve(16, chunk_size=4)
+    assert layer_cache._key_buffer.shape[1] > 16 // 4 + 1  # grown by doubling: 3 -> 6 slots for 5
+    cuts = {layer_cache.fused_decode_buffers(4)[0].shape[1] for _ in range(6)}
+    assert cuts == {16 // 4 + 1}
+    assert layer_cache.fused_decode_buffers(4)[0].data_ptr() == layer_cache._key_buffer.data_ptr()
+
+
 @pytest.mark.parametrize("overrides", [{}, pytest.param({"use_rope": False, "num_qk_groups": 1}, marks=pytest.mark.slow)])
 def test_one_kernel_decode_step_decodes_like_the_full_forward(monkeypatch, overrides):
     """kernel_backend='triton' (Triton's interpreter on CPU): every decode step runs the one-kernel
