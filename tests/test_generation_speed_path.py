@@ -477,3 +477,36 @@ def test_rat_plus_fused_static_step_equals_op_by_op_step(monkeypatch, name):
         full = model(fused.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
     # On the GPU the Triton prefill's float32 tl.dot runs at TF32-like precision (issue 21's figure: 7.5e-4).
     torch.testing.assert_close(fused_logits, full, atol=1e-4 if device == "cpu" else 3e-3, rtol=0)
+
+
+@pytest.mark.parametrize("feature_map", ["softmax", pytest.param("relu", marks=pytest.mark.slow)])
+def test_rattention_fused_ring_step_equals_op_by_op_step(monkeypatch, feature_map):
+    """kernel_backend='triton' (Triton's interpreter on CPU): every static decode step of every local
+    RATTENTION layer runs the ring's RLA half, reads and writes as one ring_decode launch, and the
+    logits equal those of the op-by-op ring step after the same prefill, and the uncached forward's."""
+    from hf_hybrid.layers import residual_linear_attention as rla_layer
+
+    calls = []
+    real = rla_layer.ring_decode
+    monkeypatch.setattr(rla_layer, "ring_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = rattention_model(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, layer_types=["local", "global"],
+                             kernel_backend="triton", feature_map=feature_map).to(device)
+    if device == "cpu":  # flex_attention's CPU path is not what this test is about: the SWA prefill through SDPA
+        for layer in model.model.layers:
+            if isinstance(layer.self_attn, rla_layer.RattentionLocalAttention):
+                layer.self_attn._swa_backend = lambda: "sdpa"
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    new = 7
+    fused, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
+    local_layers = sum(t == "local" for t in model.config.layer_types)
+    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * local_layers, (report, len(calls))
+    monkeypatch.setattr(rla_layer.RattentionLocalAttention, "_fused_ring_step", lambda *args: False)
+    plain, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
+    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * local_layers
+    fused_logits, plain_logits = torch.stack(fused.logits, 1), torch.stack(plain.logits, 1)
+    assert torch.equal(fused.sequences, plain.sequences)
+    torch.testing.assert_close(fused_logits, plain_logits, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        full = model(fused.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
+    torch.testing.assert_close(fused_logits, full, atol=1e-4 if device == "cpu" else 3e-3, rtol=0)

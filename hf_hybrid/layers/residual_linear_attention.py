@@ -27,10 +27,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..kernels._backend import resolve_backend
 from ..kernels.residual_linear_attention import (
     feature_dim,
     residual_linear_attention,
     residual_linear_attention_decode,
+    ring_decode,
     sliding_window_attention,
 )
 from .attention import softmax_attention
@@ -267,6 +269,13 @@ class RattentionLocalAttention(_QKVProjections):
         """One new token per row, no padding, window full: the token leaving the window (t - w - 1)
         sits in ring slot t % (w + 1); fold it into S, overwrite the slot with token t, then attend
         over the w + 1 slots (tokens t - w .. t; order does not matter to softmax attention)."""
+        if self._fused_ring_step(q, cache_layer):
+            keys, values, raw_keys, state, next_column = cache_layer.ring_buffers()
+            o = ring_decode(q[:, 0], k[:, 0], k_swa[:, 0], v[:, 0], state, keys, values, raw_keys, next_column,
+                            self.feature_map, backend=self._decode_backend())
+            cache_layer.advance_ring()
+            o_swa = _attend(q_swa, cache_layer.keys, cache_layer.values, None, self.num_heads, self.num_kv_heads)
+            return o_swa, o[:, None]
         slot = cache_layer.ring_slot()
         o_rla = state = None
         if self.use_rla:
@@ -279,6 +288,16 @@ class RattentionLocalAttention(_QKVProjections):
         cache_layer.write_slot(slot, k_swa, v, k if self.use_rla else None, state)
         o_swa = _attend(q_swa, cache_layer.keys, cache_layer.values, None, self.num_heads, self.num_kv_heads)
         return o_swa, o_rla
+
+    def _fused_ring_step(self, q, cache_layer) -> bool:
+        """Whether the ring step's RLA half, reads and writes run as one kernel (ring_decode): both
+        branches, no gradient, no recording for crops, the Triton backend, a head_dim it takes and
+        the cache's own float32 state."""
+        state = cache_layer.state
+        return (self.use_rla and self.use_swa and not torch.is_grad_enabled() and not cache_layer.record_past
+                and q.shape[-1] in (16, 32, 64, 128) and state is not None and state.dtype == torch.float32
+                and state.is_contiguous() and self._decode_backend() in ("auto", "triton")
+                and resolve_backend(self._decode_backend(), q.device, "ring_decode") == "triton")
 
     def _with_cache(self, q, k, v, q_swa, k_swa, context, cache_layer):
         """New tokens after cached ones: the cached window (last w + 1 tokens) is prepended."""

@@ -22,6 +22,7 @@ from .reference import (
     residual_linear_attention_reference,
     sliding_window_attention_reference,
 )
+from .ring_decode import ring_decode_reference
 from .sliding_window import sliding_window_attention_flex, sliding_window_attention_sdpa
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "residual_linear_attention_decode",
     "residual_linear_attention_decode_reference",
     "residual_linear_attention_reference",
+    "ring_decode",
+    "ring_decode_reference",
     "sliding_window_attention",
     "sliding_window_attention_reference",
 ]
@@ -338,4 +341,52 @@ def residual_linear_attention_decode_inplace(
 
 @residual_linear_attention_decode_inplace.register_fake
 def _(q, state, k_leaving, v_leaving, leaving_mask, feature_map):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def ring_decode(
+    q: torch.Tensor, k: torch.Tensor, k_swa: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+    ring_keys: torch.Tensor, ring_values: torch.Tensor, ring_raw_keys: torch.Tensor, next_column: torch.Tensor,
+    feature_map: str = "softmax", backend: str = "auto",
+) -> torch.Tensor:
+    """RATTENTION's local decode step on a full window ring, RLA half (ring_decode.py states it):
+    folds the leaving token into ``state``, writes the new token into its ring slot (in place) and
+    returns the RLA output o [B, H, D]. Not differentiable. Triton: one launch; head_dim in (16, 32, 64, 128)."""
+    op = "ring_decode"
+    batch, heads, dim = q.shape
+    kv_heads = state.shape[1] if state.dim() == 4 else 0
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"{op}: feature_map must be one of {FEATURE_MAPS}; got {feature_map!r}.")
+    if (state.dim() != 4 or kv_heads == 0 or heads % kv_heads or state.dtype != torch.float32 or not state.is_contiguous()
+            or tuple(state.shape) != (batch, kv_heads, feature_dim(feature_map, dim), dim)):
+        raise ValueError(f"{op}: state must be a contiguous float32 [{batch}, kv_heads, {feature_dim(feature_map, dim)}, {dim}] "
+                         f"tensor with kv_heads dividing the {heads} query heads; got {tuple(state.shape)} {state.dtype}.")
+    for name, t in (("k", k), ("k_swa", k_swa), ("v", v)):
+        if tuple(t.shape) != (batch, kv_heads, dim) or t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be [{batch}, {kv_heads}, {dim}] with a contiguous last dim; got {tuple(t.shape)}.")
+    rings = (("ring_keys", ring_keys), ("ring_values", ring_values), ("ring_raw_keys", ring_raw_keys))
+    for name, t in rings:
+        if (t.dim() != 4 or t.shape[0] != batch or tuple(t.shape[2:]) != (kv_heads, dim) or t.shape != ring_raw_keys.shape
+                or t.stride() != ring_raw_keys.stride()):
+            raise ValueError(f"{op}: {name} must be a [{batch}, window + 1, {kv_heads}, {dim}] ring with ring_raw_keys' strides.")
+    if resolve_backend(backend, q.device, op) == "reference":
+        return ring_decode_reference(q, k, k_swa, v, state, ring_keys, ring_values, ring_raw_keys, next_column, feature_map)
+    if dim not in _TRITON_HEAD_DIMS:
+        raise ValueError(f"{op}: the Triton kernel takes head_dim in {_TRITON_HEAD_DIMS}, got {dim}; pass backend='reference'.")
+    return ring_decode_op(q.contiguous(), k, k_swa, v, state, ring_keys, ring_values, ring_raw_keys, next_column, feature_map)
+
+
+@kernel_op("rattention_ring_decode", mutates_args=("state", "ring_keys", "ring_values", "ring_raw_keys"))
+def ring_decode_op(
+    q: torch.Tensor, k: torch.Tensor, k_swa: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+    ring_keys: torch.Tensor, ring_values: torch.Tensor, ring_raw_keys: torch.Tensor, next_column: torch.Tensor,
+    feature_map: str,
+) -> torch.Tensor:
+    from .ring_decode_triton import ring_decode_triton
+
+    return ring_decode_triton(q, k, k_swa, v, state, ring_keys, ring_values, ring_raw_keys, next_column, feature_map)
+
+
+@ring_decode_op.register_fake
+def _(q, k, k_swa, v, state, ring_keys, ring_values, ring_raw_keys, next_column, feature_map):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

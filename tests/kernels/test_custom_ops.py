@@ -108,6 +108,9 @@ def _cases():
     yield "rla_decode_step", rla.residual_linear_attention_decode_step, (dq, state, *leaving, mask, "softmax")
     yield "rla_decode_step_window_filling", rla.residual_linear_attention_decode_step, (dq, state, None, None, None, "relu")
     yield "rla_decode_inplace", rla.residual_linear_attention_decode_inplace, (dq, state.clone(), *leaving, None, "softmax")
+    ring = lambda: torch.randn(B, 4, 2, D, device=DEVICE)  # noqa: E731  (a window of 3 + the token)
+    yield "rattention_ring_decode", rla.ring_decode_op, (
+        dq, *leaving, leaving[0], state.clone(), ring(), ring(), ring(), torch.tensor([6], device=DEVICE), "softmax")
     conv_state = torch.randn(B, 13, 4, device=DEVICE)
     step_x = torch.randn(B, 13, device=DEVICE)
     yield "causal_conv1d_step", conv.causal_conv1d_step_op, (
@@ -157,7 +160,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "forgetting_attention_fwd", "forgetting_attention_bwd", "forgetting_attention_decode",
         "residual_linear_attention_fwd", "residual_linear_attention_bwd",
         "residual_linear_attention_decode_step", "residual_linear_attention_decode_inplace", "rat_decode_step",
-        "rat_plus_decode_step",
+        "rat_plus_decode_step", "rattention_ring_decode",
         "causal_conv1d_fwd", "causal_conv1d_bwd", "ssd_scan_fwd", "ssd_scan_bwd", "causal_conv1d_step", "ssd_step",
     }
     missing = {name for name in ops if not hasattr(torch.ops.hf_hybrid, name)}

@@ -103,6 +103,17 @@ class RattentionLocalLayerCache(TensorMapLayer):
         self._next_column.add_(1)
         self.cumulative_length += 1
 
+    def ring_buffers(self):
+        """(keys, values, raw_keys, state, next_column) of the full ring, for a fused step that
+        does write_slot's reads and writes itself (kernels/residual_linear_attention/ring_decode.py);
+        the caller then calls :meth:`advance_ring`."""
+        return self.keys, self.values, self.raw_keys, self.state, self._next_column
+
+    def advance_ring(self) -> None:
+        """write_slot's bookkeeping after a fused step wrote the slot: the next column, the token count."""
+        self._next_column.add_(1)
+        self.cumulative_length += 1
+
     def update(
         self,
         key_states: torch.Tensor | None,
