@@ -511,3 +511,25 @@ def test_rattention_fused_ring_step_equals_op_by_op_step(monkeypatch, feature_ma
     with torch.no_grad():
         full = model(fused.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
     torch.testing.assert_close(fused_logits, full, atol=1e-4 if device == "cpu" else 3e-3, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["rat", "fox_pro", "rattention", "rat_plus_d4_w2_i2", "se_hybrid_full"])
+def test_deferred_residual_adds_equal_the_block_by_block_step(monkeypatch, name):
+    """In the static decode step every residual add rides on the RMSNorm after it (add_rms_norm,
+    Triton's interpreter here): each block runs forward_deferred_add, and the logits equal those of
+    the plain blocks (ADD_NORM_BACKEND='reference' keeps them)."""
+    from hf_hybrid.layers import backbone
+
+    model = MODELS[name]()
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7))
+    calls = []
+    real = backbone.DecoderLayer.forward_deferred_add
+    monkeypatch.setattr(backbone.DecoderLayer, "forward_deferred_add", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    monkeypatch.setattr(backbone, "ADD_NORM_BACKEND", "triton")
+    fused, report = generate(model, ids, "eager", max_new_tokens=6, do_sample=False)
+    assert report["static_steps"] == 5 and len(calls) == 5 * model.config.num_hidden_layers, (report, len(calls))
+    monkeypatch.setattr(backbone, "ADD_NORM_BACKEND", "reference")
+    plain, _ = generate(model, ids, "eager", max_new_tokens=6, do_sample=False)
+    assert len(calls) == 5 * model.config.num_hidden_layers
+    assert torch.equal(fused.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(fused.logits, 1), torch.stack(plain.logits, 1), atol=1e-5, rtol=1e-5)

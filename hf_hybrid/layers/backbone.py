@@ -11,9 +11,38 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..kernels._backend import resolve_backend
+from ..kernels.residual_norm import add_rms_norm
+from .backbone_fusion import fused_decode_active
 from .context import SequenceContext
 from .mlp import SwiGLUMLP
 from .norm import RMSNorm
+
+# The residual add + RMSNorm kernel of generate()'s static decode step (kernels/residual_norm):
+# "auto" runs it on CUDA only; tests set "triton" (Triton's CPU interpreter); "reference" turns it off.
+ADD_NORM_BACKEND = "auto"
+
+
+def _plain(module: nn.Module) -> bool:
+    return not (module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
+
+
+def deferred_adds_apply(hidden_states: torch.Tensor, layers, final_norm: nn.Module) -> bool:
+    """Whether a stack runs :meth:`DecoderLayer.forward_deferred_add`: inside generate()'s static
+    decode step with fused decode kernels on (backbone_fusion.fused_decode_active), on the add-norm
+    kernel's backend, for plain DecoderLayers and RMSNorms (no hooks: a hook sees what it always saw)."""
+    if not fused_decode_active() or torch.is_grad_enabled():
+        return False
+    if ADD_NORM_BACKEND == "reference" or resolve_backend(ADD_NORM_BACKEND, hidden_states.device, "add_rms_norm") != "triton":
+        return False
+    norms = [final_norm] + [n for layer in layers for n in (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))]
+    return (all(isinstance(layer, DecoderLayer) and _plain(layer) for layer in layers)
+            and all(isinstance(n, RMSNorm) and n.weight.dim() == 1 and _plain(n) for n in norms))
+
+
+def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, norm(x + delta)) in one kernel (delta None: (x, norm(x)))."""
+    return add_rms_norm(x, delta, norm.weight, norm.eps, backend=ADD_NORM_BACKEND)
 
 
 class DecoderLayer(GradientCheckpointingLayer):
@@ -27,3 +56,12 @@ class DecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None, **mixer_kwargs) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, cache_layer, **mixer_kwargs)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def forward_deferred_add(self, residual, delta, context: SequenceContext, cache_layer=None, **mixer_kwargs):
+        """forward(residual + delta) returned as (residual', delta'), the last add left to the next
+        norm: each residual add then rides on the RMSNorm that reads it (one kernel, add_norm), two
+        launches per block fewer in a decode step. residual' + delta' rounds as forward's output.
+        ``delta`` None: the input is ``residual`` itself (the first block)."""
+        x, normed = add_norm(residual, delta, self.input_layernorm)
+        h, normed = add_norm(x, self.self_attn(normed, context, cache_layer, **mixer_kwargs), self.post_attention_layernorm)
+        return h, self.mlp(normed)

@@ -254,7 +254,9 @@ class RatAttention(nn.Module):
         start = context.uniform_start
         # Unpadded rows share their positions: compute per-position tables once, not per row.
         positions = context.positions[:1] if start is not None else context.positions
-        chunk_index = torch.div(positions, L, rounding_mode="floor")
+        # Once per forward for every RAT layer with this chunk size (a decode step's kernel per layer otherwise).
+        chunk_index = context.shared_table(("chunk_index", L, start is not None, tuple(positions.shape)),
+                                           lambda: torch.div(positions, L, rounding_mode="floor"))
         cos_sin = self._chunk_rotary(context, chunk_index)
         if cache_layer is not None and seq == 1 and start is not None and cache_layer.get_seq_length() > 0:
             return self._decode_step(q, k, v, gate_logits, gate_z, positions, chunk_index, cos_sin, cache_layer)

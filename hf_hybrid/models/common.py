@@ -26,7 +26,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import ModelOutput, logging
 
 from ..generation.graph_decode import DecodeGraphMixin
-from ..layers.backbone import DecoderLayer
+from ..layers.backbone import DecoderLayer, add_norm, deferred_adds_apply
 from ..layers.context import SequenceContext
 from ..layers.loss import lm_head_and_loss
 from ..layers.norm import RMSNorm
@@ -222,6 +222,16 @@ class HybridModel(HybridPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
+        if not (output_hidden_states or output_attentions) and deferred_adds_apply(hidden_states, self.layers, self.norm):
+            # generate()'s static decode step: every residual add fused into the norm after it.
+            residual, delta = hidden_states, None
+            for layer_idx, layer in enumerate(self.layers):
+                cache_layer = past_key_values.layers[layer_idx] if past_key_values is not None else None
+                residual, delta = layer.forward_deferred_add(residual, delta, context, cache_layer, **mixer_kwargs)
+            return BaseModelOutputWithPast(
+                last_hidden_state=add_norm(residual, delta, self.norm)[1],
+                **cache_field(past_key_values if use_cache else None),
+            )
         for layer_idx, layer in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(hidden_states)

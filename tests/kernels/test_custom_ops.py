@@ -108,6 +108,11 @@ def _cases():
     yield "rla_decode_step", rla.residual_linear_attention_decode_step, (dq, state, *leaving, mask, "softmax")
     yield "rla_decode_step_window_filling", rla.residual_linear_attention_decode_step, (dq, state, None, None, None, "relu")
     yield "rla_decode_inplace", rla.residual_linear_attention_decode_inplace, (dq, state.clone(), *leaving, None, "softmax")
+    rows, residual_update = torch.randn(B, 1, 48, device=DEVICE), torch.randn(B, 1, 48, device=DEVICE)
+    yield "add_rms_norm", importlib.import_module("hf_hybrid.kernels.residual_norm").add_rms_norm_op, (
+        rows, residual_update, torch.randn(48, device=DEVICE), 1e-6)
+    yield "rms_norm_rows", importlib.import_module("hf_hybrid.kernels.residual_norm").rms_norm_rows_op, (
+        rows, torch.randn(48, device=DEVICE), 1e-6)
     ring = lambda: torch.randn(B, 4, 2, D, device=DEVICE)  # noqa: E731  (a window of 3 + the token)
     yield "rattention_ring_decode", rla.ring_decode_op, (
         dq, *leaving, leaving[0], state.clone(), ring(), ring(), ring(), torch.tensor([6], device=DEVICE), "softmax")
@@ -160,7 +165,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "forgetting_attention_fwd", "forgetting_attention_bwd", "forgetting_attention_decode",
         "residual_linear_attention_fwd", "residual_linear_attention_bwd",
         "residual_linear_attention_decode_step", "residual_linear_attention_decode_inplace", "rat_decode_step",
-        "rat_plus_decode_step", "rattention_ring_decode",
+        "rat_plus_decode_step", "rattention_ring_decode", "add_rms_norm", "rms_norm_rows",
         "causal_conv1d_fwd", "causal_conv1d_bwd", "ssd_scan_fwd", "ssd_scan_bwd", "causal_conv1d_step", "ssd_step",
     }
     missing = {name for name in ops if not hasattr(torch.ops.hf_hybrid, name)}

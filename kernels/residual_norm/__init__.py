@@ -1,0 +1,71 @@
+"""Residual add + RMSNorm in one kernel: h = x + d, y = RMSNorm(h) (reference.py states it).
+
+The pre-norm block adds its mixer's and its MLP's output to the residual stream, and the next norm
+reads the sum right away; in a decode step each add is a kernel of its own (two per block). Here
+the add rides on the norm. Forward only: generate()'s static decode step uses it
+(hf_hybrid/layers/backbone.py, ``DecoderLayer.forward_deferred_add``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._backend import resolve_backend
+from .._custom_ops import kernel_op
+from .reference import add_rms_norm_reference
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HIDDEN = 16384  # one row per program in registers
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = x + delta, RMSNorm(h) with ``weight``): x, delta [..., N] of one dtype (delta None: h = x),
+    weight [N]. No gradient on the Triton path (it raises when one is needed); backend "auto"
+    (Triton on CUDA), "triton", "reference"."""
+    op = "add_rms_norm"
+    n = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(f"{op}: weight must be [{n}] (x's last dim); got {tuple(weight.shape)}.")
+    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
+        raise ValueError(f"{op}: delta must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(delta.shape)}, {delta.dtype}.")
+    if resolve_backend(backend, x.device, op) == "reference" or x.numel() == 0:
+        return add_rms_norm_reference(x, delta, weight, eps)
+    if x.dtype not in _DTYPES or n > _MAX_HIDDEN:
+        if backend == "triton":
+            raise ValueError(f"{op}: the Triton kernel takes {_DTYPES} rows of at most {_MAX_HIDDEN}; pass backend='reference'.")
+        return add_rms_norm_reference(x, delta, weight, eps)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, delta, weight)):
+        raise ValueError(f"{op}: the Triton kernel has no backward; call it under torch.no_grad() or pass backend='reference'.")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    delta = delta if delta is None or delta.stride(-1) == 1 else delta.contiguous()
+    if delta is None:
+        return x, rms_norm_rows_op(x, weight, float(eps))
+    return add_rms_norm_op(x, delta, weight, float(eps))
+
+
+@kernel_op("add_rms_norm")
+def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton import add_rms_norm_triton
+
+    return add_rms_norm_triton(x, delta, weight, eps)
+
+
+@add_rms_norm_op.register_fake
+def _(x, delta, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@kernel_op("rms_norm_rows")
+def rms_norm_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The same kernel without the add (a block whose residual stream starts here)."""
+    from .triton import add_rms_norm_triton
+
+    return add_rms_norm_triton(x, None, weight, eps)[1]
+
+
+@rms_norm_rows_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
