@@ -67,10 +67,21 @@ def online_update(m_i, l_i, acc, s, v):
 
 
 @triton.jit
-def store_partial(M_OUT, L_OUT, ACC_OUT, slot, m_i, l_i, acc, dims, O, o_off, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
-    """Pass 1's result: the split's (m, l, acc), or with one split (DIRECT) the normalised output at O + o_off."""
+def gated(out, Z, z_off, dims, HAS_GATE: tl.constexpr):
+    """out * sigmoid(z) (float32) where the caller fuses an output gate, else out."""
+    if HAS_GATE:
+        out = out * tl.sigmoid(tl.load(Z + z_off + dims).to(tl.float32))
+    return out
+
+
+@triton.jit
+def store_partial(M_OUT, L_OUT, ACC_OUT, slot, m_i, l_i, acc, dims, O, o_off, Z, z_off,
+                  HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr, HAS_GATE: tl.constexpr):
+    """Pass 1's result: the split's (m, l, acc), or with one split (DIRECT) the normalised output at
+    O + o_off (times sigmoid(Z[z_off]) with HAS_GATE)."""
     if DIRECT:
-        tl.store(O + o_off + dims, (acc / tl.where(l_i > 0.0, l_i, 1.0)).to(O.dtype.element_ty))
+        out = gated(acc / tl.where(l_i > 0.0, l_i, 1.0), Z, z_off, dims, HAS_GATE)
+        tl.store(O + o_off + dims, out.to(O.dtype.element_ty))
     else:
         tl.store(M_OUT + slot, m_i)
         tl.store(L_OUT + slot, l_i)
@@ -78,7 +89,8 @@ def store_partial(M_OUT, L_OUT, ACC_OUT, slot, m_i, l_i, acc, dims, O, o_off, HE
 
 
 @triton.jit
-def _combine_kernel(M_IN, L_IN, ACC_IN, O, sob, soh, H, splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine_kernel(M_IN, L_IN, ACC_IN, O, Z, sob, soh, szb, szh, H, splits,
+                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, HAS_GATE: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
@@ -92,16 +104,21 @@ def _combine_kernel(M_IN, L_IN, ACC_IN, O, sob, soh, H, splits, HEAD_DIM: tl.con
     total = tl.sum(w * tl.load(L_IN + base + idx, mask=ok, other=0.0), 0)
     acc = tl.load(ACC_IN + (base + idx[:, None]) * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0.0, total, 1.0)  # no visible key: 0
+    out = gated(out, Z, b * szb + h * szh, dims, HAS_GATE)
     tl.store(O + b * sob + h * soh + dims, out.to(O.dtype.element_ty))
 
 
-def combine(stats: torch.Tensor, partial: torch.Tensor, out: torch.Tensor, heads: int, splits: int, warps: int = 4) -> torch.Tensor:
-    """Pass 2 into out [B, 1, heads, D] (any strides with a contiguous last dim); nothing with one split."""
+def combine(stats: torch.Tensor, partial: torch.Tensor, out: torch.Tensor, heads: int, splits: int, warps: int = 4,
+            gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Pass 2 into out [B, 1, heads, D] (any strides with a contiguous last dim); nothing with one
+    split. ``gate`` [B, 1, heads, D] (logits): the output is multiplied by sigmoid(gate) here, as
+    pass 1 does with one split."""
     if splits == 1:
         return out
     batch, dim = out.shape[0], out.shape[-1]
+    z = gate if gate is not None else out  # unread without a gate
     _combine_kernel[(batch * heads,)](
-        stats[0], stats[1], partial, out, out.stride(0), out.stride(2), heads, splits,
-        HEAD_DIM=dim, BLOCK_S=max(triton.next_power_of_2(splits), 2), num_warps=warps,
+        stats[0], stats[1], partial, out, z, out.stride(0), out.stride(2), z.stride(0), z.stride(2), heads, splits,
+        HEAD_DIM=dim, BLOCK_S=max(triton.next_power_of_2(splits), 2), HAS_GATE=gate is not None, num_warps=warps,
     )
     return out

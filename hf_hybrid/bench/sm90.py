@@ -115,13 +115,14 @@ def rat_decode_report() -> list[dict]:
     kernels = {
         "_rat_decode_kernel": (rd._rat_decode_kernel, dict(
             Q=bf, K=bf, V=bf, GL=bf, BIAS=f32, SK=bf, SV=bf, POS="*i64", COS=f32, SIN=f32, KB=bf, VB=bf, **partials,
-            O=bf, sqb="i64", skb="i64", svb="i64", sgb="i64", ssb="i64", sbb="i64", sbc="i64", sob="i64", qk_scale="fp32",
-        ), dict(GROUPS=2, HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, HAS_ROPE=True, DIRECT=False), decode.DECODE_WARPS),
+            O=bf, Z=bf, sqb="i64", skb="i64", svb="i64", sgb="i64", ssb="i64", sbb="i64", sbc="i64", sob="i64", qk_scale="fp32",
+        ), dict(GROUPS=2, HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, HAS_ROPE=True, DIRECT=False, HAS_GATE=True),
+            decode.DECODE_WARPS),
         "_decode_kernel": (decode._decode_kernel, dict(
             Q=bf, KO=bf, VO=bf, KE=bf, VE=bf, QC="*i64", **partials, O=bf, qk_scale="fp32",
         ), dict(HEAD_DIM=128, BLOCK_N=decode.DECODE_BLOCK_N, DIRECT=False), decode.DECODE_WARPS),
-        "_combine_kernel": (_split_decode._combine_kernel, dict(M_IN=f32, L_IN=f32, ACC_IN=f32, O=bf),
-                            dict(HEAD_DIM=128, BLOCK_S=8), decode.DECODE_WARPS),
+        "_combine_kernel": (_split_decode._combine_kernel, dict(M_IN=f32, L_IN=f32, ACC_IN=f32, O=bf, Z=bf),
+                            dict(HEAD_DIM=128, BLOCK_S=8, HAS_GATE=True), decode.DECODE_WARPS),
     }
     return _compile_rows(kernels)
 
@@ -138,8 +139,8 @@ def rat_plus_decode_report() -> list[dict]:
             SINK_VALID="*u8", QR=bf,
         ), dict(GROUP=1, HEAD_DIM=128, SINKS=4, BLOCK_S=4, HAS_RECURRENCE=True, HAS_ROPE=True, HAS_ENDS=True), 1),
         "_stored_attention_kernel": (rp._stored_attention_kernel, dict(
-            QR=bf, KB=bf, VB=bf, ST=i64, M_OUT=f32, L_OUT=f32, ACC_OUT=f32, O=bf, qk_scale="fp32",
-        ), dict(GROUP=1, HEAD_DIM=128, BLOCK=rp.BLOCK_N, DIRECT=False), rp.WARPS),
+            QR=bf, KB=bf, VB=bf, ST=i64, M_OUT=f32, L_OUT=f32, ACC_OUT=f32, O=bf, Z=bf, qk_scale="fp32",
+        ), dict(GROUP=1, HEAD_DIM=128, BLOCK=rp.BLOCK_N, DIRECT=False, HAS_GATE=True), rp.WARPS),
     }
     return _compile_rows(kernels)
 

@@ -151,18 +151,20 @@ class RatAttention(nn.Module):
             from ..kernels.chunk_attention import rat_decode_step  # a torch.library op: one node under torch.compile
 
             key_buffer, value_buffer, state_k, state_v = cache_layer.fused_decode_buffers(L)
+            # The output gate rides on the kernel's last pass (no launch of its own).
             y = rat_decode_step(
-                q, k, v, gate_logits, self.gate_bias, state_k, state_v, position, L, cos_sin, key_buffer, value_buffer
+                q, k, v, gate_logits, self.gate_bias, state_k, state_v, position, L, cos_sin, key_buffer, value_buffer,
+                output_gate=gate_z.view(v.shape),
             )
-        else:
-            state_k, state_v = cache_layer.recurrent_state()
-            q_rot, k_rot, v_new, k_tilde, v_tilde = rat_decode_inputs_reference(
-                q, k, v, gate_logits, self.gate_bias, state_k, state_v, position, L, cos_sin
-            )
-            k_ends, v_ends = cache_layer.decode_step(k_rot, v_new, chunk_index.view(-1)[:1], k_tilde, v_tilde, L)
-            y = chunk_end_attention(
-                q_rot, k_rot, v_new, k_ends, v_ends, query_chunk=chunk_index.expand(batch, 1), backend=self.backend
-            )
+            return self.o_proj(y.reshape(gate_z.shape))
+        state_k, state_v = cache_layer.recurrent_state()
+        q_rot, k_rot, v_new, k_tilde, v_tilde = rat_decode_inputs_reference(
+            q, k, v, gate_logits, self.gate_bias, state_k, state_v, position, L, cos_sin
+        )
+        k_ends, v_ends = cache_layer.decode_step(k_rot, v_new, chunk_index.view(-1)[:1], k_tilde, v_tilde, L)
+        y = chunk_end_attention(
+            q_rot, k_rot, v_new, k_ends, v_ends, query_chunk=chunk_index.expand(batch, 1), backend=self.backend
+        )
         return self._output(gate_z, y)
 
     def _keys_values(self, k, v, gate_logits, cos_sin):

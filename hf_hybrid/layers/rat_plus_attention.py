@@ -204,10 +204,10 @@ class RatPlusAttention(nn.Module):
             q.view(batch, 1, self.num_heads, self.head_dim), k.view(kv_shape), v.view(kv_shape),
             gate_logits.view(kv_shape) if gate_logits is not None else None, state_key, state_value,
             context.positions[0], rotary_tables(self.rotary, context), keys, values, stored, store.layout, sink_valid,
-            backend=self.backend,
+            output_gate=gate_z.view(batch, 1, self.num_heads, self.head_dim), backend=self.backend,
         )
         cache_layer.static_decode_advance()
-        return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
+        return self.o_proj(y.reshape(gate_z.shape))
 
     def forward(
         self,

@@ -346,15 +346,18 @@ def rat_decode_step(
     q_groups: torch.Tensor, k_groups: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor,
     gate_bias: torch.Tensor, state_key: torch.Tensor, state_value: torch.Tensor, position: torch.Tensor,
     chunk_size: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, key_buffer: torch.Tensor,
-    value_buffer: torch.Tensor, scale: float | None = None,
+    value_buffer: torch.Tensor, scale: float | None = None, output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RAT's whole decode step in one Triton kernel (rat_decode.py states it); writes the new state
     and the token's chunk-end slot into state_key / state_value / key_buffer / value_buffer in place
-    and returns y [B, 1, H, D]. Not differentiable."""
+    and returns y [B, 1, H, D], times sigmoid(output_gate) ([B, 1, H, D] logits: the layer's output
+    gate) when given. Not differentiable."""
     cos, sin = cos_sin if cos_sin is not None else (None, None)
+    if output_gate is not None and tuple(output_gate.shape) != tuple(v.shape):
+        raise ValueError(f"rat_decode_step: output_gate must be shaped like v {tuple(v.shape)}; got {tuple(output_gate.shape)}.")
     return rat_decode_step_op(
         q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, int(chunk_size), cos, sin,
-        key_buffer, value_buffer, scale,
+        key_buffer, value_buffer, scale, output_gate,
     )
 
 
@@ -363,20 +366,20 @@ def rat_decode_step_op(
     q_groups: torch.Tensor, k_groups: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor,
     gate_bias: torch.Tensor, state_key: torch.Tensor, state_value: torch.Tensor, position: torch.Tensor,
     chunk_size: int, cos: torch.Tensor | None, sin: torch.Tensor | None, key_buffer: torch.Tensor,
-    value_buffer: torch.Tensor, scale: float | None,
+    value_buffer: torch.Tensor, scale: float | None, output_gate: torch.Tensor | None,
 ) -> torch.Tensor:
     from .rat_decode_triton import rat_decode_step_triton
 
     cos_sin = (cos, sin) if cos is not None else None
     return rat_decode_step_triton(
         q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, chunk_size, cos_sin,
-        key_buffer, value_buffer, scale,
+        key_buffer, value_buffer, scale, output_gate,
     )
 
 
 @rat_decode_step_op.register_fake
 def _(q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, chunk_size, cos, sin,
-      key_buffer, value_buffer, scale):
+      key_buffer, value_buffer, scale, output_gate):
     return torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
 
@@ -407,21 +410,26 @@ def rat_plus_decode_step(
     state_key: torch.Tensor | None, state_value: torch.Tensor | None, position: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor, values: torch.Tensor,
     stored: torch.Tensor, layout: StoreLayout, sink_valid: torch.Tensor | None = None,
-    scale: float | None = None, backend: str = "auto",
+    scale: float | None = None, output_gate: torch.Tensor | None = None, backend: str = "auto",
 ) -> torch.Tensor:
     """RAT+'s decode step on a static store (rat_plus_decode.py states it): writes the recurrent
-    state, the store's columns and ``stored`` in place and returns y [B, 1, H, D]. Not
+    state, the store's columns and ``stored`` in place and returns y [B, 1, H, D], times
+    sigmoid(output_gate) ([B, 1, H, D] logits: the layer's output gate) when given. Not
     differentiable. Triton: two launches (rat_plus_decode_triton.py); head_dim a power of two in [16, 256]."""
     _check_rat_plus_decode(q, k, v, gate_logits, state_key, state_value, keys, values, stored, layout, sink_valid)
+    if output_gate is not None and tuple(output_gate.shape) != tuple(q.shape):
+        raise ValueError(f"rat_plus_decode_step: output_gate must be shaped like q {tuple(q.shape)}; got {tuple(output_gate.shape)}.")
     if resolve_backend(backend, q.device, "rat_plus_decode_step") == "reference":
-        return rat_plus_decode_step_reference(
+        y = rat_plus_decode_step_reference(
             q, k, v, gate_logits, state_key, state_value, position, cos_sin, keys, values, stored, layout, sink_valid, scale
         )
+        return y if output_gate is None else sigmoid_gate_reference(output_gate, y)
     _check_triton_head_dim("rat_plus_decode_step", q)
     cos, sin = cos_sin if cos_sin is not None else (None, None)
     return rat_plus_decode_step_op(
         q, k, v, gate_logits, state_key, state_value, position, cos, sin, keys, values, stored, sink_valid,
         layout.first_end, layout.first_ring, layout.ring, layout.dilation, layout.window, layout.sinks, scale,
+        output_gate,
     )
 
 
@@ -431,18 +439,19 @@ def rat_plus_decode_step_op(
     state_key: torch.Tensor | None, state_value: torch.Tensor | None, position: torch.Tensor,
     cos: torch.Tensor | None, sin: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
     stored: torch.Tensor, sink_valid: torch.Tensor | None, first_end: int, first_ring: int, ring: int,
-    dilation: int, window: int, sinks: int, scale: float | None,
+    dilation: int, window: int, sinks: int, scale: float | None, output_gate: torch.Tensor | None,
 ) -> torch.Tensor:
     from .rat_plus_decode_triton import rat_plus_decode_step_triton
 
     layout = StoreLayout(first_end, first_ring, ring, dilation, window, sinks)
     cos_sin = (cos, sin) if cos is not None else None
     return rat_plus_decode_step_triton(
-        q, k, v, gate_logits, state_key, state_value, position, cos_sin, keys, values, stored, layout, sink_valid, scale
+        q, k, v, gate_logits, state_key, state_value, position, cos_sin, keys, values, stored, layout, sink_valid, scale,
+        output_gate,
     )
 
 
 @rat_plus_decode_step_op.register_fake
 def _(q, k, v, gate_logits, state_key, state_value, position, cos, sin, keys, values, stored, sink_valid,
-      first_end, first_ring, ring, dilation, window, sinks, scale):
+      first_end, first_ring, ring, dilation, window, sinks, scale, output_gate):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

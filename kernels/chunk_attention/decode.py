@@ -70,7 +70,7 @@ def _decode_kernel(
     m_i, l_i, acc = _attend_ends(q, KE + b * seb + h * seh, VE + b * sfb + h * sfh, sec, sfc, lo,
                                  tl.minimum(lo + split_len, n), dims, qk_scale, m_i, l_i, acc, BLOCK_N)
     store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims,
-                  O, b * sob + h * soh, HEAD_DIM, DIRECT)
+                  O, b * sob + h * soh, Q, 0, HEAD_DIM, DIRECT, False)
 
 
 def chunk_end_decode_triton(

@@ -34,10 +34,11 @@ def _rotate(x, x_swapped, COS, SIN, dims, HALF: tl.constexpr, HAS_ROPE: tl.const
 
 @triton.jit
 def _rat_decode_kernel(
-    Q, K, V, GL, BIAS, SK, SV, POS, COS, SIN, KB, VB, M_OUT, L_OUT, ACC_OUT, O,
-    sqb, skb, svb, sgb, ssb, sbb, sbc, sob,
+    Q, K, V, GL, BIAS, SK, SV, POS, COS, SIN, KB, VB, M_OUT, L_OUT, ACC_OUT, O, Z,
+    sqb, skb, svb, sgb, ssb, sbb, sbc, sob, szb, szh,
     H, C, L, split_len, qk_scale,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_GATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -82,7 +83,7 @@ def _rat_decode_kernel(
     m_i, l_i, acc = _attend_ends(q, KB + b * sbb + head_off, VB + b * sbb + head_off, sbc, sbc, lo,
                                  tl.minimum(lo + split_len, n), dims, qk_scale, m_i, l_i, acc, BLOCK_N)
     store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims,
-                  O, b * sob + head_off, HEAD_DIM, DIRECT)
+                  O, b * sob + head_off, Z, b * szb + h * szh, HEAD_DIM, DIRECT, HAS_GATE)
 
 
 def rat_decode_step_triton(
@@ -99,10 +100,12 @@ def rat_decode_step_triton(
     key_buffer: torch.Tensor,
     value_buffer: torch.Tensor,
     scale: float | None = None,
+    output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole step above (shapes as :func:`rat_decode_inputs_reference`; key_buffer / value_buffer
     [B, slots, H, D] with slot position // L present). Writes the new state and the token's slot in
-    place; returns y [B, 1, H, D]. Not differentiable (decoding)."""
+    place; returns y [B, 1, H, D], times sigmoid(output_gate) ([B, 1, H, D] logits) when given
+    (the layer's output gate, rounded once with y). Not differentiable (decoding)."""
     batch, _, heads, dim = v.shape
     groups = q_groups.shape[2]
     if not rat_decode_supported(v):
@@ -121,13 +124,14 @@ def rat_decode_step_triton(
     scale = dim**-0.5 if scale is None else float(scale)
     splits, per_split, stats, partial = plan_splits(batch * heads, key_buffer.shape[1], BLOCK_N, dim, v.device, PROGRAMS_PER_SM)
     out = torch.empty_like(v)
+    z = output_gate if output_gate is not None else out  # unread without a gate
     _rat_decode_kernel[(batch * heads, splits)](
         q_groups, k_groups, v, gate_logits, gate_bias, state_key, state_value, position, cos, sin,
-        key_buffer, value_buffer, stats[0], stats[1], partial, out,
+        key_buffer, value_buffer, stats[0], stats[1], partial, out, z,
         q_groups.stride(0), k_groups.stride(0), v.stride(0), gate_logits.stride(0), state_key.stride(0),
-        key_buffer.stride(0), key_buffer.stride(1), out.stride(0),
+        key_buffer.stride(0), key_buffer.stride(1), out.stride(0), z.stride(0), z.stride(2),
         heads, key_buffer.shape[1], chunk_size, per_split, scale * LOG2E,
         GROUPS=groups, HEAD_DIM=dim, BLOCK_N=BLOCK_N, HAS_ROPE=cos_sin is not None,
-        DIRECT=splits == 1, num_warps=WARPS,
+        DIRECT=splits == 1, HAS_GATE=output_gate is not None, num_warps=WARPS,
     )
-    return combine(stats, partial, out, heads, splits, WARPS)
+    return combine(stats, partial, out, heads, splits, WARPS, output_gate)

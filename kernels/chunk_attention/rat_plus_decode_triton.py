@@ -94,10 +94,10 @@ def _token_kernel(
 
 @triton.jit
 def _stored_attention_kernel(
-    QR, KB, VB, ST, M_OUT, L_OUT, ACC_OUT, O,
-    sqrb, sqrh, sbb, sbc, sbh, stb, sob, soh,
+    QR, KB, VB, ST, M_OUT, L_OUT, ACC_OUT, O, Z,
+    sqrb, sqrh, sbb, sbc, sbh, stb, sob, soh, szb, szh,
     H, C, split_len, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -120,7 +120,7 @@ def _stored_attention_kernel(
         s = tl.where(ok, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
         m_i, l_i, acc = online_update(m_i, l_i, acc, s, v)
     store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims,
-                  O, b * sob + h * soh, HEAD_DIM, DIRECT)
+                  O, b * sob + h * soh, Z, b * szb + h * szh, HEAD_DIM, DIRECT, HAS_GATE)
 
 
 def _row_stride(x: torch.Tensor) -> int:
@@ -143,10 +143,11 @@ def rat_plus_decode_step_triton(
     layout: StoreLayout,
     sink_valid: torch.Tensor | None = None,
     scale: float | None = None,
+    output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The step of :func:`.rat_plus_decode.rat_plus_decode_step_reference`, same arguments
     (inputs may be any views with a contiguous last dim; checks are the public op's). Returns
-    y [B, 1, H, D] in q's dtype."""
+    y [B, 1, H, D] in q's dtype, times sigmoid(output_gate) when given (rounded once)."""
     batch, _, heads, dim = q.shape
     kv_heads, columns = keys.shape[2], keys.shape[1]
     recurrence = gate_logits is not None
@@ -168,10 +169,12 @@ def rat_plus_decode_step_triton(
     scale = dim**-0.5 if scale is None else float(scale)
     splits, per_split, stats, partial = plan_splits(batch * heads, columns, BLOCK_N, dim, q.device)
     out = torch.empty_like(q_rot)
+    z = output_gate if output_gate is not None else out  # unread without a gate
     _stored_attention_kernel[(batch * heads, splits)](
-        q_rot, keys, values, stored, stats[0], stats[1], partial, out,
+        q_rot, keys, values, stored, stats[0], stats[1], partial, out, z,
         q_rot.stride(0), q_rot.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), stored.stride(0),
-        out.stride(0), out.stride(2), heads, columns, per_split, scale * LOG2E,
-        GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK=BLOCK_N, DIRECT=splits == 1, num_warps=WARPS,
+        out.stride(0), out.stride(2), z.stride(0), z.stride(2), heads, columns, per_split, scale * LOG2E,
+        GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK=BLOCK_N, DIRECT=splits == 1, HAS_GATE=output_gate is not None,
+        num_warps=WARPS,
     )
-    return combine(stats, partial, out, heads, splits, WARPS)
+    return combine(stats, partial, out, heads, splits, WARPS, output_gate)

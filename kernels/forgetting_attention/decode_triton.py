@@ -61,7 +61,7 @@ def _partial_kernel(
         s = tl.where(ok, s, float("-inf"))
         m_i, l_i, acc = online_update(m_i, l_i, acc, s, v)
     store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * splits + split, m_i, l_i, acc, dims,
-                  O, b * sob + h * soh, HEAD_DIM, DIRECT)
+                  O, b * sob + h * soh, Q, 0, HEAD_DIM, DIRECT, False)
 
 
 def forgetting_attention_decode_triton(

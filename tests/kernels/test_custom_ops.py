@@ -131,13 +131,13 @@ def _cases():
     rand = lambda *shape: torch.randn(*shape, device=DEVICE)
     yield "rat_decode_step", chunk_attention.rat_decode_step_op, (
         rand(B, 1, 2, D), rand(B, 1, 2, D), rand(B, 1, 4, D), rand(B, 1, 4, D), rand(4 * D), rand(B, 4, D),
-        rand(B, 4, D), position, 4, step_cos, step_sin, rand(B, 5, 4, D), rand(B, 5, 4, D), None)
+        rand(B, 4, D), position, 4, step_cos, step_sin, rand(B, 5, 4, D), rand(B, 5, 4, D), None, rand(B, 1, 4, D))
     # RAT+'s step on a dilated static store [2 sinks | 6 block ends | ring of 3] (D=4, W=2)
     stored = torch.tensor([[0, -1, 3, 7, -1, -1, -1, -1, 9, 8, -1]] * B, device=DEVICE)
     yield "rat_plus_decode_step", chunk_attention.rat_plus_decode_step_op, (
         rand(B, 1, 4, D), rand(B, 1, 2, D), rand(B, 1, 2, D), rand(B, 1, 2, D), rand(B, 2, D), rand(B, 2, D),
         position, step_cos, step_sin, rand(B, 11, 2, D), rand(B, 11, 2, D), stored,
-        torch.ones(B, 2, dtype=torch.bool, device=DEVICE), 2, 8, 3, 4, 2, 2, None)
+        torch.ones(B, 2, dtype=torch.bool, device=DEVICE), 2, 8, 3, 4, 2, 2, None, rand(B, 1, 4, D))
 
 
 CASES = list(_cases())

@@ -64,6 +64,19 @@ def test_long_cache_is_split_and_merged(dtype, tol, position):
     test_kernel_matches_reference_and_writes_cache_in_place(dtype, tol, position, rope=True, slots=40)
 
 
+@pytest.mark.parametrize("slots", [SLOTS, 40])  # one split; several, merged by the second pass
+def test_output_gate_is_applied_by_the_last_pass(slots):
+    """output_gate: y times sigmoid(gate) in the kernel that writes y (one split) or in the merge."""
+    inputs = decode_inputs(torch.float32, 27 if slots == SLOTS else 150)
+    gate = torch.randn(BATCH, 1, HEADS, DIM, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(1)
+    buffers = [torch.randn(BATCH, slots, HEADS, DIM, generator=g) for _ in range(2)]
+    plain_inputs = {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+    y = rat_decode_step_triton(**plain_inputs, key_buffer=buffers[0].clone(), value_buffer=buffers[1].clone())
+    gated = rat_decode_step_triton(**inputs, key_buffer=buffers[0].clone(), value_buffer=buffers[1].clone(), output_gate=gate)
+    torch.testing.assert_close(gated, torch.sigmoid(gate) * y, rtol=1e-5, atol=1e-6)
+
+
 def test_chunk_start_forgets_the_previous_state():
     """At a position that opens a chunk the state before it must not matter (h_prev = 0)."""
     a, b = decode_inputs(torch.float32, 8), decode_inputs(torch.float32, 8)

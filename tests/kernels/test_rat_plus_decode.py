@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_hybrid.kernels.chunk_attention import StoreLayout, rat_plus_decode_step, rat_plus_decode_step_reference
+from hf_hybrid.kernels.chunk_attention import StoreLayout, rat_plus_decode_step
 from hf_hybrid.layers.rotary import RotaryEmbedding
 
 from sm90_check import sm90_report
@@ -61,7 +61,7 @@ def clone(inputs):
 def check_step(inputs, tol):
     inputs = on_device(inputs)
     expected_inputs, kernel_inputs = clone(inputs), clone(inputs)
-    expected = rat_plus_decode_step_reference(**expected_inputs)
+    expected = rat_plus_decode_step(**expected_inputs, backend="reference")
     y = rat_plus_decode_step(**kernel_inputs, backend="triton")
     torch.testing.assert_close(y, expected, rtol=tol, atol=tol)
     assert torch.equal(kernel_inputs["stored"], expected_inputs["stored"])
@@ -87,6 +87,14 @@ def test_long_store_is_split_and_merged():
     """A store of 200 columns: several splits per (row, head), merged by the second pass."""
     layout = StoreLayout(first_end=4, first_ring=4 + 180, ring=9, dilation=4, window=8, sinks=4)
     check_step(step_inputs(layout, 700, torch.float32), 1e-5)
+
+
+@pytest.mark.parametrize("columns", ["short", "long"])  # one split; several, merged by the second pass
+def test_output_gate_is_applied_by_the_last_pass(columns):
+    layout = LAYOUTS["d4_w2_i2"] if columns == "short" else StoreLayout(4, 4 + 180, 9, 4, 8, 4)
+    inputs = step_inputs(layout, 11 if columns == "short" else 700, torch.float32)
+    inputs["output_gate"] = torch.randn(BATCH, 1, HEADS, DIM, generator=torch.Generator().manual_seed(5))
+    check_step(inputs, 1e-5)
 
 
 def test_sinks_show_once_they_leave_the_ring():
