@@ -520,8 +520,9 @@ def test_deferred_residual_adds_equal_the_block_by_block_step(monkeypatch, name)
     the plain blocks (ADD_NORM_BACKEND='reference' keeps them)."""
     from hf_hybrid.layers import backbone
 
-    model = MODELS[name]()
-    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+    model = MODELS[name]().to(device)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7)).to(device)
     calls = []
     real = backbone.DecoderLayer.forward_deferred_add
     monkeypatch.setattr(backbone.DecoderLayer, "forward_deferred_add", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
