@@ -67,10 +67,11 @@ def test_long_cache_is_split_and_merged(dtype, tol, position):
 @pytest.mark.parametrize("slots", [SLOTS, 40])  # one split; several, merged by the second pass
 def test_output_gate_is_applied_by_the_last_pass(slots):
     """output_gate: y times sigmoid(gate) in the kernel that writes y (one split) or in the merge."""
-    inputs = decode_inputs(torch.float32, 27 if slots == SLOTS else 150)
-    gate = torch.randn(BATCH, 1, HEADS, DIM, generator=torch.Generator().manual_seed(3))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+    inputs = decode_inputs(torch.float32, 27 if slots == SLOTS else 150, device=device)
+    gate = torch.randn(BATCH, 1, HEADS, DIM, generator=torch.Generator().manual_seed(3)).to(device)
     g = torch.Generator().manual_seed(1)
-    buffers = [torch.randn(BATCH, slots, HEADS, DIM, generator=g) for _ in range(2)]
+    buffers = [torch.randn(BATCH, slots, HEADS, DIM, generator=g).to(device) for _ in range(2)]
     plain_inputs = {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
     y = rat_decode_step_triton(**plain_inputs, key_buffer=buffers[0].clone(), value_buffer=buffers[1].clone())
     gated = rat_decode_step_triton(**inputs, key_buffer=buffers[0].clone(), value_buffer=buffers[1].clone(), output_gate=gate)
