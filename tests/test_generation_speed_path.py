@@ -462,21 +462,30 @@ def test_rat_plus_fused_static_step_equals_op_by_op_step(monkeypatch, name):
         for layer in model.model.layers:
             if getattr(layer.self_attn, "g_proj", None) is not None and layer.self_attn.g_proj.bias is not None:
                 layer.self_attn.g_proj.bias.uniform_(-2.0, 2.0)
+    # The same model and prefill, then the op-by-op static step.
+    switch_off = lambda: monkeypatch.setattr(rat_plus_attention.RatPlusAttention, "_fused_step_store", lambda *args: None)  # noqa: E731
+    check_fused_static_step(model, calls, model.config.num_hidden_layers, switch_off)
+
+
+def check_fused_static_step(model, calls: list, layers: int, switch_off) -> None:
+    """generate() on the static step, whose fused op appends to ``calls`` in each of ``layers``
+    layers per step, then again with it switched off (``switch_off()``: the op-by-op step) after the
+    same prefill: the same tokens and logits, and the logits of the uncached forward."""
+    device = next(model.parameters()).device
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
-    new = 7  # past a block end leaving every ring
+    new = 7  # past a block end / the oldest token leaving every ring
     fused, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
-    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * 2, (report, len(calls))
-    # The same model and prefill, the op-by-op static step.
-    monkeypatch.setattr(rat_plus_attention.RatPlusAttention, "_fused_step_store", lambda *args: None)
+    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * layers, (report, len(calls))
+    switch_off()
     plain, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
-    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * 2
+    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * layers
     fused_logits, plain_logits = torch.stack(fused.logits, 1), torch.stack(plain.logits, 1)
     assert torch.equal(fused.sequences, plain.sequences)
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-5, rtol=0)
     with torch.no_grad():
         full = model(fused.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
     # On the GPU the Triton prefill's float32 tl.dot runs at TF32-like precision (issue 21's figure: 7.5e-4).
-    torch.testing.assert_close(fused_logits, full, atol=1e-4 if device == "cpu" else 3e-3, rtol=0)
+    torch.testing.assert_close(fused_logits, full, atol=1e-4 if device.type == "cpu" else 3e-3, rtol=0)
 
 
 @pytest.mark.parametrize("feature_map", ["softmax", pytest.param("relu", marks=pytest.mark.slow)])
@@ -497,20 +506,9 @@ def test_rattention_fused_ring_step_equals_op_by_op_step(monkeypatch, feature_ma
     for layer in model.model.layers:
         if isinstance(layer.self_attn, rla_layer.RattentionLocalAttention):
             layer.self_attn._swa_backend = lambda: "sdpa"
-    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
-    new = 7
-    fused, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
     local_layers = sum(t == "local" for t in model.config.layer_types)
-    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * local_layers, (report, len(calls))
-    monkeypatch.setattr(rla_layer.RattentionLocalAttention, "_fused_ring_step", lambda *args: False)
-    plain, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
-    assert report["static_steps"] == new - 1 and len(calls) == (new - 1) * local_layers
-    fused_logits, plain_logits = torch.stack(fused.logits, 1), torch.stack(plain.logits, 1)
-    assert torch.equal(fused.sequences, plain.sequences)
-    torch.testing.assert_close(fused_logits, plain_logits, atol=1e-5, rtol=0)
-    with torch.no_grad():
-        full = model(fused.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
-    torch.testing.assert_close(fused_logits, full, atol=1e-4 if device == "cpu" else 3e-3, rtol=0)
+    switch_off = lambda: monkeypatch.setattr(rla_layer.RattentionLocalAttention, "_fused_ring_step", lambda *args: False)  # noqa: E731
+    check_fused_static_step(model, calls, local_layers, switch_off)
 
 
 @pytest.mark.parametrize("name", ["rat", "fox_pro", "rattention", "rat_plus_d4_w2_i2", "se_hybrid_full"])
