@@ -70,12 +70,16 @@ def check_step(inputs, tol):
             torch.testing.assert_close(kernel_inputs[name], expected_inputs[name], rtol=tol, atol=tol, msg=name)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 # 8: the token at 2 leaves a W=5 ring; 11 / 12: a block end (3, 7) leaves the W=2 / W=4 ring; 30: sinks long gone
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("position", [3, 8, 11, 12, 30])
-def test_kernels_match_reference(dtype, tol, layout, position):
-    check_step(step_inputs(LAYOUTS[layout], position, dtype), tol)
+def test_kernels_match_reference(layout, position):
+    check_step(step_inputs(LAYOUTS[layout], position, torch.float32), 1e-5)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_kernels_match_reference_bf16(layout):
+    check_step(step_inputs(LAYOUTS[layout], 11, torch.bfloat16), 2e-2)
 
 
 @pytest.mark.parametrize("recurrence,rope", [(False, True), (True, False)])

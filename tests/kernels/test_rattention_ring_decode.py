@@ -38,12 +38,16 @@ def check(inputs, tol):
     assert torch.equal(inputs["next_column"], expected_inputs["next_column"])  # the caller advances it
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("feature_map", ["softmax", "relu", "identity"])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2)])
 @pytest.mark.parametrize("column", [6, 17])  # slot 0; slot 5 (the last), wrapped twice
-def test_kernel_matches_reference(dtype, tol, feature_map, heads, kv_heads, column):
-    check(step_inputs(dtype, heads, kv_heads, 16, feature_map, column), tol)
+def test_kernel_matches_reference(feature_map, heads, kv_heads, column):
+    check(step_inputs(torch.float32, heads, kv_heads, 16, feature_map, column), 1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2)])
+def test_kernel_matches_reference_bf16(heads, kv_heads):
+    check(step_inputs(torch.bfloat16, heads, kv_heads, 16, "softmax", 17), 2e-2)
 
 
 def test_state_tiles_of_a_wide_head():
