@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from ..kernels._backend import resolve_backend
 from ..kernels.chunk_attention import block_end_attention, rat_plus_decode_step
+from ..kernels.chunk_attention.rat_decode import decode_head_dim_supported
 from ..kernels.fused_norm import rotary
 from ..kernels.gated_recurrence import gated_recurrence
 from ..kernels.output_gate import sigmoid_gate
@@ -180,10 +181,9 @@ class RatPlusAttention(nn.Module):
         (kernels/chunk_attention/rat_plus_decode.py: two Triton launches instead of ~30): one
         unpadded token per row, no gradient, the Triton backend, a head_dim the kernels take. None
         otherwise, and the op-by-op step below (the reference it is tested against) runs."""
-        dim = self.head_dim
         if (cache_layer is None or x.shape[1] != 1 or context.key_valid is not None
                 or torch.is_grad_enabled() or self.backend not in ("auto", "triton")
-                or not 16 <= dim <= 256 or dim & (dim - 1) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+                or not decode_head_dim_supported(self.head_dim) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)
                 or resolve_backend(self.backend, x.device, "rat_plus_decode_step") != "triton"):
             return None
         static_step_store = getattr(cache_layer, "static_step_store", None)

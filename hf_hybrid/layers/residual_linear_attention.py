@@ -33,6 +33,7 @@ from ..kernels.residual_linear_attention import (
     residual_linear_attention,
     residual_linear_attention_decode,
     ring_decode,
+    ring_decode_supported,
     sliding_window_attention,
 )
 from .attention import softmax_attention
@@ -295,7 +296,7 @@ class RattentionLocalAttention(_QKVProjections):
         the cache's own float32 state."""
         state = cache_layer.state
         return (self.use_rla and self.use_swa and not torch.is_grad_enabled() and not cache_layer.record_past
-                and q.shape[-1] in (16, 32, 64, 128) and state is not None and state.dtype == torch.float32
+                and ring_decode_supported(q.shape[-1]) and state is not None and state.dtype == torch.float32
                 and state.is_contiguous() and self._decode_backend() in ("auto", "triton")
                 and resolve_backend(self._decode_backend(), q.device, "ring_decode") == "triton")
 

@@ -51,7 +51,11 @@ def rat_decode_inputs_reference(
     return q_rot, rotary_reference(k_tilde[:, None], cos_sin), v_tilde[:, None], k_tilde, v_tilde
 
 
+def decode_head_dim_supported(dim: int) -> bool:
+    """The head sizes the decode-step kernels take (RAT's and RAT+'s): a power of two in [16, 256]."""
+    return 16 <= dim <= 256 and not dim & (dim - 1)
+
+
 def rat_decode_supported(v: torch.Tensor) -> bool:
     """Shapes the kernel takes: head_dim a power of two in [16, 256]."""
-    dim = v.shape[-1]
-    return 16 <= dim <= 256 and not dim & (dim - 1)
+    return decode_head_dim_supported(v.shape[-1])

@@ -37,6 +37,7 @@ __all__ = [
     "residual_linear_attention_reference",
     "ring_decode",
     "ring_decode_reference",
+    "ring_decode_supported",
     "sliding_window_attention",
     "sliding_window_attention_reference",
 ]
@@ -344,6 +345,11 @@ def _(q, state, k_leaving, v_leaving, leaving_mask, feature_map):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
+def ring_decode_supported(head_dim: int) -> bool:
+    """Whether the Triton ring step takes this head size."""
+    return head_dim in _TRITON_HEAD_DIMS
+
+
 def ring_decode(
     q: torch.Tensor, k: torch.Tensor, k_swa: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
     ring_keys: torch.Tensor, ring_values: torch.Tensor, ring_raw_keys: torch.Tensor, next_column: torch.Tensor,
@@ -371,7 +377,7 @@ def ring_decode(
             raise ValueError(f"{op}: {name} must be a [{batch}, window + 1, {kv_heads}, {dim}] ring with ring_raw_keys' strides.")
     if resolve_backend(backend, q.device, op) == "reference":
         return ring_decode_reference(q, k, k_swa, v, state, ring_keys, ring_values, ring_raw_keys, next_column, feature_map)
-    if dim not in _TRITON_HEAD_DIMS:
+    if not ring_decode_supported(dim):
         raise ValueError(f"{op}: the Triton kernel takes head_dim in {_TRITON_HEAD_DIMS}, got {dim}; pass backend='reference'.")
     return ring_decode_op(q.contiguous(), k, k_swa, v, state, ring_keys, ring_values, ring_raw_keys, next_column, feature_map)
 
