@@ -12,7 +12,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..kernels._backend import resolve_backend
-from ..kernels.residual_norm import add_rms_norm
+from ..kernels.residual_norm import add_rms_norm, add_rms_norm_supported
 from .backbone_fusion import fused_decode_active
 from .context import SequenceContext
 from .mlp import SwiGLUMLP
@@ -31,8 +31,8 @@ def deferred_adds_apply(hidden_states: torch.Tensor, layers, final_norm: nn.Modu
     """Whether a stack runs :meth:`DecoderLayer.forward_deferred_add`: inside generate()'s static
     decode step with fused decode kernels on (backbone_fusion.fused_decode_active), on the add-norm
     kernel's backend, for plain DecoderLayers and RMSNorms (no hooks: a hook sees what it always saw)."""
-    if not fused_decode_active() or torch.is_grad_enabled():
-        return False
+    if not fused_decode_active() or torch.is_grad_enabled() or not add_rms_norm_supported(hidden_states):
+        return False  # (rows the kernel does not take keep the plain blocks, not a slower add-norm)
     if ADD_NORM_BACKEND == "reference" or resolve_backend(ADD_NORM_BACKEND, hidden_states.device, "add_rms_norm") != "triton":
         return False
     norms = [final_norm] + [n for layer in layers for n in (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))]

@@ -13,10 +13,15 @@ from .._backend import resolve_backend
 from .._custom_ops import kernel_op
 from .reference import add_rms_norm_reference
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_supported"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HIDDEN = 16384  # one row per program in registers
+
+
+def add_rms_norm_supported(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel takes rows like x (dtype, row length)."""
+    return x.dtype in _DTYPES and x.shape[-1] <= _MAX_HIDDEN
 
 
 def add_rms_norm(
@@ -33,7 +38,7 @@ def add_rms_norm(
         raise ValueError(f"{op}: delta must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(delta.shape)}, {delta.dtype}.")
     if resolve_backend(backend, x.device, op) == "reference" or x.numel() == 0:
         return add_rms_norm_reference(x, delta, weight, eps)
-    if x.dtype not in _DTYPES or n > _MAX_HIDDEN:
+    if not add_rms_norm_supported(x):
         if backend == "triton":
             raise ValueError(f"{op}: the Triton kernel takes {_DTYPES} rows of at most {_MAX_HIDDEN}; pass backend='reference'.")
         return add_rms_norm_reference(x, delta, weight, eps)
