@@ -20,7 +20,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..generation.benchmark import MODELS, build_model, decode_loop_ms
+from ..generation.benchmark import LLAMA_MODELS, MODELS, build_model, decode_loop_ms
 
 
 def profiled(fn) -> profile:
@@ -69,7 +69,7 @@ def main(argv=None) -> str:
             step()
         prof = profiled(step)
     else:
-        if args.model == "llama":
+        if args.model in LLAMA_MODELS:
             raise SystemExit("decode profiles cover this package's models (Llama has no static decode step here)")
         model = build_model(args.model, device, torch.bfloat16, args.prompt + args.steps + 16)
         ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device=device)

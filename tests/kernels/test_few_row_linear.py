@@ -53,7 +53,8 @@ def test_leading_dims_and_a_strided_input():
 
 def test_runs_only_where_it_should():
     x, weights = _operands(4, (16, 16), 32, torch.float32)
-    assert not few_row_linear_applies(x, weights)  # CPU, backend auto: F.linear
+    cpu_x, cpu_weights = x.cpu(), tuple(w.cpu() for w in weights)
+    assert not few_row_linear_applies(cpu_x, cpu_weights)  # CPU, backend auto: F.linear
     x_many = torch.randn(MAX_ROWS + 1, 32, device=DEVICE)
     if torch.cuda.is_available() or triton_interpreting():
         assert not few_row_linear_applies(x_many, weights, backend="triton")
