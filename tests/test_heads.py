@@ -4,9 +4,6 @@ through trust_remote_code in a process where hf-hybrid cannot be imported."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,6 +16,7 @@ from transformers import (
 )
 
 import hf_hybrid
+from helper_process import remote_code_helper
 
 VOCAB = 61
 PAD = 0
@@ -157,17 +155,11 @@ def test_auto_map_names_every_auto_class(model_type, tmp_path):
         assert torch.equal(model(ids, attention_mask=mask).logits, reloaded(ids, attention_mask=mask).logits)
 
 
-# Loads every checkpoint in a process where `import hf_hybrid` fails: only the saved code runs.
+# Loads every checkpoint in a process where `import hf_hybrid` fails (remote_code_helper): only the
+# saved code runs.
 _REMOTE_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-
-    class BlockHfHybrid:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "hf_hybrid":
-                raise ModuleNotFoundError(f"No module named {name!r}")
-
-    sys.meta_path.insert(0, BlockHfHybrid())
     import transformers
 
     jobs = json.load(open(sys.argv[1]))
@@ -209,12 +201,7 @@ def test_heads_load_with_trust_remote_code_without_hf_hybrid(tmp_path):
 
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     torch.save((ids, mask), tmp_path / "inputs.pt")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    result = subprocess.run(
-        [sys.executable, "-c", _REMOTE_SCRIPT, str(tmp_path / "jobs.json"), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    remote_code_helper().run(_REMOTE_SCRIPT, tmp_path / "jobs.json", tmp_path / "inputs.pt", tmp_path / "out.pt")
     loaded = torch.load(tmp_path / "out.pt")
 
     for name, (logits, class_name) in expected.items():

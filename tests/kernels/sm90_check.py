@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from helper_process import shared_helper
 
-def _json_from_fresh_process(code: str):
-    """What ``code`` prints last, as JSON, run in a fresh process (the test session sets
-    TRITON_INTERPRET=1, under which kernels cannot be compiled)."""
+
+def _json_from_compile_helper(code: str):
+    """What ``code`` prints last, as JSON, run outside the test process (the test session sets
+    TRITON_INTERPRET=1, under which kernels cannot be compiled): in one helper process for every
+    compile check of the session, so torch and hf_hybrid are imported once, not once per check."""
     pytest.importorskip("triton.backends.nvidia")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    printed = shared_helper("sm90", dict(os.environ, TRITON_INTERPRET="0")).run(code)
+    return json.loads(printed.strip().splitlines()[-1])
 
 
 def sm90_report(call: str) -> list[dict]:
-    """Rows of ``hf_hybrid.bench.sm90.<call>`` computed in a fresh process."""
-    return _json_from_fresh_process(f"import json\nfrom hf_hybrid.bench import sm90\nprint(json.dumps(sm90.{call}))\n")
+    """Rows of ``hf_hybrid.bench.sm90.<call>`` computed in the compile helper process."""
+    return _json_from_compile_helper(f"import json\nfrom hf_hybrid.bench import sm90\nprint(json.dumps(sm90.{call}))\n")
 
 
 def sm90_compile(module: str, kernels: dict) -> dict:
@@ -34,4 +33,4 @@ def sm90_compile(module: str, kernels: dict) -> dict:
         f"kernels = {kernels!r}\n"
         "print(json.dumps({name: compile_for_sm90(getattr(module, name), *spec) for name, spec in kernels.items()}))\n"
     )
-    return _json_from_fresh_process(code)
+    return _json_from_compile_helper(code)

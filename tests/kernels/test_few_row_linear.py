@@ -67,10 +67,10 @@ def test_runs_only_where_it_should():
 
 
 def test_kernel_compiles_for_sm90_without_spills():
-    """Each tile the wrapper picks (8, 32 and MAX_ROWS rows), compiled for the H100 in one fresh process."""
-    from sm90_check import _json_from_fresh_process
+    """Each tile the wrapper picks (8, 32 and MAX_ROWS rows), compiled for the H100 in the compile helper process."""
+    from sm90_check import _json_from_compile_helper
 
-    usage = _json_from_fresh_process(
+    usage = _json_from_compile_helper(
         "import json\n"
         "from hf_hybrid.bench.sm90 import compile_for_sm90\n"
         "from hf_hybrid.kernels.few_row_linear import triton as kernel\n"

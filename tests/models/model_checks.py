@@ -2,7 +2,7 @@
 
 Each check states the property it proves:
 * prefill + decode with the model's cache == one full forward (the cache is exact),
-* save_pretrained -> AutoModelForCausalLM.from_pretrained in a fresh process == bit-identical logits,
+* save_pretrained -> AutoModelForCausalLM.from_pretrained in another process == bit-identical logits,
 * left-padded batched greedy generation == generating each row alone,
 * gradient checkpointing changes no gradient,
 * invalid configs raise ValueError naming the field.
@@ -10,14 +10,14 @@ Each check states the property it proves:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+
+from helper_process import hf_hybrid_helper, remote_code_helper
 
 
 def full_vs_cached_logits(model, input_ids: torch.Tensor, segments: list[int], **forward_kwargs):
@@ -66,17 +66,11 @@ _RELOAD_SCRIPT = textwrap.dedent(
     """
 )
 
-# The same, in a process where `import hf_hybrid` fails: only the code saved with the checkpoint runs.
+# The same, in a process where `import hf_hybrid` fails (remote_code_helper): only the code saved
+# with the checkpoint runs.
 _REMOTE_CODE_SCRIPT = textwrap.dedent(
     """
     import sys, torch
-
-    class BlockHfHybrid:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "hf_hybrid":
-                raise ModuleNotFoundError(f"No module named {name!r}")
-
-    sys.meta_path.insert(0, BlockHfHybrid())
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
     ids = torch.load(sys.argv[2])
@@ -89,19 +83,20 @@ _REMOTE_CODE_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_script(script: str, tmp_path: Path, input_ids: torch.Tensor, output: str) -> dict:
+def _load_elsewhere(helper, script: str, tmp_path: Path, input_ids: torch.Tensor, output: str) -> dict:
+    """Run ``script`` on tmp_path/ckpt in a helper process (tests/helper_process.py), not the test
+    process that built the model; one helper of each kind serves every architecture's check."""
     torch.save(input_ids, tmp_path / "ids.pt")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "ids.pt"), str(tmp_path / output)],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    # A folder name no other checkpoint loaded by the helper has: its remote code gets a module
+    # namespace of its own, so a file missing from it cannot be found among another checkpoint's.
+    alias = tmp_path / f"ckpt_{uuid.uuid4().hex}"
+    alias.symlink_to("ckpt", target_is_directory=True)
+    helper.run(script, alias, tmp_path / "ids.pt", tmp_path / output)
     return torch.load(tmp_path / output)
 
 
 def assert_save_load_roundtrip(model, tmp_path: Path, input_ids: torch.Tensor, expected_class: str):
-    """save_pretrained, then in *fresh processes*: AutoModelForCausalLM.from_pretrained with hf-hybrid
+    """save_pretrained, then in *other processes*: AutoModelForCausalLM.from_pretrained with hf-hybrid
     installed (its own classes, no trust_remote_code) and with hf-hybrid blocked (trust_remote_code=True,
     the code saved with the checkpoint). Both give bit-identical logits; the folder holds a filled card."""
     model = model.eval()
@@ -116,11 +111,11 @@ def assert_save_load_roundtrip(model, tmp_path: Path, input_ids: torch.Tensor, e
         original = model(input_ids).logits
         original_generated = model.generate(input_ids, max_new_tokens=3, do_sample=False)
 
-    local = _run_script(_RELOAD_SCRIPT, tmp_path, input_ids, "local.pt")
+    local = _load_elsewhere(hf_hybrid_helper(), _RELOAD_SCRIPT, tmp_path, input_ids, "local.pt")
     assert local["class"] == expected_class and local["module"].startswith("hf_hybrid.")
     assert torch.equal(original, local["logits"]), "reloaded model's logits are not bit-identical"
 
-    remote = _run_script(_REMOTE_CODE_SCRIPT, tmp_path, input_ids, "remote.pt")
+    remote = _load_elsewhere(remote_code_helper(), _REMOTE_CODE_SCRIPT, tmp_path, input_ids, "remote.pt")
     assert remote["module"].startswith("transformers_modules.")
     assert torch.equal(original, remote["logits"]), "remote-code model's logits are not bit-identical"
     assert torch.equal(original_generated, remote["generated"])

@@ -241,9 +241,8 @@ def test_auto_config_for_model_builds_a_working_tiny_model():
     assert llama.kv_shift and not llama.qk_norm and not llama.output_gate
 
 
-# pro: slow (~30 s, a fresh process); the llama block's reload checks the same save / load code
-@pytest.mark.parametrize("block_type", [pytest.param(b, marks=pytest.mark.slow) if b == "pro" else b for b in BLOCKS])
-def test_save_and_reload_in_fresh_process_is_bit_exact(tmp_path, block_type):
+@pytest.mark.parametrize("block_type", BLOCKS)
+def test_save_and_reload_in_another_process_is_bit_exact(tmp_path, block_type):
     model = tiny_model(block_type=block_type)
     assert_save_load_roundtrip(model, tmp_path, torch.randint(1, VOCAB, (2, 13)), "FoxForCausalLM")
 

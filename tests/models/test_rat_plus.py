@@ -380,7 +380,7 @@ def test_auto_config_for_model_builds_a_working_tiny_model():
     assert math.isfinite(loss.item())
 
 
-def test_save_and_reload_in_fresh_process_is_bit_exact(tmp_path):
+def test_save_and_reload_in_another_process_is_bit_exact(tmp_path):
     model = tiny_model(sparse_config={"dilation": 4, "head_overrides": {"1": "dense"}}, training_dilations=[1, {"dilation": 8, "local_window": 4}])
     assert_save_load_roundtrip(model, tmp_path, torch.randint(1, VOCAB, (2, 19)), "RatPlusForCausalLM")
     reloaded = RatPlusConfig.from_pretrained(tmp_path / "ckpt")

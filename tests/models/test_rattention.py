@@ -320,7 +320,7 @@ def test_auto_config_for_model_builds_a_working_tiny_model():
     assert torch.isfinite(loss) and local.rla_norm.weight.grad is not None and local.swa_norm.weight.grad is not None
 
 
-def test_save_and_reload_in_fresh_process_is_bit_exact(tmp_path):
+def test_save_and_reload_in_another_process_is_bit_exact(tmp_path):
     model = tiny_model()
     assert_save_load_roundtrip(model, tmp_path, torch.randint(1, VOCAB, (2, 13)), "RattentionForCausalLM")
 
