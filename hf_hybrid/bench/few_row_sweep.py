@@ -7,9 +7,10 @@ The 1.3B shape (hidden 2048, 16 heads x 128, SwiGLU 5632), bf16, M = 8 and 32 ro
 benchmark's batches): RAT's five projections (q, k in 2 groups of 128, v, gate logits, z), a
 Llama-style q/k/v, one 2048 x 2048 o_proj, the MLP's gate+up and its down projection. Times are
 CUDA-graph replays (triton.testing.do_bench_cudagraph), as inside generate()'s graphed step, over
-enough copies of the weights (>= 256 MB) that each is read from memory, as in a model's step
-(one 8 MB o_proj replayed alone stays in the 50 MB L2); GB/s counts the weights read. ``best``: the configuration with the lowest summed time over the cases,
-with every output within bf16 rounding (1e-2 relative) of cuBLAS.
+enough copies of the weights that each is read from memory, as in a model's step (one 8 MB o_proj
+replayed alone stays in the 50 MB L2: sweeps.cold_copies); GB/s counts the weights read. ``best``:
+the configuration with the lowest summed time over the cases, with every output within bf16
+rounding (1e-2 relative) of cuBLAS.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import json
 import torch
 from torch.nn import functional as F
 
-from .sweeps import lowest_total, write_json
+from .sweeps import cold_copies, lowest_total, write_json
 
 CASES = {  # name: (input width K, output widths N_i)
     "rat_qkvgz": (2048, (256, 256, 2048, 2048, 2048)),
@@ -31,7 +32,6 @@ CASES = {  # name: (input width K, output widths N_i)
 }
 ROWS = (8, 32)
 CONFIGS = list(itertools.product((16, 32), (64, 128, 256), (2, 4), (3, 5)))  # (BLOCK_N, BLOCK_K, warps, stages)
-COLD_BYTES = 256 << 20
 
 
 def set_config(block_n: int, block_k: int, warps: int, stages: int) -> None:
@@ -55,7 +55,7 @@ def sweep() -> dict:
         weights = tuple(torch.randn(n, depth, device=dev, dtype=torch.bfloat16, generator=g) / depth**0.5 for n in widths)
         nbytes = sum(w.numel() * 2 for w in weights)
         expected = [F.linear(x, w).float() for w in weights]
-        copies = [weights] + [tuple(w.clone() for w in weights) for _ in range(-(-COLD_BYTES // nbytes) - 1)]
+        copies = cold_copies(weights, nbytes, lambda ws: tuple(w.clone() for w in ws))
         cold = lambda run: triton.testing.do_bench_cudagraph(lambda: [run(ws) for ws in copies]) / len(copies)  # noqa: E731
         base = cold(lambda ws: [F.linear(x, w) for w in ws])
         rows_out.append(dict(rows=rows, case=name, variant="cuBLAS", us=round(base * 1e3, 2), gb_per_s=round(nbytes / base / 1e6)))

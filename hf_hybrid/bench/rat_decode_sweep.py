@@ -18,11 +18,10 @@ import json
 
 import torch
 
-from .sweeps import lowest_total, write_json
+from .sweeps import cold_copies, lowest_total, write_json
 
 SHAPES = ((8, 16384), (32, 2048))  # (batch, prompt tokens): the generate() benchmark's two settings
 CONFIGS = list(itertools.product((16, 32, 64), (2, 4, 8), (4, 8, 16, 32)))  # (BLOCK_N, warps, programs per SM)
-COLD_BYTES = 256 << 20
 HEADS, GROUPS, DIM, CHUNK = 16, 2, 128, 16
 
 
@@ -63,9 +62,9 @@ def sweep() -> dict:
     for batch, prompt in SHAPES:
         inputs = step_inputs(batch, prompt)
         read_bytes = 2 * batch * (prompt // CHUNK) * HEADS * DIM * 2
-        # Enough copies that each step reads its chunk ends from memory, as in a model's step (B=32 / 2K's
-        # 34 MB replayed alone would stay in the 50 MB L2).
-        copies = [inputs] + [_fresh(inputs) for _ in range(-(-COLD_BYTES // read_bytes) - 1)]
+        # Each step reads its chunk ends from memory, as in a model's step (B=32 / 2K's 34 MB replayed
+        # alone would stay in the 50 MB L2).
+        copies = cold_copies(inputs, read_bytes, _fresh)
         set_config(*shipped)
         expected = step(**_fresh(inputs)).float()
         for block, warps, per_sm in [shipped] + CONFIGS:

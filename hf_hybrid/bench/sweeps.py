@@ -1,5 +1,5 @@
 """What the tile sweeps (split_decode_sweep, rat_decode_sweep, few_row_sweep) share: picking the
-configuration to ship and writing the result."""
+configuration to ship, writing the result, and operands that are read from memory when timed."""
 from __future__ import annotations
 
 import json
@@ -23,3 +23,13 @@ def write_json(path: str | None, result: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+COLD_BYTES = 256 << 20  # several times the H200's 50 MB L2
+
+
+def cold_copies(first, nbytes: int, copy) -> list:
+    """``first`` and enough copies of it (``copy(first)``) that one pass over them reads at least
+    COLD_BYTES of ``nbytes`` each: timed in turn, every copy is read from memory, as in a model's
+    step, not from the L2 a replay of one small operand would stay in."""
+    return [first] + [copy(first) for _ in range(-(-COLD_BYTES // nbytes) - 1)]
