@@ -61,8 +61,9 @@ def gap_report(events: list[dict], top: int = 25) -> dict:
     starts = [e["ts"] for e in frames]
 
     def frame_at(ts: float) -> str:
-        best = None
-        for e in reversed(frames[max(0, bisect.bisect_right(starts, ts) - 4000):bisect.bisect_right(starts, ts)]):
+        best, end = None, bisect.bisect_right(starts, ts)
+        # Frames that began before ts; the enclosing ones began within the last few thousand (a layer's calls).
+        for e in reversed(frames[max(0, end - 4000):end]):
             if e["ts"] + e["dur"] >= ts and (best is None or e["dur"] < best["dur"]):
                 best = e
         return best["name"] if best else "(no project frame)"
