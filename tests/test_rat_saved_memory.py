@@ -39,6 +39,12 @@ def _ids(batch: int = 2, seq: int = 2 * CHUNK) -> torch.Tensor:
     return torch.randint(1, 32, (batch, seq), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
 
+@pytest.fixture(autouse=True)
+def _rebuild_gates_at_any_length(monkeypatch):
+    """These shapes are tiny: the gate rebuild, on from GATE_REBUILD_MIN_TOKENS tokens, runs here too."""
+    monkeypatch.setattr(rat_module, "GATE_REBUILD_MIN_TOKENS", 0)
+
+
 def _keep_everything(monkeypatch) -> None:
     """The path before the rebuilding: every activation kept."""
     monkeypatch.setattr(rat_module, "recompute_applies", lambda: False)
@@ -75,6 +81,21 @@ def test_gates_behind_a_hooked_projection_are_kept(monkeypatch):
     _keep_everything(monkeypatch)
     before = _mixer_bytes_per_token(model, ids)
     assert before - after == (2 * inner + group_width) * esize, (before, after)
+
+
+def test_gates_of_short_steps_are_kept(monkeypatch):
+    """Below GATE_REBUILD_MIN_TOKENS tokens per forward the gate logits and z stay saved (two GEMMs
+    per layer cost more than their memory saves there); k_rot, v~ and the rotated q are still rebuilt."""
+    model, ids = _model(torch.bfloat16), _ids()
+    esize, inner, group_width = 2, HEADS * HEAD_DIM, GROUPS * HEAD_DIM
+    monkeypatch.setattr(rat_module, "GATE_REBUILD_MIN_TOKENS", ids.numel())  # the threshold itself rebuilds
+    rebuilt = _mixer_bytes_per_token(model, ids)
+    monkeypatch.setattr(rat_module, "GATE_REBUILD_MIN_TOKENS", ids.numel() + 1)
+    gates_kept = _mixer_bytes_per_token(model, ids)
+    _keep_everything(monkeypatch)
+    before = _mixer_bytes_per_token(model, ids)
+    assert gates_kept - rebuilt == 2 * inner * esize, (gates_kept, rebuilt)  # the gate logits and z
+    assert before - gates_kept == (2 * inner + group_width) * esize, (before, gates_kept)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])  # fp32: slow

@@ -35,6 +35,12 @@ from .projections import project_shared_input, shared_input_applies
 from .recompute import RecomputedActivations, recompute_applies
 from .rotary import build_rotary, rotary_tables
 
+# The gate logits and z are rebuilt in the backward (_rebuilt_gates) only from this many tokens per
+# forward (batch x length): the rebuild saves 8 KB per token and layer for two more GEMMs per layer.
+# At T = 32K that is 2 GB of the step's peak for ~4% of its time; at 8K, 0.5 GB for ~3%
+# (docs/benchmarks.md, "Whole models, ninth run").
+GATE_REBUILD_MIN_TOKENS = 16384
+
 
 def scatter_chunk_ends(x: torch.Tensor, chunk_index: torch.Tensor, closes_chunk: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """Slot-indexed chunk ends: out[b, c] = x[b, t] for the token t that closes chunk c in row b.
@@ -269,7 +275,8 @@ class RatAttention(nn.Module):
         whole = start == 0 and (cache_layer is None or (kernel and self._fills_empty_cache(cache_layer)))
         if self.fused_gates and whole and kernel and recompute_applies():
             store = None if cache_layer is None else (cache_layer, positions, chunk_index, context)
-            x = hidden_states if plain_projections else None  # gates rebuildable as F.linear(x, W)
+            rebuild = plain_projections and batch * seq >= GATE_REBUILD_MIN_TOKENS
+            x = hidden_states if rebuild else None  # gates rebuilt as F.linear(x, W)
             return self._train_fused(q, k, v, gate_logits, gate_z, cos_sin, store, x)
         if self.fused_gates and whole:
             k_rot, v_tilde = self._keys_values(k, v, gate_logits, cos_sin)

@@ -651,8 +651,18 @@ def _sum_shared_heads(dq: torch.Tensor, q_heads: int) -> torch.Tensor:
     return dq if q_heads == heads else dq.view(batch, seq, heads // q_heads, q_heads, head_dim).sum(2)
 
 
+_DUMMY_QUERY_CHUNKS: dict[torch.device, torch.Tensor] = {}
+
+
 def _dummy_query_chunk(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, 1, device=device, dtype=torch.int32)
+    """The query-chunk operand block mode never reads: one per device, not an allocation and a
+    fill per call (none kept from inside a CUDA graph capture, whose memory the graph owns)."""
+    dummy = _DUMMY_QUERY_CHUNKS.get(device)
+    if dummy is None:
+        dummy = torch.zeros(1, 1, device=device, dtype=torch.int32)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _DUMMY_QUERY_CHUNKS[device] = dummy
+    return dummy
 
 
 class _BlockEndAttention(torch.autograd.Function):
