@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._launch import launch_cached
+
 BLOCK_T, WARPS = 32, 4
 
 
@@ -21,6 +23,7 @@ def _slots(offs_t, h, L, E):
     return (h * L + r) * E + c - 1, c >= 1
 
 
+@launch_cached
 @triton.jit
 def _gather_queries_kernel(Q, QQ, sqb, sqt, sqg, T, H, G, L, E, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr):
     """QQ[b, h L + r, c - 1] = Q[b, t, h % G] for c >= 1; zeros for slots past the sequence."""
@@ -64,6 +67,7 @@ def _own_rows(Q, K, V, pid_t, pid_bh, sqb, sqt, sqg, skb, skt, skh, svb, svt, sv
     return b, h, offs_t, dims, row_ok, q, k, s, v, slot, ends
 
 
+@launch_cached
 @triton.jit
 def _merge_kernel(
     Q, K, V, Z, OQ, LSEQ, Y,
@@ -95,6 +99,7 @@ def _merge_kernel(
              o.to(Y.dtype.element_ty), mask=row_ok[:, None])
 
 
+@launch_cached
 @triton.jit
 def _own_backward_kernel(
     Q, K, V, Z, OQ, LSEQ, DY, DOQ, DZ, DK, DV, DS,
@@ -129,6 +134,7 @@ def _own_backward_kernel(
     tl.store(DS + (b * H + h).to(tl.int64) * T + offs_t, ds, mask=row_ok)
 
 
+@launch_cached
 @triton.jit
 def _dq_kernel(
     K, DS, DQQ, DQ, skb, skt, skh, T, H, G, L, E, scale,

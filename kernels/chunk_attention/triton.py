@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .._common import leading_strides as _strides
+from .._launch import launch_cached
 
 
 LOG2E = 1.4426950408889634
@@ -121,6 +122,7 @@ def _softmax_step(s, v_tile, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 # forward
 
 
+@launch_cached
 @triton.jit
 def _fwd_kernel(
     Q, K, V, KE, VE, QC, O, LSE, Z, OU,
@@ -215,6 +217,7 @@ def _ds_step(q, do, k_tile, v_tile, lse, delta, s_mask, qk_scale, DOT_PREC: tl.c
     return p * (dp - delta[:, None])
 
 
+@launch_cached
 @triton.jit
 def _own_rows_kernel(
     Q, K, V, O, DO, LSE, DELTA, DSO, DKO, DVO, Z, DY, DZ, DQA,
@@ -264,6 +267,7 @@ def _own_rows_kernel(
         tl.store(DVO + o_off, (p_own[:, None] * do).to(DVO.dtype.element_ty), mask=row_ok[:, None])
 
 
+@launch_cached
 @triton.jit
 def _dq_kernel(
     Q, K, V, KE, VE, QC, DO, LSE, DELTA, DSO, DQ,
@@ -377,6 +381,7 @@ def _dkdv_category_step(k_tile, v_tile, j, key_ok, Q, DO, LSE, DELTA, i0, T, W, 
                       dk, dv, DQA, DOT_PREC, ATOMIC_DQ=ATOMIC_DQ)
 
 
+@launch_cached
 @triton.jit
 def _dkdv_window_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
@@ -414,6 +419,7 @@ def _dkdv_window_kernel(
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
 
 
+@launch_cached
 @triton.jit
 def _dkdv_ends_kernel(
     Q, K, V, KE, VE, QC, DO, LSE, DELTA, DKE, DVE, DKF, DVF, DQA,

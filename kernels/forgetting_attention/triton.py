@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._launch import launch_cached
 from .._triton_dot import dot as _mm
 from .hopper import forward as tma_forward
 from .hopper import hopper_forward_applies
@@ -181,6 +182,7 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU, scale2, window, len_bucket,
 # ----------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------
+@launch_cached
 @triton.jit
 def _delta_kernel(O, DO, DELTA, total, stride_ot, stride_oh, stride_dt, stride_dh, stride_ch,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._launch import launch_cached
 
 MAX_HEAD_DIM = 1024  # a [BLOCK_T, D] float32 tile per operand must fit in registers
 # Elements per operand tile: 8 tokens x 128 at 4 warps. An H100 sweep of (tokens, warps) in
@@ -92,6 +93,7 @@ def _inv_rms(sum_sq, rows_ok, D: tl.constexpr, eps):
 # ---------------------------------------------------------------- RMSNorm + RoPE
 
 
+@launch_cached
 @triton.jit
 def _norm_rope_fwd_kernel(
     X, W, COS, SIN, Y,
@@ -122,6 +124,7 @@ def _norm_rope_fwd_kernel(
     tl.store(Y + y_rows + HALF + cols[None, :], y2.to(Y.dtype.element_ty), mask=mask)
 
 
+@launch_cached
 @triton.jit
 def _norm_rope_bwd_kernel(
     X, W, COS, SIN, DY, DX, DW_PART,
@@ -177,6 +180,7 @@ def _norm_rope_bwd_kernel(
 # ---------------------------------------------------------------- sum of two RMSNorms
 
 
+@launch_cached
 @triton.jit
 def _branch_fwd_kernel(
     A, WA, B, WB, Y,
@@ -214,6 +218,7 @@ def _norm_bwd_tile(X, W, DX, dw_acc, dy, tokens, rows_ok, mask, cols, h, heads, 
     return dw_acc + dy * xh
 
 
+@launch_cached
 @triton.jit
 def _branch_bwd_kernel(
     A, WA, B, WB, DY, DA, DB, DWA_PART, DWB_PART,

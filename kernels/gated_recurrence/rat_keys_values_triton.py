@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import launch_cached
+
 
 @triton.jit
 def _rope_row(COS, SIN, table, in_seq, HALF: tl.constexpr, HAS_ROPE: tl.constexpr):
@@ -77,6 +79,7 @@ def _head_tile(BIAS, heads, cols, GROUPS: tl.constexpr, HEADS: tl.constexpr, D: 
     return head_ok, first, k_first, bias1, bias2
 
 
+@launch_cached
 @triton.jit
 def _fwd_kernel(
     K, V, LOGIT, BIAS, COS, SIN, KROT, VT,
@@ -116,6 +119,7 @@ def _fwd_kernel(
         tl.store(VT + row + first + HALF, hv2.to(VT.dtype.element_ty), mask=ok)
 
 
+@launch_cached
 @triton.jit
 def _bwd_kernel(
     K, V, LOGIT, BIAS, COS, SIN, KROT, VT, DKROT, DVT, DK, DV, DLOGIT, DBIAS,

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import launch_cached
+
 MAX_DIRECT_CHUNK = 128  # longer chunks go through the three-pass path (bounded unrolled loops)
 GENERAL_SEGMENT = 64
 BLOCK_N = 512  # channels per program: 8 per thread at 2 warps (16-byte bf16 accesses)
@@ -38,6 +40,7 @@ CARRY_BLOCK_N = 64
 CARRY_UNROLL = 32
 
 
+@launch_cached
 @triton.jit
 def _recurrence_fwd_kernel(
     X, G, H, INIT, SUM_STATE, SUM_GATE,
@@ -89,6 +92,7 @@ def _compose(a1, b1, a2, b2):
     return a1 * a2, a2 * b1 + b2
 
 
+@launch_cached
 @triton.jit
 def _carry_kernel(
     SUM_STATE, SUM_GATE, INIT, CARRY, N, num_seg,
@@ -130,6 +134,7 @@ def _carry_kernel(
         c = tl.sum(tl.where((rows_local == UNROLL - 1)[:, None], after, 0.0), axis=0)
 
 
+@launch_cached
 @triton.jit
 def _recurrence_bwd_kernel(
     X, G, H, INIT, DH, DX, DG, DINIT, CARRY, SUM_ACC, SUM_GATE,

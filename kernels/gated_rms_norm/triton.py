@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._launch import launch_cached
 
 MAX_GROUP_SIZE = 8192  # one row of each operand must fit in registers
 # Forward rows per program: short groups share a program until the tile holds this many elements.
@@ -78,6 +79,7 @@ def _token_block(start, limit, col_ok, BLOCK_T: tl.constexpr):
 # ---------------------------------------------------------------- kernels
 
 
+@launch_cached
 @triton.jit
 def _fwd_kernel(
     Y, Z, W, OUT,
@@ -102,6 +104,7 @@ def _fwd_kernel(
     tl.store(OUT + _output_offsets(tokens, features, D_TOTAL), out.to(OUT.dtype.element_ty), mask=mask)
 
 
+@launch_cached
 @triton.jit
 def _bwd_kernel(
     Y, Z, W, DOUT, DY, DZ, DW_PART,

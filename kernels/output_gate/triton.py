@@ -7,9 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import launch_cached
+
 BLOCK = 2048  # elements per program: a memory-bound pass, 8 bf16 per thread at 8 warps
 
 
+@launch_cached
 @triton.jit
 def _fwd_kernel(Z, Y, O, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -19,6 +22,7 @@ def _fwd_kernel(Z, Y, O, n, BLOCK: tl.constexpr):
     tl.store(O + offs, (tl.sigmoid(z) * y).to(O.dtype.element_ty), mask=ok)
 
 
+@launch_cached
 @triton.jit
 def _bwd_kernel(Z, Y, DO, DZ, DY, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._launch import launch_cached
 from .._triton_dot import dot as _mm
 
 FEATURE_IDS = {"softmax": 0, "relu": 1, "identity": 2}
@@ -152,6 +153,7 @@ def _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV: tl.constexpr, D: tl.constexp
     return j, k_ok, k, v
 
 
+@launch_cached
 @triton.jit
 def _state_pass_kernel(
     K, V, S0, STATES,
@@ -182,6 +184,7 @@ def _state_pass_kernel(
         tl.store(_state_slot(STATES, 0, B, pid_bk, rows, HKV, F, D), start)
 
 
+@launch_cached
 @triton.jit
 def _fwd_kernel(
     Q, K, V, S_IN, O, S_OUT,
@@ -226,6 +229,7 @@ def _fwd_kernel(
         tl.store(_state_slot(S_OUT, 0, B, pid_bk, rows, HKV, F, D), S)
 
 
+@launch_cached
 @triton.jit
 def _fwd_fused_kernel(
     Q, K, V, S_IN, O, S_OUT,
@@ -280,6 +284,7 @@ def _fwd_fused_kernel(
         tl.store(_state_slot(S_OUT, 0, B, pid_bk, rows2, HKV, F, D), S2)
 
 
+@launch_cached
 @triton.jit
 def _dq_fused_kernel(
     Q, K, V, DO, S_IN, DQ,
@@ -337,6 +342,7 @@ def _dq_fused_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
+@launch_cached
 @triton.jit
 def _dq_kernel(
     Q, K, V, DO, S_IN, DQ,
@@ -375,6 +381,7 @@ def _dq_kernel(
         S = _mm(tl.trans(kf), v, S, DOT_PREC)
 
 
+@launch_cached
 @triton.jit
 def _adjoint_pass_kernel(
     Q, DO, DSF, GSTATES,
@@ -414,6 +421,7 @@ def _adjoint_pass_kernel(
         tl.store(_state_slot(GSTATES, 0, B, pid_bk, rows, HKV, F, D), end)
 
 
+@launch_cached
 @triton.jit
 def _dkv_kernel(
     Q, K, V, DO, G_IN, DK, DV, DS0,
