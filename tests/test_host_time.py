@@ -40,3 +40,25 @@ def test_one_charge_per_tick_skips_idle_and_foreign_threads():
         for thread in threads:
             thread.join()
     assert {(owner.split("(")[0], kind) for owner, kind in charges} == {("hf_hybrid/layers/spin.py", "own python or op")}, charges
+
+
+def test_launch_cost_counts_the_outermost_of_nested_timed_calls():
+    """hf_hybrid/bench/launch_cost.py: a cached launch that falls back to Triton's run is one launch."""
+    from hf_hybrid.bench.launch_cost import LaunchTimes, timed_methods
+
+    class Jit:
+        def run(self):
+            return "ran"
+
+    class Cached:
+        def __init__(self):
+            self.jit = Jit()
+
+        def launch(self):
+            return self.jit.run()  # the fallback path
+
+    cached = Cached()
+    with timed_methods(LaunchTimes(), [(Jit, "run", lambda o: "k"), (Cached, "launch", lambda o: "k")]) as times:
+        assert cached.launch() == "ran" and Jit().run() == "ran"
+    assert times.calls == {"k": 2} and times.seconds["k"] > 0
+    assert Jit.run.__name__ == "run" and Cached.launch.__name__ == "launch"  # restored
