@@ -26,6 +26,11 @@ import os
 
 import torch
 
+try:
+    from triton import knobs  # Triton >= 3.4: launch hooks and debug mode live here
+except ImportError:  # pragma: no cover - older Triton: every launch takes Triton's path
+    knobs = None
+
 MAX_KEYS = 256  # per kernel: past this, calls of new keys take Triton's path without being kept
 
 _SIMPLE = (bool, str, type(None), torch.dtype)
@@ -85,7 +90,7 @@ class CachedLaunchKernel:
             if hasattr(kernel, "result"):  # an asynchronous compile
                 kernel = kernel.result()
             if kernel is not None and len(self._compiled) < MAX_KEYS:
-                self._compiled[key] = (kernel, self._tail(len(args), kwargs))
+                self._compiled[key] = (kernel, self._tail(len(args)))
             return kernel
         kernel, tail = entry
         full = args + tuple(kwargs.get(name, default) for name, default in tail)
@@ -95,15 +100,15 @@ class CachedLaunchKernel:
                    None, None, None, *full)
         return kernel
 
-    def _tail(self, n_positional: int, kwargs: dict) -> tuple:
+    def _tail(self, n_positional: int) -> tuple:
         """(name, default) of the parameters after the positional ones, in signature order: the
         launcher takes every parameter (constexprs too), as Triton's bound arguments hold them."""
         return tuple(zip(self._param_names[n_positional:], self._defaults[n_positional:]))
 
 
 def _fast_path_open(jit_function) -> bool:
-    from triton import knobs
-
+    if knobs is None:
+        return False
     runtime = knobs.runtime
     hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
     if any(h is not None and getattr(h, "calls", True) for h in hooks):
