@@ -75,7 +75,7 @@ class StackSampler:
     def __init__(self, interval: float):
         self.interval = interval
         self.samples: collections.Counter = collections.Counter()
-        self.count = 0
+        self.recording = False  # set around the sampled steps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -84,7 +84,6 @@ class StackSampler:
         while not self._stop.is_set():
             time.sleep(self.interval)
             if self.recording:
-                self.count += 1
                 self.samples[self._one_charge(me)] += 1
 
     @staticmethod
@@ -115,8 +114,6 @@ class StackSampler:
             owner = next((f for f in frames if _in(f.f_code.co_filename, _PROJECT_FRAMES)), frames[0])
             return _label(owner), _leaf_kind(_short_path(frames[0].f_code.co_filename))
         return ("(autograd engine: native backward ops)", "native") if waiting_in_backward else ("(idle)", "native")
-
-    recording = False
 
     def __enter__(self):
         self._switch = sys.getswitchinterval()
