@@ -45,11 +45,6 @@ def _short_path(path: str) -> str:
     return path
 
 
-@functools.lru_cache(maxsize=None)
-def _in(path: str, markers: tuple[str, ...]) -> bool:
-    return any(m in _short_path(path) for m in markers)
-
-
 def _label(frame) -> str:
     return f"{_short_path(frame.f_code.co_filename)}({frame.f_lineno}): {frame.f_code.co_name}"
 
@@ -90,7 +85,7 @@ class StackSampler:
     def _one_charge(me: int) -> tuple[str, str]:
         """One charge per tick: a busy thread's stack (an autograd worker's before the main thread's),
         or the autograd engine's native work when the main thread waits in backward() and no worker
-        runs Python. Only the charged frames are formatted (the sampler holds the GIL meanwhile)."""
+        runs Python."""
         waiting_in_backward, busy = False, []
         main_ident = threading.main_thread().ident
         for ident, frame in sys._current_frames().items():
@@ -102,17 +97,15 @@ class StackSampler:
             if code.co_name == "_engine_run_backward":
                 waiting_in_backward = True
                 continue
-            frames = []
+            stack = []
             while frame is not None:
-                frames.append(frame)
+                stack.append(_label(frame))
                 frame = frame.f_back
             main = ident == main_ident
-            if main or any(_in(f.f_code.co_filename, _STEP_FRAMES) for f in frames):
-                busy.append((main, frames))  # (not a compile worker's timer, a tqdm monitor, ...)
+            if main or any(p in label for label in stack for p in _STEP_FRAMES):
+                busy.append((main, stack))  # (not a compile worker's timer, a tqdm monitor, ...)
         if busy:
-            frames = sorted(busy, key=lambda b: b[0])[0][1]
-            owner = next((f for f in frames if _in(f.f_code.co_filename, _PROJECT_FRAMES)), frames[0])
-            return _label(owner), _leaf_kind(_short_path(frames[0].f_code.co_filename))
+            return charge(sorted(busy, key=lambda b: b[0])[0][1])
         return ("(autograd engine: native backward ops)", "native") if waiting_in_backward else ("(idle)", "native")
 
     def __enter__(self):
