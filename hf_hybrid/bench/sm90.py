@@ -179,6 +179,19 @@ def output_gate_report() -> list[dict]:
     return rows
 
 
+def kv_shift_report() -> list[dict]:
+    """FoX's KV-shift, forward and backward (bf16, head_dim 128, previous token given)."""
+    from ..kernels.kv_shift import triton as ks
+
+    bf = "*bf16"
+    constexprs = dict(BLOCK_T=ks.BLOCK_T, BLOCK_D=128, HAS_PREV=True)
+    return _compile_rows({
+        "_fwd_kernel": (ks._fwd_kernel, dict(X=bf, L=bf, P=bf, O=bf), constexprs, ks.NUM_WARPS),
+        "_bwd_kernel": (ks._bwd_kernel, dict(X=bf, L=bf, P=bf, DO=bf, DX=bf, DL=bf, DP=bf), constexprs, ks.NUM_WARPS),
+    })
+
+
 if __name__ == "__main__":
-    for row in rat_keys_values_report() + fused_norm_report() + rat_decode_report() + fox_decode_report() + output_gate_report():
+    for row in (rat_keys_values_report() + fused_norm_report() + rat_decode_report() + fox_decode_report() + output_gate_report()
+                + kv_shift_report()):
         print(row)

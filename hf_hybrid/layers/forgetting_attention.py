@@ -36,10 +36,12 @@ from ..kernels.forgetting_attention import (
     forgetting_attention_decode,
     forgetting_attention_with_cache,
 )
+from ..kernels.kv_shift import kv_shift
+from ..kernels.output_gate import sigmoid_gate
 from .context import SequenceContext
 from .fused_norms import norm_backend, norm_rotary, qk_norm_rotary
 from .norm import RMSNorm
-from .projections import project_few_rows
+from .projections import project_shared_input
 from .rotary import apply_rotary, build_rotary, rotary_tables
 
 FORGET_GATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
@@ -87,14 +89,12 @@ class ShiftLinear(nn.Module):
         self.proj = nn.Linear(hidden_size, num_heads, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, x: torch.Tensor, previous: torch.Tensor | None,
-                logits: torch.Tensor | None = None) -> torch.Tensor:
+                logits: torch.Tensor | None = None, backend: str = "reference") -> torch.Tensor:
         """``logits``: proj(hidden_states) when the caller computed it already (with the layer's other
-        projections of hidden_states, in one launch when decoding)."""
-        if previous is None:
-            previous = x.new_zeros(x.shape[0], *x.shape[2:])
-        shifted = torch.cat([previous[:, None].to(x.dtype), x[:, :-1]], dim=1)
-        alpha = torch.sigmoid(self.proj(hidden_states) if logits is None else logits)[..., None].to(x.dtype)
-        return alpha * shifted + (1 - alpha) * x
+        projections of hidden_states, in one launch when decoding). ``backend``: the kv_shift op's
+        (kernels/kv_shift: one Triton pass forward and backward; float32 math either way)."""
+        logits = self.proj(hidden_states) if logits is None else logits
+        return kv_shift(x, logits, previous, backend=backend)
 
 
 class ForgettingAttention(nn.Module):
@@ -176,14 +176,14 @@ class ForgettingAttention(nn.Module):
             log_f = log_f.masked_fill(pad, 0.0)
 
         raw_k, raw_v = k, v
+        # The per-head norms, the KV-shift and the output gate through fused kernels (one launch forward
+        # and backward each where PyTorch takes several and keeps float32 intermediates) in training,
+        # prefill and generate()'s static decode step; PyTorch's math for a few eager tokens.
+        norms = norm_backend(self.backend, batch * seq)
         if self.k_shift is not None:
             prev_k, prev_v = cache_layer.shift_state() if cache_layer is not None else (None, None)
-            k = self.k_shift(hidden_states, k, prev_k, k_shift_logits)
-            v = self.v_shift(hidden_states, v, prev_v, v_shift_logits)
-        # The per-head norms through the fused norm kernel (layers/fused_norms.py: one launch forward and
-        # backward where the module is six small ones and keeps float32 intermediates) in training,
-        # prefill and generate()'s static decode step; the modules' own math for a few eager tokens.
-        norms = norm_backend(self.backend, batch * seq)
+            k = self.k_shift(hidden_states, k, prev_k, k_shift_logits, backend=norms)
+            v = self.v_shift(hidden_states, v, prev_v, v_shift_logits, backend=norms)
         if self.q_norm is not None:
             q, k = qk_norm_rotary(q, k, self.q_norm, self.k_norm, None, norms)
         if self.rotary is not None:
@@ -215,16 +215,17 @@ class ForgettingAttention(nn.Module):
             o = norm_rotary(o, self.o_norm, None, norms)
         o = o.reshape(batch, seq, heads * dim)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = sigmoid_gate(gate, o, backend=norms)
         return self.o_proj(o)
 
     def _projections(self, hidden_states: torch.Tensor):
         """q, k, v, the output gate's logits and the KV-shift logits (None for parts the block lacks):
-        the bias-free projections of hidden_states, in one few-row launch when decoding."""
+        the bias-free projections of hidden_states, in one few-row launch when decoding and with the
+        input gradients summed inside the GEMMs when training (layers/projections.py)."""
         shifts = [s.proj if s is not None else None for s in (self.k_shift, self.v_shift)]
         optional = [self.g_proj, *shifts]
         present = [m for m in optional if m is not None]
-        outs = iter(project_few_rows(hidden_states, (self.q_proj, self.k_proj, self.v_proj, *present)))
+        outs = iter(project_shared_input(hidden_states, (self.q_proj, self.k_proj, self.v_proj, *present)))
         q, k, v = next(outs), next(outs), next(outs)
         return (q, k, v, *(next(outs) if m is not None else None for m in optional))
 

@@ -27,6 +27,7 @@ forgetting = importlib.import_module("hf_hybrid.kernels.forgetting_attention")
 fused_norm = importlib.import_module("hf_hybrid.kernels.fused_norm")
 gated_recurrence = importlib.import_module("hf_hybrid.kernels.gated_recurrence")
 output_gate = importlib.import_module("hf_hybrid.kernels.output_gate")
+kv_shift = importlib.import_module("hf_hybrid.kernels.kv_shift")
 rla = importlib.import_module("hf_hybrid.kernels.residual_linear_attention")
 conv = importlib.import_module("hf_hybrid.kernels.causal_conv1d")
 ssd = importlib.import_module("hf_hybrid.kernels.ssd_scan")
@@ -48,6 +49,8 @@ def _cases():
     q, k, v, z = (leaf(B, T, H, D) for _ in range(4))
     cos, sin = rope_tables(T, D)
     yield "sigmoid_gate", output_gate.sigmoid_gate_fwd, (leaf(3, 5), leaf(3, 5))
+    yield "kv_shift", kv_shift.kv_shift_fwd, (q, leaf(B, T, H), leaf(B, H, D))
+    yield "kv_shift_no_previous", kv_shift.kv_shift_fwd, (q, leaf(B, T, H), None)
     yield "gated_recurrence", gated_recurrence.gated_recurrence_fwd, (q, torch.rand(B, T, H, D, device=DEVICE).requires_grad_(), 0, 0, None)
     yield "gated_recurrence_chunked_init", gated_recurrence.gated_recurrence_fwd, (
         q, torch.rand(B, T, H, D, device=DEVICE).requires_grad_(), 4, 3, leaf(B, H, D))
@@ -156,7 +159,7 @@ def test_opcheck(op, args):
 
 def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
     ops = {
-        "sigmoid_gate_fwd", "sigmoid_gate_bwd", "gated_recurrence_fwd", "gated_recurrence_bwd",
+        "sigmoid_gate_fwd", "sigmoid_gate_bwd", "kv_shift_fwd", "kv_shift_bwd", "gated_recurrence_fwd", "gated_recurrence_bwd",
         "rat_keys_values_fwd", "rat_keys_values_bwd", "rms_norm_rotary_fwd", "rms_norm_rotary_bwd",
         "branch_norm_sum_fwd", "branch_norm_sum_bwd", "block_end_attention_fwd", "block_end_attention_bwd",
         "block_end_attention_sdpa_fwd", "block_end_attention_sdpa_bwd",

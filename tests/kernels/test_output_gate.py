@@ -7,11 +7,13 @@ import torch
 
 from hf_hybrid.kernels.output_gate import sigmoid_gate, sigmoid_gate_reference
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (the test session sets it)
+
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_triton_matches_reference_forward_and_backward(dtype, tol):
     g = torch.Generator().manual_seed(0)
-    z, y, dout = (torch.randn(3, 701, 5, generator=g).to(dtype) * 3 for _ in range(3))
+    z, y, dout = (torch.randn(3, 701, 5, generator=g).to(DEVICE, dtype) * 3 for _ in range(3))
     leaves = [t.clone().requires_grad_() for t in (z, y)]
     exact = [t.detach().double().requires_grad_() for t in (z, y)]
     out = sigmoid_gate(*leaves, backend="triton")
