@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ...kernels.forgetting_attention import cumulative_log_forget
 from ..cache_layer import (
     CroppableCacheMixin,
     ReservedColumnsMixin,
@@ -69,7 +70,10 @@ class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
             if self.cum_log_forget is not None and self.cum_log_forget.shape[1]
             else log_forget.new_zeros(log_forget.shape[0], 1, log_forget.shape[2], dtype=torch.float32)
         )
-        c_new = last + torch.cumsum(log_forget.float(), dim=1)
+        # The running sum along the contiguous axis ([heads, batch, seq]): torch's scan over the strided
+        # seq axis of [batch, seq, heads] gives each (row, head) one thread (11.5 ms per layer for a
+        # 32K-token prefill on the H100, more than the layer's attention).
+        c_new = (last + cumulative_log_forget(log_forget)).contiguous()
         if self.takes_reserved_columns(self.get_seq_length(), key_states.shape[1]):
             columns = (key_states.to(self.keys.dtype), value_states.to(self.values.dtype), c_new)
             self._start_static(columns, self._reserved_capacity, shift_key, shift_value)
