@@ -1,6 +1,6 @@
 """How far a model's ratio to Llama can go: each model timed as is and with its token mixer at zero
-cost, in one process against transformers' Llama (Liger's kernels for training, the compiled static
-cache for generate()), at the models suite's shape (bench/models.py).
+cost, in one process against transformers' Llama (as is and with Liger's kernels, which our models'
+backbone uses; the compiled static cache for generate()), at the models suite's shape (bench/models.py).
 
     python -m hf_hybrid.bench.ceilings --cells train8k,train32k,prefill32k
     python -m hf_hybrid.bench.ceilings --cells decode16k,decode2k
@@ -124,7 +124,7 @@ def stand_in(name: str | None):
 
 # (row, bench/models.py architecture name or "Llama", stand-in)
 FORWARD_ROWS = [
-    ("Llama", "Llama", None),
+    ("Llama", "Llama", None), ("Llama + Liger", "Llama + Liger", None),
     ("RAT", "RAT", None), ("RAT, free mixer", "RAT", "free mixer"),
     ("RATTENTION", "RATTENTION", None), ("RATTENTION, free local mixers", "RATTENTION", "free local mixers"),
     ("FoX (llama)", "FoX (llama)", None), ("FoX (llama), cuDNN attention", "FoX (llama)", "cuDNN attention"),
@@ -144,8 +144,8 @@ def _forward_row(kind: str, seq: int, arch_name: str, stand: str | None, config,
     from .models import architectures, build_llama, build_ours, prefill_builder, train_step_builder
     from .timing import time_fn
 
-    if arch_name == "Llama":
-        make = lambda: build_llama(config, liger=kind == "train" and config.on_cuda)  # noqa: E731
+    if arch_name.startswith("Llama"):
+        make = lambda: build_llama(config, liger=arch_name == "Llama + Liger")  # noqa: E731
     else:
         arch = next(a for a in architectures(config.quick) if a.name == arch_name)
         make = lambda: build_ours(arch, config)  # noqa: E731
@@ -194,8 +194,8 @@ def main(argv=None) -> list[dict]:
         kind, shape = CELLS[cell]
         table = DECODE_ROWS if kind == "decode" else FORWARD_ROWS
         for name, model, stand in table:
-            if wanted is not None and name not in wanted and table.index((name, model, stand)) != 0:
-                continue  # the baseline (first row) always runs
+            if wanted is not None and name not in wanted and not name.startswith("Llama"):
+                continue  # the baselines always run
             try:
                 if kind == "decode":
                     result = _decode_row(shape, model, stand, device)
