@@ -498,6 +498,11 @@ def _default_tiling(dim: int) -> tuple[int, int]:
 # Chunks per stored state on CUDA when state_every is None (the fastest measured, module docstring).
 DEFAULT_STATE_EVERY = 16
 
+# From this many tokens per sequence the CUDA default keeps both feature halves in one program
+# (fuse_halves): H200, B=1, 16 heads x 128, w=512, forward + backward 4.45 against 5.13 ms at 32K,
+# 1.51 against 1.44 ms at 8K (docs/benchmarks.md, tenth run).
+FUSE_HALVES_MIN_TOKENS = 16384
+
 
 def _num_segments(num_chunks: int, state_every: int | None, device: torch.device) -> int:
     """Segments of ``state_every`` chunks; by default DEFAULT_STATE_EVERY on CUDA and one segment
@@ -515,6 +520,8 @@ class _Plan:
         self.kv_heads = k.shape[2]
         self.feature = FEATURE_IDS[feature_map]
         self.halves = 1 if feature_map == "identity" else 2
+        if fuse_halves is None:  # CUDA default: fused halves for long sequences (FUSE_HALVES_MIN_TOKENS)
+            fuse_halves = q.is_cuda and self.seq >= FUSE_HALVES_MIN_TOKENS
         self.fuse = self.halves == 2 and bool(fuse_halves)
         self.features = self.halves * self.dim
         default_c, default_bv = _default_tiling(self.dim)

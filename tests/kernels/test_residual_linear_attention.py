@@ -383,3 +383,22 @@ def test_gpu_flex_sliding_window_fwd_bwd(seq, w):
     assert rel(o, o2) < 1e-2
     for a, b in zip(g, g2):
         assert rel(a, b) < 2e-2
+
+
+def test_cuda_default_fuses_the_feature_halves_of_long_sequences():
+    """fuse_halves=None: both halves in one program from FUSE_HALVES_MIN_TOKENS tokens per sequence on
+    CUDA (the faster there), split below it and off CUDA; an explicit value always wins."""
+    from types import SimpleNamespace
+
+    from hf_hybrid.kernels.residual_linear_attention import triton as rla_triton
+
+    def plan(seq, fuse=None, device="cuda"):
+        q = SimpleNamespace(shape=(1, seq, 4, 64), is_cuda=device == "cuda", dtype=torch.bfloat16, device=torch.device(device))
+        k = SimpleNamespace(shape=(1, seq, 4, 64))
+        return rla_triton._Plan(q, k, "softmax", 512, None, None, None, None, fuse).fuse
+
+    threshold = rla_triton.FUSE_HALVES_MIN_TOKENS
+    assert plan(threshold) and plan(2 * threshold)
+    assert not plan(threshold - 1)
+    assert not plan(2 * threshold, fuse=False) and plan(16, fuse=True)
+    assert not plan(2 * threshold, device="cpu")
