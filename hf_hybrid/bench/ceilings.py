@@ -40,30 +40,18 @@ from ..layers.projections import project_shared_input
 
 class _FreeMixer(torch.autograd.Function):
     """The mixer's output is its first input (a view), at no cost; the others get the output's
-    gradient (a view where the sizes match, zeros elsewhere), so their projections' backward GEMMs
-    run as in the real model."""
+    gradient (a view where size and dtype match, zeros elsewhere), so their projections' backward
+    GEMMs run as in the real model."""
 
     @staticmethod
     def forward(ctx, main, *others):
-        ctx.shapes = [o.shape for o in others]
+        ctx.specs = [(o.shape, o.dtype) for o in others]
         return main.view_as(main)
 
     @staticmethod
     def backward(ctx, grad):
-        return (grad, *[grad.reshape(s) if grad.numel() == math.prod(s) else grad.new_zeros(s) for s in ctx.shapes])
-
-
-class _ZeroGradientTo(torch.autograd.Function):
-    """``out`` unchanged; ``other`` joins the graph with a zero gradient (a tensor the stand-in ignores)."""
-
-    @staticmethod
-    def forward(ctx, out, other):
-        ctx.shape, ctx.dtype = other.shape, other.dtype
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad.new_zeros(ctx.shape, dtype=ctx.dtype)
+        return (grad, *[grad.reshape(shape) if grad.numel() == math.prod(shape) and grad.dtype == dtype
+                        else grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.specs])
 
 
 def _rat_without_mixer(self, hidden_states, context, cache_layer=None):
@@ -95,7 +83,7 @@ def _rattention_local_decode_without_mixer(self, hidden_states, context, cache_l
 def _fox_with_cudnn_attention(q, k, v, log_f, **_):
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                          enable_gqa=q.shape[2] != k.shape[2])
-    return _ZeroGradientTo.apply(out.transpose(1, 2), log_f)
+    return _FreeMixer.apply(out.transpose(1, 2), log_f)  # log_f gets a zero gradient
 
 
 # stand-in name -> [(owner, attribute, replacement)]
