@@ -8,9 +8,9 @@ Shapes follow the FoX issue: 16 heads x head dim 128, bf16, 65,536 tokens per ba
 tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_attention``
 restricted to its cuDNN backend and to its flash backend with ``is_causal=True`` (plain softmax
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
-``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours") and, on Hopper, ours
-with the opt-in TMA forward kernel ("ours_tma", kernels/forgetting_attention/hopper.py), and ours on
-cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs in bf16). Ratios
+``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours": on Hopper its forward is
+the warp-specialised Gluon kernel, kernels/forgetting_attention/hopper.py), on Hopper ours with the
+portable forward kernel ("ours_portable", HF_HYBRID_FOX_HOPPER=0), and ours on cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs in bf16). Ratios
 are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
 the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), median of
@@ -41,10 +41,10 @@ def _inputs(batch, seq, heads, head_dim, dtype, device):
 
 
 @contextlib.contextmanager
-def _tma_forward():
-    """The opt-in TMA forward kernel (HF_HYBRID_FOX_HOPPER=1, kernels/forgetting_attention/hopper.py)."""
+def _portable_forward():
+    """The portable Triton forward kernel instead of the Hopper one (HF_HYBRID_FOX_HOPPER=0)."""
     saved = os.environ.get("HF_HYBRID_FOX_HOPPER")
-    os.environ["HF_HYBRID_FOX_HOPPER"] = "1"
+    os.environ["HF_HYBRID_FOX_HOPPER"] = "0"
     try:
         yield
     finally:
@@ -73,8 +73,8 @@ def _ops():
     except Exception as exc:  # not installed, or no GPU build
         print(f"[bench] FLA not available ({type(exc).__name__}: {exc}); comparing to SDPA only", file=sys.stderr)
 
-    def tma(q, k, v, log_f):
-        with _tma_forward():
+    def portable(q, k, v, log_f):
+        with _portable_forward():
             return forgetting_attention(q, k, v, log_f, backend="triton")
 
     ops["ours"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="triton")
@@ -82,7 +82,7 @@ def _ops():
     # what "auto" runs in bf16 on CUDA for whole sequences
     ops["ours_sdpa"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="sdpa")
     if torch.cuda.get_device_capability()[0] == 9:
-        ops["ours_tma"] = tma
+        ops["ours_portable"] = portable
     return ops
 
 
@@ -192,11 +192,9 @@ def sweep_forward(seqs, tokens, heads, head_dim, repeat):
 
 def _tuned_configs():
     """The block sizes the autotuner picked, per kernel and tuning key."""
-    from hf_hybrid.kernels.forgetting_attention import hopper
     from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
 
     kernels = {name: getattr(fa_triton, name) for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")}
-    kernels["hopper._fwd_kernel"] = hopper._fwd_kernel
     return {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in kernels.items()}
 
 

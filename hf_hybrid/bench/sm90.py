@@ -25,6 +25,32 @@ def compile_for_sm90(fn, pointer_dtypes: dict, constexprs: dict, num_warps: int,
         ASTSource(fn=fn, signature=signature, constexprs=constexprs),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages},
     )
+    return _resources(compiled)
+
+
+def compile_gluon_for_sm90(fn, types: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None) -> dict:
+    """fn: a @gluon.jit kernel; types: argument -> "*bf16" / "fp32" / an object to take the type of
+    (a TensorDescriptor over a CPU tensor: its block shape and shared layout); other arguments
+    int32. Returns compile_for_sm90's fields and "setmaxnreg" (whether the warp-specialised
+    partitions rebalance their registers)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    signature = {}
+    for a in fn.arg_names:
+        given = types.get(a, "i32")
+        signature[a] = "constexpr" if a in constexprs else (given if isinstance(given, str) else mangle_type(given))
+    options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    positional = {(fn.arg_names.index(a),): v for a, v in constexprs.items()}
+    compiled = triton.compile(GluonASTSource(fn, signature, positional), target=GPUTarget("cuda", 90, 32), options=options)
+    return _resources(compiled) | {"setmaxnreg": "setmaxnreg" in compiled.asm["ptx"]}
+
+
+def _resources(compiled) -> dict:
+    import triton
+
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as fh:
         fh.write(compiled.asm["cubin"])
@@ -191,7 +217,31 @@ def kv_shift_report() -> list[dict]:
     })
 
 
+def fox_hopper_report(head_dims=(64, 128)) -> list[dict]:
+    """The Gluon FoX forward (kernels/forgetting_attention/hopper.py) per head_dim at its shipped
+    tiles, stages and register budget (bf16, 16 heads, GQA off)."""
+    import torch
+
+    from ..kernels.forgetting_attention import hopper
+
+    rows = []
+    for d in head_dims:
+        x = torch.empty(1024, 16 * d, dtype=torch.bfloat16)
+        row = {"kernel": f"hopper._fwd_kernel d={d}", "num_warps": 4}
+        try:
+            desc_q = hopper._descriptor(x.view(1024, 16, d), hopper.BLOCK_M // 2)
+            desc_kv = hopper._descriptor(x.view(1024, 16, d), hopper.BLOCK_N)
+            types = dict(desc_q=desc_q, desc_k=desc_kv, desc_v=desc_kv, C="*fp32", O="*bf16", LSE="*fp32", CU="*i32",
+                         scale2="fp32")
+            constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_N=hopper.BLOCK_N, STAGES=hopper.STAGES[d], num_warps=4)
+            row.update(compile_gluon_for_sm90(hopper._fwd_kernel, types, constexprs, 4, hopper.MAX_REGISTERS))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+    return rows
+
+
 if __name__ == "__main__":
     for row in (rat_keys_values_report() + fused_norm_report() + rat_decode_report() + fox_decode_report() + output_gate_report()
-                + kv_shift_report()):
+                + kv_shift_report() + fox_hopper_report()):
         print(row)

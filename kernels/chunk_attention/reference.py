@@ -10,11 +10,16 @@ them by log-sum-exp; here both sit in one explicit softmax, which is the definit
 
 Shapes: q, k_own, v_own [batch, seq, heads, head_dim]; k_ends, v_ends [batch, chunks, heads,
 head_dim] where entry i is the state at the end of chunk i (slots a query cannot see may hold
-anything). Scores in float32.
+anything). Scores in float32 (float64 for float64 inputs).
 """
 from __future__ import annotations
 
 import torch
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """float32 for 16-bit inputs, float64 for float64 ones (the exactness tests' restatement)."""
+    return torch.promote_types(q.dtype, torch.float32)
 
 
 def query_chunk_index(batch: int, num_queries: int, chunk_size: int, start_position: int, device) -> torch.Tensor:
@@ -39,13 +44,14 @@ def chunk_end_attention_reference(
 ) -> torch.Tensor:
     """query_chunk [batch, seq]: chunk index of every query (per row, so left-padded rows work)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qf, kf, vf = q.float(), k_own.float(), v_own.float()
-    scores_ends = torch.einsum("bthd,bchd->bhtc", qf, k_ends.float()) * scale
+    acc = _compute_dtype(q)
+    qf, kf, vf = q.to(acc), k_own.to(acc), v_own.to(acc)
+    scores_ends = torch.einsum("bthd,bchd->bhtc", qf, k_ends.to(acc)) * scale
     visible = chunk_end_mask(query_chunk, k_ends.shape[1])[:, None]
     scores_ends = scores_ends.masked_fill(~visible, float("-inf"))
     score_own = torch.einsum("bthd,bthd->bht", qf, kf)[..., None] * scale
     probs = torch.softmax(torch.cat([scores_ends, score_own], dim=-1), dim=-1)
-    out = torch.einsum("bhtc,bchd->bthd", probs[..., :-1], v_ends.float())
+    out = torch.einsum("bhtc,bchd->bthd", probs[..., :-1], v_ends.to(acc))
     out = out + probs[..., -1].permute(0, 2, 1)[..., None] * vf
     return out.to(q.dtype)
 
@@ -94,7 +100,8 @@ def block_end_attention_reference(
     full T x T score matrix, so it is for tests and short sequences only.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
+    acc = _compute_dtype(q)
+    scores = torch.einsum("bthd,bshd->bhts", q.to(acc), k.to(acc)) * scale
     mask = block_end_mask(q.shape[1], k.shape[1], block_size, local_window, num_sink_tokens, device=q.device)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)
+    return torch.einsum("bhts,bshd->bthd", probs, v.to(acc)).to(q.dtype)

@@ -530,12 +530,13 @@ def _dkdv_ends_kernel(
 
 
 def _dot_precision(dtype: torch.dtype, device: torch.device) -> str:
-    """fp32 inputs on a GPU multiply in TF32 on the tensor cores (about 1e-3 relative error), as
-    Triton and flash kernels do: exact fp32 ("ieee") dots compile to FMA loops that take minutes to
-    build and spill heavily at these tiles. In the CPU interpreter fp32 stays exact."""
+    """fp32 inputs compute in fp32: on a GPU as three TF32 tensor-core products per dot ("tf32x3",
+    each operand split into a TF32 head and tail), ~3e-7 relative error against float64 where one
+    TF32 product gives ~1e-3; exact "ieee" dots compile to FMA loops that take minutes to build and
+    spill at these tiles. In the CPU interpreter fp32 stays "ieee". 16-bit operands ignore it."""
     if device.type != "cuda":
         return "ieee" if dtype == torch.float32 else "upcast"
-    return "tf32"  # ignored for 16-bit operands
+    return "tf32x3"
 
 
 def _check_head_dim(op: str, head_dim: int) -> None:

@@ -1,29 +1,28 @@
-"""Forgetting Attention forward through TMA tensor descriptors (Hopper, sm_90): an opt-in
-experiment towards issue 21's warp-specialised kernels, not the default path.
+"""Forgetting Attention forward for Hopper (sm_90), written in Gluon with explicit warp specialisation.
 
-The same function and outputs (o, and the log-sum-exp the backward reads) as
-``triton._fwd_kernel``, whose design notes apply (log2 units, the per-block reference c_ref).
-What differs:
+The same function and outputs (o, and the log2-sum-exp the backward reads) as
+``triton._fwd_kernel``, whose design notes apply (log2 units, the per-block reference c_ref so
+that the bias stays small). What the portable kernel leaves to Triton's compiler is written out
+here, because Triton 3.6's automatic warp specialisation of the same loop deadlocked on the H100:
 
-* K, V and the cumulative log forget c reach shared memory through TMA tensor descriptors: the
-  copy engine moves whole tiles, no per-thread address arithmetic or bounds masks (rows past a
-  sequence's end are other sequences' keys, hidden by the mask; rows past the tensor are zeros).
-  c is laid out one row per (head, sequence) so that every tile starts 16-byte aligned.
-* One key loop with the causal mask applied on every tile, a straight-line body and no early
-  return: the shape Triton 3.6's Hopper warp-specialisation pass (``tl.range(...,
-  warp_specialize=True)``, 4 warps: a producer and two consumer warpgroups) accepts. A second loop
-  for the diagonal, a branch in the body or an early return fail to compile or leave the loop
-  unspecialised (checked with ``hf_hybrid.bench.sm90``-style compiles).
-* The output is stored with a masked pointer store (a TMA store of a query block that runs past
-  its sequence would overwrite the next sequence's rows).
+* three partitions per program of 128 query rows: a one-warp **loader** that moves Q once and the
+  K and V tiles of every key block through TMA into a ring of shared-memory stages, and two
+  **softmax warpgroups** of four warps, each owning 64 of the query rows;
+* K and V have their own ready / empty mbarriers per stage, so the score product of a key block
+  starts as soon as its K lands and its stage is refilled as soon as both warpgroups' products
+  with it are done (each arrives once on the empty barrier, initialised with count 2);
+* in each warpgroup the next block's Q K^T and the current block's P V are issued together as
+  asynchronous wgmma and the softmax of the scores runs while P V is still on the tensor cores
+  (FlashAttention-3's intra-warpgroup overlap); P goes to the second product from registers;
+* the forget bias of a key block (128 floats) is loaded one block ahead, so its latency hides
+  behind a whole iteration; only key blocks that reach the diagonal or the sequence's end apply
+  the causal mask.
 
-Measured on an H100 (2026-11-25, docs/benchmarks_fox.md): the unspecialised configs are exact and
-as fast as the portable kernel (10.53 vs 10.36 ms at B=4, T=16K, 16 heads x 128); every
-warp-specialised config compiles but never finishes (a deadlock in Triton 3.6's generated
-producer/consumer code, also at T=1024). So the autotuning table holds unspecialised configs only,
-and the public op uses this kernel only with ``HF_HYBRID_FOX_HOPPER=1``;
-``hf_hybrid.bench.fox_hopper_probe`` reruns every config, warp-specialised ones included, each in
-its own process with a time limit.
+Measured on an H100 (docs/benchmarks_fox.md): forward 1.17-1.5x cuDNN's causal attention at
+16 heads x 128, where the portable kernel is 1.37-1.63x. The same loop with the softmax taken out
+runs at 0.93-1.10x cuDNN, so what is left is the overlap of the softmax with the products.
+Causal attention without a window only; 16-bit inputs, head_dim 64 or 128. Everything else
+takes the portable kernel.
 """
 from __future__ import annotations
 
@@ -31,165 +30,215 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 
-from .._backend import triton_interpreting
-from .._triton_dot import dot
+try:  # Gluon ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the portable kernel only
+    gluon = None
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128  # query rows per program: two warpgroups of 64
+BLOCK_N = 128  # keys per block
+STAGES = {64: 3, 128: 2}  # K/V ring depth per head_dim (shared memory: 112 / 160 KB)
+MAX_REGISTERS = 168  # per thread at launch; the partitions rebalance to 240 (softmax) and 24 (loader)
 
-try:  # Triton >= 3.3
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: no Hopper path
-    TensorDescriptor = None
+if gluon is not None:
+    # Triton >= 3.7 calls the TMA load async_load; 3.6 (the GPU image) has only the old name.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
+    @gluon.jit
+    def _load_partition(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bars, coords, n_blocks,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: Q's two halves once, then K and V of every key block into the stage ring."""
+        q_bar, k_ready, k_empty, v_ready, v_empty = bars
+        q_row, q_col, kv_row, kv_col = coords
+        half: gl.constexpr = desc_q.block_type.shape[0]
+        mbarrier.expect(q_bar, 2 * desc_q.block_type.nbytes)
+        _tma_load(desc_q, [q_row, q_col], q_bar, q_smem.index(0))
+        _tma_load(desc_q, [q_row + half, q_col], q_bar, q_smem.index(1))
+        for i in range(n_blocks):
+            stage = i % STAGES
+            # A fresh mbarrier counts as having completed the phase before its first, so the
+            # first lap through the ring does not wait.
+            free_phase = ((i // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(stage), free_phase)
+            mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+            _tma_load(desc_k, [kv_row + i * BLOCK_N, kv_col], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), free_phase)
+            mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+            _tma_load(desc_v, [kv_row + i * BLOCK_N, kv_col], v_ready.index(stage), v_smem.index(stage))
 
-def _set_block_shapes(nargs):
-    """Autotuning pre-hook: the descriptors' tile shapes follow the config being tried."""
-    d = nargs["HEAD_DIM"]
-    nargs["desc_q"].block_shape = [nargs["BLOCK_M"], d]
-    nargs["desc_k"].block_shape = [nargs["BLOCK_N"], d]
-    nargs["desc_v"].block_shape = [nargs["BLOCK_N"], d]
-    nargs["desc_c"].block_shape = [1, nargs["BLOCK_N"]]
+    @gluon.jit
+    def _softmax_partition(q_smem, k_smem, v_smem, bars, c_row, O, lse_row, scalars, wg: gl.constexpr,
+                           HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr):
+        """One warpgroup: online softmax over the key blocks for query rows [row0, row0 + HALF)."""
+        q_bar, k_ready, k_empty, v_ready, v_empty = bars
+        start_m, seq_len, n_blocks, n_unmasked, tok0, o_col, stride_ot, scale2 = scalars
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
+        row0 = start_m + wg * HALF
+        offs_m = row0 + gl.arange(0, HALF, layout=rows_s)
+        offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
+        # Key j is visible to row i iff j <= min(i, seq_len - 1): one compare per score.
+        last_key = gl.minimum(offs_m, seq_len - 1)
+        c_ref2 = gl.load(c_row + start_m) * LOG2E
+        no_scores = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=o_layout)
+        q = q_smem.index(wg)
+        c_next = gl.load(c_row + offs_n, mask=offs_n < seq_len, other=0.0)
 
-def _configs():
-    if triton_interpreting():
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16, "WARP_SPECIALIZE": False}, num_warps=4,
-                              num_stages=1, pre_hook=_set_block_shapes)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "WARP_SPECIALIZE": ws}, num_warps=w, num_stages=s,
-                          pre_hook=_set_block_shapes) for m, n, w, s, ws in TUNED_CONFIGS]
-
-
-# (BLOCK_M, BLOCK_N, warps, stages, warp-specialised). Triton 3.6 specialises Hopper loops at 4
-# warps only (8 warps compile unspecialised), and those configs deadlock (module docstring).
-TUNED_CONFIGS = [(128, 64, 8, 3, False), (128, 128, 8, 2, False)]
-WARP_SPECIALIZED_CONFIGS = [(128, 64, 4, 2, True), (128, 64, 4, 3, True), (128, 128, 4, 2, True), (128, 64, 4, 4, True)]
-
-
-def _len_bucket(max_len: int) -> int:
-    return max(int(max_len), 1).bit_length()
-
-
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "len_bucket"])
-@triton.jit
-def _fwd_kernel(desc_q, desc_k, desc_v, desc_c, C, O, LSE, CU, scale2, len_bucket,
-                stride_ot, stride_oh, stride_ch,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    # Heaviest (last) query blocks first: better tail balance under the causal mask.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    seq = tl.program_id(2)
-    seq_start = tl.load(CU + seq)
-    seq_len = tl.load(CU + seq + 1) - seq_start
-    start_m = pid_m * BLOCK_M
-    # Blocks past a short sequence's end run an empty key range and store nothing (an early
-    # return breaks Triton's warp-specialisation pass).
-    live = start_m < seq_len
-    kvh = h // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    m_ok = offs_m < seq_len
-    q = desc_q.load([seq_start + start_m, h * HEAD_DIM])
-    C_ptr = C + h * stride_ch + seq_start.to(tl.int64)
-    cq = tl.load(C_ptr + offs_m, mask=m_ok, other=0.0) * LOG2E
-    c_ref = tl.load(C_ptr + start_m, mask=live, other=0.0) * LOG2E
-    # Key j is visible to row i iff j <= min(i, seq_len - 1): one compare per score.
-    last_key = tl.minimum(offs_m, seq_len - 1)
-    col = kvh * HEAD_DIM
-    c_row = h * tl.num_programs(2) + seq
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    hi = tl.where(live, tl.minimum(start_m + BLOCK_M, seq_len), 0)
-    # One loop over every key tile with the mask always applied: Triton 3.6's Hopper
-    # warp-specialisation pass takes a single loop with a straight-line body only (a second loop
-    # for the diagonal, or a branch inside, fails to compile or leaves the loop unspecialised).
-    # Every row sees key 0 in the first tile, so the running max is finite from there on.
-    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = desc_k.load([seq_start + start_n, col])
-        ck = desc_c.load([c_row, start_n]).reshape([BLOCK_N])
-        qk = dot(q, k.T, None, "tf32")
+        # Key block 0: scores only (no P V yet).
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        c_keys = c_next
+        c_next = gl.load(c_row + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < seq_len, other=0.0)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
         # log2-unit score minus the row constant (c_i - c_ref), which the LSE adds back.
-        s = qk * scale2 - (ck * LOG2E - c_ref)[None, :]
-        s = tl.where(last_key[:, None] >= (start_n + offs_n)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = desc_v.load([seq_start + start_n, col])
-        acc = dot(p.to(v.dtype), v, acc, "tf32")
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = m_i + tl.math.log2(l_safe) + (cq - c_ref)
-    offs_d = tl.arange(0, HEAD_DIM)
-    tok = seq_start.to(tl.int64) + offs_m
-    tl.store(O + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=m_ok[:, None])
-    tl.store(LSE + h * stride_ch + tok, lse, mask=m_ok)
+        s = s * scale2 - (c_keys * LOG2E - c_ref2)[None, :]
+        if n_unmasked == 0:
+            s = gl.where(last_key[:, None] >= offs_n[None, :], s, float("-inf"))
+        m_i = gl.max(s, 1)
+        p = gl.exp2(s - m_i[:, None])
+        l_i = gl.sum(p, 1)
+        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+
+        for i in range(1, n_blocks):
+            stage = i % STAGES
+            prev = (i - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (i // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            c_keys = c_next
+            cols_next = (i + 1) * BLOCK_N + offs_n
+            c_next = gl.load(c_row + cols_next, mask=cols_next < seq_len, other=0.0)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))  # this block's scores; P V may still run
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            s = s * scale2 - (c_keys * LOG2E - c_ref2)[None, :]
+            if i >= n_unmasked:
+                s = gl.where(last_key[:, None] >= (i * BLOCK_N + offs_n)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+            p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+            m_i = m_new
+
+        last = (n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+        m_ok = offs_m < seq_len
+        c_rows2 = gl.load(c_row + offs_m, mask=m_ok, other=0.0) * LOG2E
+        gl.store(lse_row + tok0 + offs_m, m_i + gl.log2(l_i) + (c_rows2 - c_ref2), mask=m_ok)
+        out = acc / gl.convert_layout(l_i, rows_o)[:, None]
+        offs_mo = row0 + gl.arange(0, HALF, layout=rows_o)
+        offs_d = gl.arange(0, HEAD_DIM, layout=cols_o)
+        tok = tok0 + offs_mo.to(gl.int64)
+        # A pointer store: a TMA store of a block that runs past its sequence would overwrite the
+        # next sequence's rows.
+        gl.store(O + tok[:, None] * stride_ot + o_col + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=(offs_mo < seq_len)[:, None])
+
+    @gluon.jit
+    def _fwd_kernel(desc_q, desc_k, desc_v, C, O, LSE, CU, scale2, stride_ot, stride_ch,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    num_warps: gl.constexpr):
+        HALF: gl.constexpr = desc_q.block_type.shape[0]
+        # Heaviest (last) query blocks first: better tail balance under the causal mask.
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        h = gl.program_id(1)
+        seq = gl.program_id(2)
+        seq_start = gl.load(CU + seq)
+        seq_len = gl.load(CU + seq + 1) - seq_start
+        start_m = pid_m * (2 * HALF)
+        if start_m < seq_len:
+            n_blocks = gl.cdiv(gl.minimum(start_m + 2 * HALF, seq_len), BLOCK_N)
+            n_unmasked = start_m // BLOCK_N  # key blocks wholly before the first row: no mask
+            q_smem = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
+            k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+            v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_ready.index(i), count=1)
+                mbarrier.init(k_empty.index(i), count=2)  # one arrival per softmax warpgroup
+                mbarrier.init(v_ready.index(i), count=1)
+                mbarrier.init(v_empty.index(i), count=2)
+            bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
+            tok0 = seq_start.to(gl.int64)
+            c_row = C + h * stride_ch + tok0
+            lse_row = LSE + h * stride_ch
+            coords = (seq_start + start_m, h * HEAD_DIM, seq_start, (h // GROUP) * HEAD_DIM)
+            scalars = (start_m, seq_len, n_blocks, n_unmasked, tok0, h * HEAD_DIM, stride_ot, scale2)
+            gl.warp_specialize([
+                (_softmax_partition, (q_smem, k_smem, v_smem, bars, c_row, O, lse_row, scalars, 0,
+                                      HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                (_softmax_partition, (q_smem, k_smem, v_smem, bars, c_row, O, lse_row, scalars, 1,
+                                      HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                (_load_partition, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bars, coords, n_blocks,
+                                   BLOCK_N, STAGES)),
+            ], [4, 1], [240, 24])
+else:  # pragma: no cover
+    _fwd_kernel = None
 
 
 def hopper_forward_applies(q: torch.Tensor, window_size) -> bool:
-    """Whether the forward takes this path: asked for (``HF_HYBRID_FOX_HOPPER=1``), causal (no
-    window), 16-bit inputs on a Hopper GPU. Everything else keeps the portable kernel; so does the
-    interpreter (CPU tests call :func:`forward` directly)."""
-    if TensorDescriptor is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
+    """Whether the forward takes this path: a Hopper GPU, 16-bit inputs, head_dim 64 or 128,
+    causal without a window, Gluon available. ``HF_HYBRID_FOX_HOPPER=0`` keeps the portable kernel
+    (A/B runs); everything else takes it anyway."""
+    if gluon is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if triton_interpreting() or os.environ.get("HF_HYBRID_FOX_HOPPER", "0") != "1":
+    if q.shape[-1] not in HEAD_DIMS or os.environ.get("HF_HYBRID_FOX_HOPPER", "1") == "0":
         return False
     return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
 
 
-def _descriptor(x: torch.Tensor) -> "TensorDescriptor":
-    """A 2-D descriptor over [tokens, heads * head_dim]; one tile is [rows, head_dim] of one head
-    (rows set per config by the pre-hook)."""
+def _descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
+    """A 2-D descriptor over [tokens, heads * head_dim]; one tile is [rows, head_dim] of one head.
+    Rows past a sequence's end are the next sequence's tokens (hidden by the mask), rows past the
+    tensor are zeros."""
     total, heads, d = x.shape
-    return TensorDescriptor(x, [total, heads * d], [heads * d, 1], [16, d])
+    flat = x.view(total, heads * d)
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], dtype)
+    return TensorDescriptor(flat, [total, heads * d], [heads * d, 1], [rows, d], layout)
 
 
-def _c_descriptor(c_t: torch.Tensor, cu: torch.Tensor, max_len: int, dense: bool) -> "TensorDescriptor":
-    """The cumulative log forget as rows of [heads * sequences, max_len] float32 (tile = one row,
-    BLOCK_N keys). TMA needs 16-byte row strides and 16-byte aligned tile starts in the inner
-    dimension, so each sequence gets its own row starting at key 0 (a tile starts at a multiple of
-    BLOCK_N); a dense batch whose length is a multiple of 4 is a view, other inputs are copied."""
-    heads, total = c_t.shape
-    nseq = cu.numel() - 1
-    padded = (max_len + 3) // 4 * 4
-    if dense and padded == max_len:
-        rows = c_t.view(heads * nseq, max_len)
-    else:
-        rows = c_t.new_zeros(heads, nseq, padded)
-        if dense:
-            rows[:, :, :max_len] = c_t.view(heads, nseq, max_len)
-        else:
-            lengths = cu[1:] - cu[:-1]
-            seq_id = torch.repeat_interleave(torch.arange(nseq, device=cu.device), lengths, output_size=total)
-            position = torch.arange(total, device=cu.device) - cu[seq_id]
-            rows[:, seq_id, position] = c_t
-        rows = rows.view(heads * nseq, padded)
-    return TensorDescriptor(rows, [heads * nseq, max_len], [padded, 1], [1, 16])
-
-
-def forward(q, k, v, c_t, cu, max_len, scale, dense: bool = False):
+def forward(q, k, v, c_t, cu, max_len, scale):
     """q [N_tok, HQ, D], k/v [N_tok, HKV, D] contiguous 16-bit, c_t [HQ, N_tok] float32
-    -> (o [N_tok, HQ, D], lse [HQ, N_tok] float32), as ``triton._forward`` without a window.
-    dense: every sequence has length max_len (cu = 0, T, 2T, ...), so c needs no re-layout."""
+    -> (o [N_tok, HQ, D], lse [HQ, N_tok] float32), as ``triton._forward`` without a window."""
     total, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((hq, total), device=q.device, dtype=torch.float32)
-    nseq = cu.numel() - 1
-
-    def grid(meta):
-        return (triton.cdiv(max_len, meta["BLOCK_M"]), hq, nseq)
-
+    grid = (triton.cdiv(max_len, BLOCK_M), hq, cu.numel() - 1)
     _fwd_kernel[grid](
-        _descriptor(q), _descriptor(k), _descriptor(v), _c_descriptor(c_t, cu, max_len, dense), c_t, o, lse, cu,
-        scale * 1.4426950408889634, _len_bucket(max_len), o.stride(0), o.stride(1), c_t.stride(0),
-        GROUP=hq // k.shape[1], HEAD_DIM=d,
+        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), c_t, o, lse, cu,
+        scale * 1.4426950408889634, o.stride(0), c_t.stride(0),
+        GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=BLOCK_N, STAGES=STAGES[d], num_warps=4, maxnreg=MAX_REGISTERS,
     )
     return o, lse

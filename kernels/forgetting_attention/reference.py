@@ -92,11 +92,13 @@ def masked_softmax_attention(
     visible: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """softmax(scale q.k + bias, masked) v in float32; q [B,Tq,HQ,D], k/v [B,Tk,HKV,D],
-    bias [B,HQ,Tq,Tk] float32, visible broadcastable to it. Rows that see no key return 0."""
-    kf = _expand_kv(k, q.shape[2]).float()
-    vf = _expand_kv(v, q.shape[2]).float()
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), kf) * scale + bias
+    """softmax(scale q.k + bias, masked) v in float32 (float64 for float64 q); q [B,Tq,HQ,D],
+    k/v [B,Tk,HKV,D], bias [B,HQ,Tq,Tk] float32, visible broadcastable to it. Rows that see no key
+    return 0."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kf = _expand_kv(k, q.shape[2]).to(acc)
+    vf = _expand_kv(v, q.shape[2]).to(acc)
+    scores = torch.einsum("bthd,bshd->bhts", q.to(acc), kf) * scale + bias.to(acc)
     scores = scores.masked_fill(~visible, float("-inf"))
     any_visible = visible.any(dim=-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(~any_visible, 0.0), dim=-1) * any_visible

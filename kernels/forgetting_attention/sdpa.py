@@ -19,10 +19,12 @@ float32 reference, 6% relative error with mild forgetting and 35% with strong (t
 backward accumulates it in float32). Training keeps the Triton kernels.
 
 On the H200 (bf16, 16 heads of 128, 65,536 tokens per call) the forward takes 1.30-1.54x cuDNN's
-own causal time at head size 128, against the Triton kernel's 1.41-1.64x (T = 32K-4K;
+own causal time at head size 128, against the portable Triton kernel's 1.41-1.64x (T = 32K-4K;
 ``python3 -m hf_hybrid.bench.forgetting_attention``, row ``ours_sdpa``). Used for bf16 on CUDA
-without gradients, a window or packed sequences, from MIN_LEN tokens; fp16 stays on Triton
-(-c / scale can pass fp16's range) and so does fp32.
+without gradients, a window or packed sequences, from MIN_LEN tokens, on GPUs other than Hopper:
+there the Gluon forward (hopper.py) is faster (H100: 1.20-1.36x cuDNN against this route's
+1.27-1.66x, and FoX's 32K prefill 126 against 130 ms). fp16 stays on Triton (-c / scale can pass
+fp16's range) and so does fp32. ``HF_HYBRID_FOX_ATTENTION=sdpa`` forces this route.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 
 from .._custom_ops import kernel_op, needs_grad
 from .._lse_attention import attention_with_kind, kernel_kind, path_switch
+from .hopper import hopper_forward_applies
 
 EXTRA = 8  # head dimensions added for the bias: 3 used, padded to a multiple of 8
 # "triton": FoX on the Triton kernels always; "sdpa": without gradients, on this path from any length
@@ -43,6 +46,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tens
     switch = path_switch(ENV_SWITCH)
     if switch == "triton" or not q.is_cuda or window_size is not None or cu_seqlens is not None:
         return False
+    if switch == "" and hopper_forward_applies(q, window_size):
+        return False  # on Hopper the Gluon forward is faster than this route (module docstring)
     if needs_grad(q, k, v, log_f):
         return False
     if q.dtype != torch.bfloat16 or k.dtype != q.dtype or q.shape[-1] not in _HEAD_DIMS:

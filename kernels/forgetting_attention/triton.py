@@ -30,7 +30,7 @@ import triton.language as tl
 from .._backend import triton_interpreting
 from .._launch import launch_cached
 from .._triton_dot import dot as _mm
-from .hopper import forward as tma_forward
+from .hopper import forward as hopper_forward
 from .hopper import hopper_forward_applies
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -393,11 +393,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | None = None):
     """q [N_tok, HQ, D], k/v [N_tok, HKV, D], c_t [HQ, N_tok] float32 -> (o, lse [HQ, N_tok]).
-    With HF_HYBRID_FOX_HOPPER=1, causal 16-bit inputs on Hopper take the TMA kernel (hopper.py).
-    ``config`` bypasses the autotuner (tests of one specific variant of this portable kernel)."""
+    Causal 16-bit inputs on a Hopper GPU take the warp-specialised Gluon kernel (hopper.py).
+    ``config`` bypasses it and the autotuner (tests of one specific variant of this portable kernel)."""
     if config is None and hopper_forward_applies(q, window):
-        # Lengths that add up to sequences x longest are all equal: a dense batch.
-        return tma_forward(q, k, v, c_t, cu, max_len, scale, dense=q.shape[0] == (cu.numel() - 1) * max_len)
+        return hopper_forward(q, k, v, c_t, cu, max_len, scale)
     total, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((hq, total), device=q.device, dtype=torch.float32)
