@@ -10,8 +10,9 @@ restricted to its cuDNN backend and to its flash backend with ``is_causal=True``
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
 ``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours": on Hopper its forward is
 the warp-specialised Gluon kernel, kernels/forgetting_attention/hopper.py), on Hopper ours with the
-portable forward kernel ("ours_portable", HF_HYBRID_FOX_HOPPER=0), and ours on cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs in bf16). Ratios
-are time / cuDNN's.
+portable forward kernel ("ours_portable", HF_HYBRID_FOX_HOPPER=0), and ours on cuDNN with the
+forget bias as extra head dimensions ("ours_sdpa", what "auto" runs without gradients in bf16 on
+GPUs other than Hopper). Ratios are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
 the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), median of
 ``--repeat`` calls; inputs are random (never zeros); log f = logsigmoid(N(4, 1)) per head.

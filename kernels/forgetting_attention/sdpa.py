@@ -22,8 +22,8 @@ On the H200 (bf16, 16 heads of 128, 65,536 tokens per call) the forward takes 1.
 own causal time at head size 128, against the portable Triton kernel's 1.41-1.64x (T = 32K-4K;
 ``python3 -m hf_hybrid.bench.forgetting_attention``, row ``ours_sdpa``). Used for bf16 on CUDA
 without gradients, a window or packed sequences, from MIN_LEN tokens, on GPUs other than Hopper:
-there the Gluon forward (hopper.py) is faster (H100: 1.20-1.36x cuDNN against this route's
-1.27-1.66x, and FoX's 32K prefill 126 against 130 ms). fp16 stays on Triton (-c / scale can pass
+there the Gluon forward (hopper.py) is faster (H100: 1.03-1.18x cuDNN against this route's
+1.14-1.74x; FoX's whole 32K prefill as fast or faster). fp16 stays on Triton (-c / scale can pass
 fp16's range) and so does fp32. ``HF_HYBRID_FOX_ATTENTION=sdpa`` forces this route.
 """
 from __future__ import annotations
