@@ -11,7 +11,8 @@ Extra RAT rows: ``rat_layer_unfused`` is the same layer with ``fused_gates=False
 recurrences and the RoPE of k~ op by op instead of in one kernel, the default);
 ``rat_layer_atomic_dq`` (fwd+bwd) runs the attention backward with ATOMIC_DQ (dQ from the dK/dV
 kernel's atomics, kernels/chunk_attention/triton.py; off by default until it wins); ``rat_gemm_floor``
-is its six projections alone (the bound on any layer ratio). The decode step of ``rat_layer`` is
+is its six projections alone (the bound on any layer ratio); ``rat_plus_dense_layer`` (fwd+bwd)
+is RAT+'s dense training step (D = 1, the recurrence active). The decode step of ``rat_layer`` is
 the one-kernel step (kernels/chunk_attention/rat_decode_triton.py).
 
 The SDPA layer is written here (q/k/v/o projections, RoPE by position, causal SDPA) so that the
@@ -178,6 +179,17 @@ def rat_plus_layer_builder(config: BenchConfig, batch: int, seq: int, dilation: 
     return build
 
 
+def rat_plus_train_builder(config: BenchConfig, batch: int, seq: int):
+    """RAT+'s dense training step (D = 1, the recurrence active): issue 21 asks it within 1.2x of
+    the SDPA layer."""
+    def build():
+        layer = _rat_plus_layer(config)
+        x = torch.randn(batch, seq, HIDDEN, device=config.device, dtype=config.dtype, requires_grad=True)
+        context = _context(batch, seq, 0, config.device)
+        return _step(layer, lambda x: layer(x, context), x, backward=True)
+    return build
+
+
 def sdpa_decode_builder(config: BenchConfig, batch: int, position: int):
     def build():
         layer = SdpaAttentionLayer(HIDDEN, HEADS, HEAD_DIM).to(config.device, config.dtype)
@@ -250,6 +262,7 @@ def cases(config: BenchConfig) -> list[Case]:
             "rat_layer_unfused": rat_layer_builder(config, batch, seq, backward=True, fused_gates=False),
             "rat_layer_atomic_dq": with_atomic_dq(rat_layer_builder(config, batch, seq, backward=True)),
             "rat_gemm_floor": rat_gemm_floor_builder(config, batch, seq, backward=True),
+            "rat_plus_dense_layer": rat_plus_train_builder(config, batch, seq),
         }))
     for seq in prefill_seqs:
         batch = 1 if quick else max(1, PREFILL_TOKENS // seq)
