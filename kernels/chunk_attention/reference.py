@@ -17,11 +17,6 @@ from __future__ import annotations
 import torch
 
 
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    """float32 for 16-bit inputs, float64 for float64 ones (the exactness tests' restatement)."""
-    return torch.promote_types(q.dtype, torch.float32)
-
-
 def query_chunk_index(batch: int, num_queries: int, chunk_size: int, start_position: int, device) -> torch.Tensor:
     """[batch, num_queries] chunk index of queries at positions start_position + t (no padding)."""
     positions = torch.arange(start_position, start_position + num_queries, device=device)
@@ -44,7 +39,7 @@ def chunk_end_attention_reference(
 ) -> torch.Tensor:
     """query_chunk [batch, seq]: chunk index of every query (per row, so left-padded rows work)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    acc = _compute_dtype(q)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
     qf, kf, vf = q.to(acc), k_own.to(acc), v_own.to(acc)
     scores_ends = torch.einsum("bthd,bchd->bhtc", qf, k_ends.to(acc)) * scale
     visible = chunk_end_mask(query_chunk, k_ends.shape[1])[:, None]
@@ -100,7 +95,7 @@ def block_end_attention_reference(
     full T x T score matrix, so it is for tests and short sequences only.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    acc = _compute_dtype(q)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
     scores = torch.einsum("bthd,bshd->bhts", q.to(acc), k.to(acc)) * scale
     mask = block_end_mask(q.shape[1], k.shape[1], block_size, local_window, num_sink_tokens, device=q.device)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
