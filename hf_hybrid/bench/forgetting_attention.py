@@ -10,9 +10,10 @@ restricted to its cuDNN backend and to its flash backend with ``is_causal=True``
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
 ``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours": on Hopper its forward is
 the warp-specialised Gluon kernel, kernels/forgetting_attention/hopper.py), on Hopper ours with the
-portable forward kernel ("ours_portable", HF_HYBRID_FOX_HOPPER=0), and ours on cuDNN with the
-forget bias as extra head dimensions ("ours_sdpa", what "auto" runs without gradients in bf16 on
-GPUs other than Hopper). Ratios are time / cuDNN's.
+portable kernels ("ours_portable": HF_HYBRID_FOX_HOPPER=0) and ours with the opt-in Hopper backward
+("ours_hopper_bwd": HF_HYBRID_FOX_HOPPER_BWD=1, kernels/forgetting_attention/hopper_backward.py),
+and ours on cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs
+without gradients in bf16 on GPUs other than Hopper). Ratios are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
 the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), median of
 ``--repeat`` calls; inputs are random (never zeros); log f = logsigmoid(N(4, 1)) per head.
@@ -42,17 +43,18 @@ def _inputs(batch, seq, heads, head_dim, dtype, device):
 
 
 @contextlib.contextmanager
-def _portable_forward():
-    """The portable Triton forward kernel instead of the Hopper one (HF_HYBRID_FOX_HOPPER=0)."""
-    saved = os.environ.get("HF_HYBRID_FOX_HOPPER")
-    os.environ["HF_HYBRID_FOX_HOPPER"] = "0"
+def _environment(**values):
+    """Environment switches held over a whole timed call, backward included."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("HF_HYBRID_FOX_HOPPER")
-        else:
-            os.environ["HF_HYBRID_FOX_HOPPER"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def _ops():
@@ -74,17 +76,21 @@ def _ops():
     except Exception as exc:  # not installed, or no GPU build
         print(f"[bench] FLA not available ({type(exc).__name__}: {exc}); comparing to SDPA only", file=sys.stderr)
 
-    def portable(q, k, v, log_f):
-        with _portable_forward():
-            return forgetting_attention(q, k, v, log_f, backend="triton")
-
     ops["ours"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="triton")
     # cuDNN with the forget bias as extra head dimensions (kernels/forgetting_attention/sdpa.py):
     # what "auto" runs in bf16 on CUDA for whole sequences
     ops["ours_sdpa"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="sdpa")
     if torch.cuda.get_device_capability()[0] == 9:
-        ops["ours_portable"] = portable
+        ops["ours_portable"] = ops["ours"]  # under CONTEXTS' switches
+        ops["ours_hopper_bwd"] = ops["ours"]
     return ops
+
+
+# Rows timed with environment switches held over the whole call, backward included.
+CONTEXTS = {
+    "ours_portable": lambda: _environment(HF_HYBRID_FOX_HOPPER="0", HF_HYBRID_FOX_HOPPER_BWD="0"),
+    "ours_hopper_bwd": lambda: _environment(HF_HYBRID_FOX_HOPPER_BWD="1"),
+}
 
 
 BASELINES = ("sdpa_cudnn", "sdpa_flash")
@@ -103,12 +109,15 @@ def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
             leaves = [x.detach().requires_grad_() for x in (q, k, v, log_f)]
             wrt = leaves[:3] if name in BASELINES else leaves
 
+            context = CONTEXTS.get(name, contextlib.nullcontext)
+
             def fwd():
-                with torch.no_grad():
+                with torch.no_grad(), context():
                     op(*leaves)
 
             def fwd_bwd():
-                torch.autograd.grad(op(*leaves), wrt, do)
+                with context():
+                    torch.autograd.grad(op(*leaves), wrt, do)
 
             t_f = time_fn(fwd, device, warmup=3, repeat=repeat)
             t_fb = None if name in FORWARD_ONLY else time_fn(fwd_bwd, device, warmup=3, repeat=repeat)

@@ -241,7 +241,35 @@ def fox_hopper_report(head_dims=(64, 128)) -> list[dict]:
     return rows
 
 
+def fox_hopper_backward_report(head_dims=(64, 128)) -> list[dict]:
+    """The Gluon FoX backward (kernels/forgetting_attention/hopper_backward.py) per head_dim at its
+    shipped tiles, stages and register budget (bf16, 16 heads, GQA off)."""
+    import torch
+
+    from ..kernels.forgetting_attention import hopper, hopper_backward
+
+    rows = []
+    for d in head_dims:
+        x = torch.empty(1024, 16, d, dtype=torch.bfloat16)
+        row = {"kernel": f"hopper_backward._bwd_kernel d={d}", "num_warps": 4}
+        try:
+            desc_q = hopper._descriptor(x, hopper_backward.BLOCK_Q)
+            desc_kv = hopper._descriptor(x, hopper_backward.KEYS // 2)
+            desc_dq = hopper_backward._dq_descriptor(torch.empty(16 * 1024, d))
+            types = dict(desc_q=desc_q, desc_do=desc_q, desc_k=desc_kv, desc_v=desc_kv, desc_dq=desc_dq, C="*fp32",
+                         LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", DC="*fp32", DCQ="*fp32", CU="*i32",
+                         scale="fp32", scale2="fp32")
+            constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_Q=hopper_backward.BLOCK_Q, STAGES=hopper_backward.STAGES,
+                              num_warps=4)
+            row.update(compile_gluon_for_sm90(hopper_backward._bwd_kernel, types, constexprs, 4,
+                                              hopper_backward.MAX_REGISTERS))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+    return rows
+
+
 if __name__ == "__main__":
     for row in (rat_keys_values_report() + fused_norm_report() + rat_decode_report() + fox_decode_report() + output_gate_report()
-                + kv_shift_report() + fox_hopper_report()):
+                + kv_shift_report() + fox_hopper_report() + fox_hopper_backward_report()):
         print(row)

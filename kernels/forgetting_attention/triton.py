@@ -18,6 +18,7 @@ Same function as ``reference.forgetting_attention_reference`` on the cumulative 
   (dropping them left a 3e-2 relative error in bf16 against the float32 reference).
 * Backward = dK/dV/dc kernel (one key block, loops over query blocks and over the query heads of
   its GQA group) + dQ kernel (one query block, loops over key blocks); no atomics, deterministic.
+  On Hopper one Gluon kernel does both with dQ added by TMA reduce-add (hopper_backward.py).
 * Key blocks are split into three phases per query block: window edge (masked), interior
   (no mask), diagonal (masked), so the hot loop carries no mask arithmetic.
 """
@@ -32,6 +33,8 @@ from .._launch import launch_cached
 from .._triton_dot import dot as _mm
 from .hopper import forward as hopper_forward
 from .hopper import hopper_forward_applies
+from .hopper_backward import backward as hopper_backward
+from .hopper_backward import hopper_backward_applies
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -429,6 +432,8 @@ def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
         o, do, delta, total, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
         HEAD_DIM=d, BLOCK=block,
     )
+    if hopper_backward_applies(q, window):
+        return hopper_backward(do, q, k, v, c_t, o, lse, delta, cu, max_len, scale)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

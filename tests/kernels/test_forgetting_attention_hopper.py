@@ -1,6 +1,7 @@
-"""Hopper forward of Forgetting Attention (kernels/forgetting_attention/hopper.py, Gluon): the same
-outputs and log-sum-exp as the reference math, on dense and packed sequences of odd lengths, GQA,
-both head sizes and both 16-bit dtypes.
+"""Hopper kernels of Forgetting Attention (Gluon): the forward (kernels/forgetting_attention/hopper.py)
+gives the same outputs and log-sum-exp as the reference math, and the backward (hopper_backward.py,
+dQ by TMA reduce-add) the same gradients, on dense and packed sequences of odd lengths, GQA, both
+head sizes and both 16-bit dtypes.
 
 Gluon kernels do not run in Triton's CPU interpreter: on the CPU the kernel is compiled for sm_90
 (it builds, uses wgmma, its partitions rebalance registers, it fits shared memory); the `gpu`
@@ -23,7 +24,7 @@ from hf_hybrid.kernels.forgetting_attention import (
     forgetting_attention,
     forgetting_attention_reference,
 )
-from hf_hybrid.kernels.forgetting_attention import hopper
+from hf_hybrid.kernels.forgetting_attention import hopper, hopper_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gluon = pytest.mark.skipif(hopper.gluon is None, reason="this Triton has no Gluon")
@@ -77,24 +78,47 @@ def test_dispatch_rules(monkeypatch):
         assert not hopper.hopper_forward_applies(q.cuda(), None)
 
 
+def test_backward_dispatch_rules(monkeypatch):
+    """The Hopper backward is opt-in (HF_HYBRID_FOX_HOPPER_BWD=1) and then takes causal 16-bit inputs
+    of head_dim 64 / 128 on sm_90 only, stepping aside for deterministic algorithms (its dQ sums with
+    float atomics)."""
+    q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
+    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+    assert not hopper_backward.hopper_backward_applies(q, 8)
+    assert not hopper_backward.hopper_backward_applies(q.float(), None)
+    assert not hopper_backward.hopper_backward_applies(q[..., :96], None)
+    assert not hopper_backward.hopper_backward_applies(q, None)  # CPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        assert hopper_backward.hopper_backward_applies(q.cuda(), None)
+        monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD")
+        assert not hopper_backward.hopper_backward_applies(q.cuda(), None)  # off unless asked for
+        monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert not hopper_backward.hopper_backward_applies(q.cuda(), None)
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+
 @needs_gluon
+@pytest.mark.parametrize("report", ["fox_hopper_report", "fox_hopper_backward_report"])
 @pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
-def test_compiles_for_sm90(head_dim):
+def test_compiles_for_sm90(report, head_dim):
     """The shipped configuration builds for the H100 with wgmma, the partitions rebalance their
     registers (setmaxnreg) and shared memory fits Hopper's 227 KB. Under Triton 3.6 (the GPU
     image) it also keeps every value in registers; newer Triton allocates differently."""
     # A process of its own without TRITON_INTERPRET: the interpreter (which conftest turns on
     # without CUDA) replaces Triton's own jit helpers, and Gluon's compiler cannot call those.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import json; from hf_hybrid.bench.sm90 import fox_hopper_report; print(json.dumps(fox_hopper_report(({head_dim},))))"
+    code = f"import json; from hf_hybrid.bench.sm90 import {report}; print(json.dumps({report}(({head_dim},))))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(done.stdout.strip().splitlines()[-1])
     assert "error" not in row, row.get("error")
     assert row["wgmma"] and row["setmaxnreg"]
     assert row["shared_bytes"] <= 227 * 1024
-    if triton.__version__.startswith("3.6"):
-        assert row["stack_bytes"] == 0
+    if triton.__version__.startswith("3.6") and report == "fox_hopper_report":
+        assert row["stack_bytes"] == 0  # the backward spills ~100 bytes at head_dim 128 (measured as shipped)
 
 
 @pytest.mark.gpu
@@ -156,3 +180,68 @@ class _Spy:
     def __getitem__(self, grid):
         self.calls.append(grid)
         return self.kernel[grid]
+
+
+def _portable_backward(monkeypatch, *args):
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+
+    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "0")
+    try:
+        return fa._backward(*args)
+    finally:
+        monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b, t, hq, hkv, d, lengths", [
+    (2, 1000, 4, 4, 128, None),                  # odd length, two sequences
+    (1, 4096, 4, 2, 128, None),                  # GQA 2:1, many key blocks
+    (1, 3001, 4, 2, 64, [300, 1, 777, 128, 1795]),  # packed, a one-token sequence, head_dim 64
+    (1, 1, 2, 1, 128, None),                     # a single token
+])
+def test_backward_matches_float64_and_the_portable_kernels(dtype, b, t, hq, hkv, d, lengths, monkeypatch):
+    """dq, dk, dv and d log f of the public op (Hopper forward + backward) against autograd through
+    the float64 reference (bound 1e-2), and the raw gradients against the portable two kernels."""
+    _needs_hopper()
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+
+    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+
+    q, k, v, log_f = _inputs(b, t, hq, hkv, d, dtype, seed=t + 1)
+    do = torch.randn_like(q)
+    cu_seqlens = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, log_f)]
+    grads = torch.autograd.grad(forgetting_attention(*leaves, cu_seqlens=cu_seqlens, backend="triton"), leaves, do)
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v, log_f)]
+    ref = forgetting_attention_reference(*ref_leaves, None, None, cu_seqlens)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
+    for name, g, r in zip(("dq", "dk", "dv", "dlog_f"), grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        if r.abs().max() > 0:
+            assert _rel(g, r) < 1e-2, (name, _rel(g, r))
+    # The raw kernels: Hopper against the portable pair on the same forward outputs.
+    cu = torch.arange(0, (b + 1) * t, t, device=DEVICE, dtype=torch.int32) if cu_seqlens is None else cu_seqlens.int()
+    max_len = int((cu[1:] - cu[:-1]).max())
+    c_t = cumulative_log_forget_by_head(log_f, cu_seqlens)
+    flat = [x.reshape(b * t, x.shape[2], d) for x in (q, k, v, do)]
+    o, lse = fa._forward(flat[0], flat[1], flat[2], c_t, cu, max_len, d ** -0.5, None)
+    args = (flat[3], *flat[:3], c_t, o, lse, cu, max_len, d ** -0.5, None)
+    hopper_grads = fa._backward(*args)
+    portable = _portable_backward(monkeypatch, *args)
+    for name, g, r in zip(("dq", "dk", "dv", "dc"), hopper_grads, portable):
+        if r.abs().max() > 0:
+            assert _rel(g, r) < 5e-3, (name, _rel(g, r))
+
+
+@pytest.mark.gpu
+def test_public_op_takes_hopper_backward(monkeypatch):
+    _needs_hopper()
+    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+    q, k, v, log_f = _inputs(2, 2048, 8, 4, 128, torch.bfloat16, seed=5)
+    calls = []
+    monkeypatch.setattr(hopper_backward, "_bwd_kernel", _Spy(hopper_backward._bwd_kernel, calls))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, log_f)]
+    o = forgetting_attention(*leaves, backend="triton")
+    torch.autograd.grad(o, leaves, torch.ones_like(o))
+    assert calls, "the Hopper backward did not run"

@@ -1,0 +1,333 @@
+"""Forgetting Attention backward for Hopper (sm_90) in Gluon: five products, dQ by TMA reduce-add.
+
+The same gradients as ``triton._dkdv_kernel`` + ``triton._dq_kernel`` (whose design notes apply:
+log2 units, the per-block reference c_ref), in one kernel instead of two. The portable backward
+recomputes P and dP in a second kernel for dQ (seven matrix products per key-query tile); here each
+program of 128 keys adds its share of dQ = dS K into a float32 buffer with TMA reduce-add, as
+FlashAttention-3 does, so each tile costs the five products of the dense backward.
+
+Per program (128 keys of one KV head), warp-specialised:
+
+* a one-warp **loader** moves K and V once and, per query block of 64, Q and dO through TMA into a
+  two-stage ring, and stages the block's row terms (c_i - c_ref) log2(e) - lse_i and delta_i in
+  shared memory (loaded by every compute thread from global memory they cost registers that spilled);
+* two **compute warpgroups**, 64 keys each: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T in
+  registers, dV += P^T dO with P from registers, dS^T to shared memory, dK += dS^T Q from there, then
+  (both warpgroups' dS in place) dQ = dS K, each warpgroup taking half of dQ's columns, staged in
+  shared memory and added to global memory by TMA reduce-add (double-buffered);
+* a one-warp **row-sum** partition adds up each query's dS over the program's keys (the queries'
+  share of the forget gate's gradient, which cancels the rounding of the bf16 output in delta) and
+  adds it into a float32 buffer with atomics, off the compute warpgroups' path: in the compute
+  warpgroups that sum runs across warps (keys are rows) and made the kernel 1.4x slower.
+
+dQ's summation order depends on the run (float atomics); ``torch.use_deterministic_algorithms(True)``
+keeps the portable two-kernel backward. Causal attention without a window only; 16-bit inputs,
+head_dim 64 or 128 (shared memory: 226 KB at 128).
+
+Opt-in (``HF_HYBRID_FOX_HOPPER_BWD=1``) for now: measured on the H200 at 1.17-1.39x cuDNN's causal
+forward + backward against the portable kernels' 1.49-1.69x, but that run's float64 check caught
+d log f at 2.3e-2 (the keys' dc summed float32 dS, the queries' the rounded bf16 dS). Both now sum
+the rounded values (3.1e-3 in a float64 emulation of the sums, as the portable kernels' 2.2e-3);
+the GPU tests have not run on this version yet.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .hopper import HEAD_DIMS, _descriptor, gluon
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+    if hasattr(tma, "async_atomic_add"):  # Triton >= 3.7
+        _tma_reduce_add = tma.async_atomic_add
+    else:  # Triton 3.6 has the operation in its builder but no Python wrapper yet
+
+        @builtin
+        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            from triton._C.libtriton import ir
+
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
+
+    @gluon.jit
+    def _load_partition(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem, delta_smem, bars,
+                        rows, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+                        STAGES: gl.constexpr):
+        """One warp: K and V once, then Q, dO and the row terms of every query block of every head
+        of the group into the stage ring."""
+        kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
+        C, LSE, DELTA, tok0, seq_start, stride_ch, seq_len, start_n, q_start, n_q, kvh = rows
+        r_layout: gl.constexpr = gl.BlockedLayout([BLOCK_Q // 32], [32], [1], [0])
+        offs = gl.arange(0, BLOCK_Q, layout=r_layout)
+        half: gl.constexpr = desc_k.block_type.shape[0]
+        mbarrier.expect(kv_bar, 4 * desc_k.block_type.nbytes)
+        _tma_load(desc_k, [seq_start + start_n, kvh * HEAD_DIM], kv_bar, k_smem.index(0))
+        _tma_load(desc_k, [seq_start + start_n + half, kvh * HEAD_DIM], kv_bar, k_smem.index(1))
+        _tma_load(desc_v, [seq_start + start_n, kvh * HEAD_DIM], kv_bar, v_smem.index(0))
+        _tma_load(desc_v, [seq_start + start_n + half, kvh * HEAD_DIM], kv_bar, v_smem.index(1))
+        for i in range(GROUP * n_q):
+            g = i // n_q
+            qm = q_start + (i - g * n_q) * BLOCK_Q
+            h = kvh * GROUP + g
+            stage = i % STAGES
+            free_phase = ((i // STAGES) & 1) ^ 1  # a fresh mbarrier passes the wait of the phase before
+            mbarrier.wait(q_empty.index(stage), free_phase)
+            mbarrier.expect(q_ready.index(stage), desc_q.block_type.nbytes)
+            _tma_load(desc_q, [seq_start + qm, h * HEAD_DIM], q_ready.index(stage), q_smem.index(stage))
+            rows_q = qm + offs
+            ok = rows_q < seq_len
+            base = h * stride_ch + tok0
+            c_ref = gl.load(C + base + start_n) * LOG2E
+            # Past the sequence's end lse = +inf, so P = 0 there.
+            row_smem.index(stage).store((gl.load(C + base + rows_q, mask=ok, other=0.0) * LOG2E - c_ref)
+                                        - gl.load(LSE + base + rows_q, mask=ok, other=float("inf")))
+            delta_smem.index(stage).store(gl.load(DELTA + base + rows_q, mask=ok, other=0.0))
+            mbarrier.arrive(q_ready.index(stage), count=1)  # the second of q_ready's two arrivals
+            mbarrier.wait(do_empty.index(stage), free_phase)
+            mbarrier.expect(do_ready.index(stage), desc_do.block_type.nbytes)
+            _tma_load(desc_do, [seq_start + qm, h * HEAD_DIM], do_ready.index(stage), do_smem.index(stage))
+
+    @gluon.jit
+    def _compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq, bars,
+                           ptrs, scalars, wg: gl.constexpr, GROUP: gl.constexpr, HALF: gl.constexpr,
+                           BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup: keys [start_n + wg * HALF, + HALF); dK, dV, the keys' dc, half of dQ's columns."""
+        kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
+        C, DK, DV, DC = ptrs
+        start_n, seq_len, n_q, tok0, seq_start, kvh, stride_ch, stride_kt, scale, scale2 = scalars
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_Q, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        keys_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        queries_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        rows_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        cols_acc: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+        key0 = start_n + wg * HALF
+        kn = key0 + gl.arange(0, HALF, layout=keys_s)
+        k_ok = kn < seq_len
+        offs_q = gl.arange(0, BLOCK_Q, layout=queries_s)
+        dk = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
+        k_w = k_smem.index(wg)
+        v_w = v_smem.index(wg)
+        k_cols0 = k_smem.index(0).slice(wg * DQ_COLS, DQ_COLS, dim=1)
+        k_cols1 = k_smem.index(1).slice(wg * DQ_COLS, DQ_COLS, dim=1)
+        q_start = (start_n // BLOCK_Q) * BLOCK_Q
+        mbarrier.wait(kv_bar, 0)
+        for g in range(GROUP):
+            h = kvh * GROUP + g
+            c_row = C + h * stride_ch + tok0
+            c_ref = gl.load(c_row + start_n) * LOG2E
+            kb = gl.load(c_row + kn, mask=k_ok, other=0.0) * LOG2E - c_ref
+            dc = gl.zeros([HALF], gl.float32, layout=keys_s)
+            dq_row0 = h * stride_ch + seq_start + q_start
+            for j in range(n_q):
+                i = g * n_q + j
+                stage = i % STAGES
+                phase = (i // STAGES) & 1
+                buf = i % 2
+                mbarrier.wait(q_ready.index(stage), phase)
+                s_tok = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)),
+                                      gl.zeros([HALF, BLOCK_Q], gl.float32, layout=s_layout), use_acc=False,
+                                      is_async=True)
+                mbarrier.wait(do_ready.index(stage), phase)
+                dp_tok = warpgroup_mma(v_w, do_smem.index(stage).permute((1, 0)),
+                                       gl.zeros([HALF, BLOCK_Q], gl.float32, layout=s_layout), use_acc=False,
+                                       is_async=True)
+                row = row_smem.index(stage).load(queries_s)
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                p = gl.exp2(s * scale2 - kb[:, None] + row[None, :])
+                if q_start + j * BLOCK_Q < start_n + 2 * HALF:  # blocks that reach the diagonal
+                    p = gl.where((q_start + j * BLOCK_Q + offs_q)[None, :] >= kn[:, None], p, 0.0)
+                p_op = gl.convert_layout(p.to(q_smem.dtype), a_layout)
+                dv_tok = warpgroup_mma(p_op, do_smem.index(stage), dv, is_async=True)
+                delta = delta_smem.index(stage).load(queries_s)
+                dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+                # dc's key and query sums must add the same (rounded) values: the query sums read
+                # the bf16 dS from shared memory, and a key sum of the float32 dS left 2.3e-2
+                # relative error in d log f against float64 (the two sides no longer cancel).
+                ds = (p * (dp - delta[None, :])).to(q_smem.dtype)
+                dc += gl.sum(ds.to(gl.float32), 1)
+                # dS^T through shared memory: the A operand of dK += dS^T Q and, transposed and with
+                # the other warpgroup's keys, of dQ = dS K; the row-sum warp reads it too.
+                mbarrier.wait(ds_free.index(buf), ((i // 2) & 1) ^ 1)
+                ds_smem.index(2 * buf + wg).store(ds)
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+                dk_tok = warpgroup_mma(ds_smem.index(2 * buf + wg), q_smem.index(stage), dk, is_async=True)
+                mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+                dq_tok = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)), k_cols0,
+                                       gl.zeros([BLOCK_Q, DQ_COLS], gl.float32, layout=dq_layout), use_acc=False,
+                                       is_async=True)
+                dq_tok = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)), k_cols1, dq_tok, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                mbarrier.arrive(ds_free.index(buf), count=1)
+                mbarrier.arrive(q_empty.index(stage), count=1)
+                mbarrier.arrive(do_empty.index(stage), count=1)
+                tma.store_wait(1)  # the reduce-add that read this staging buffer two steps ago is done
+                dq_smem.index(2 * buf + wg).store(dq)
+                fence_async_shared()
+                # Rows past the sequence's end carry dS = 0: adding them changes nothing.
+                _tma_reduce_add(desc_dq, [dq_row0 + j * BLOCK_Q, wg * DQ_COLS], dq_smem.index(2 * buf + wg))
+            gl.store(DC + h * stride_ch + tok0 + kn, -dc, mask=k_ok)
+        tma.store_wait(0)
+        offs_k = key0 + gl.arange(0, HALF, layout=rows_acc)
+        offs_d = gl.arange(0, HEAD_DIM, layout=cols_acc)
+        out = (tok0 + offs_k.to(gl.int64))[:, None] * stride_kt + kvh * HEAD_DIM + offs_d[None, :]
+        ok = (offs_k < seq_len)[:, None]
+        gl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=ok)
+        gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
+
+    @gluon.jit
+    def _row_sum_partition(ds_smem, bars, DCQ, tok0, stride_ch, seq_len, q_start, n_q, kvh,
+                           GROUP: gl.constexpr, HALF: gl.constexpr, BLOCK_Q: gl.constexpr):
+        """One warp: per query block, dcq_i += sum over the program's 128 keys of dS_ij, read from
+        the compute warpgroups' shared dS^T tiles in slices of 16 keys."""
+        kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
+        SLICE: gl.constexpr = 16
+        layout: gl.constexpr = gl.BlockedLayout([SLICE, BLOCK_Q // 32], [1, 32], [1, 1], [1, 0])
+        cols: gl.constexpr = gl.SliceLayout(0, layout)
+        offs = gl.arange(0, BLOCK_Q, layout=cols)
+        for i in range(GROUP * n_q):
+            g = i // n_q
+            buf = i % 2
+            total = gl.zeros([BLOCK_Q], gl.float32, layout=cols)
+            mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+            for part in gl.static_range(2):
+                for k0 in gl.static_range(0, HALF, SLICE):
+                    tile = ds_smem.index(2 * buf + part).slice(k0, SLICE, dim=0).load(layout)
+                    total += gl.sum(tile.to(gl.float32), 0)
+            mbarrier.arrive(ds_free.index(buf), count=1)
+            rows_q = q_start + (i - g * n_q) * BLOCK_Q + offs
+            gl.atomic_add(DCQ + (kvh * GROUP + g) * stride_ch + tok0 + rows_q, total, mask=rows_q < seq_len,
+                          sem="relaxed")
+
+    @gluon.jit
+    def _bwd_kernel(desc_q, desc_do, desc_k, desc_v, desc_dq, C, LSE, DELTA, DK, DV, DC, DCQ, CU, scale, scale2,
+                    stride_kt, stride_ch, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):
+        HALF: gl.constexpr = desc_k.block_type.shape[0]
+        # Heaviest (first) key blocks first: they see the most query blocks under the causal mask.
+        pid_n = gl.program_id(0)
+        kvh = gl.program_id(1)
+        seq = gl.program_id(2)
+        seq_start = gl.load(CU + seq)
+        seq_len = gl.load(CU + seq + 1) - seq_start
+        start_n = pid_n * (2 * HALF)
+        if start_n < seq_len:
+            q_start = (start_n // BLOCK_Q) * BLOCK_Q
+            n_q = gl.cdiv(seq_len - q_start, BLOCK_Q)
+            k_smem = gl.allocate_shared_memory(desc_k.dtype, [2] + desc_k.block_type.shape, desc_k.layout)
+            v_smem = gl.allocate_shared_memory(desc_v.dtype, [2] + desc_v.block_type.shape, desc_v.layout)
+            q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+            do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_Q], desc_q.dtype)
+            ds_smem = gl.allocate_shared_memory(desc_q.dtype, [4, HALF, BLOCK_Q], ds_layout)  # 2 steps x 2 halves
+            dq_smem = gl.allocate_shared_memory(gl.float32, [4] + desc_dq.block_type.shape, desc_dq.layout)
+            r_shared: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+            row_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_Q], r_shared)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_Q], r_shared)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(q_ready.index(i), count=2)  # the TMA's expect + the loader's row terms
+                mbarrier.init(q_empty.index(i), count=2)  # one arrival per compute warpgroup
+                mbarrier.init(do_ready.index(i), count=1)
+                mbarrier.init(do_empty.index(i), count=2)
+            for i in gl.static_range(2):
+                mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS stored
+                mbarrier.init(ds_free.index(i), count=3)  # both warpgroups' dQ and the row-sum warp done
+            bars = (kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free)
+            tok0 = seq_start.to(gl.int64)
+            ptrs = (C, DK, DV, DC)
+            scalars = (start_n, seq_len, n_q, tok0, seq_start, kvh, stride_ch, stride_kt, scale, scale2)
+            rows = (C, LSE, DELTA, tok0, seq_start, stride_ch, seq_len, start_n, q_start, n_q, kvh)
+            gl.warp_specialize([
+                (_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq,
+                                      bars, ptrs, scalars, 0, GROUP, HALF, BLOCK_Q, HEAD_DIM, STAGES)),
+                (_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq,
+                                      bars, ptrs, scalars, 1, GROUP, HALF, BLOCK_Q, HEAD_DIM, STAGES)),
+                (_load_partition, (desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem,
+                                   delta_smem, bars, rows, GROUP, HEAD_DIM, BLOCK_Q, STAGES)),
+                (_row_sum_partition, (ds_smem, bars, DCQ, tok0, stride_ch, seq_len, q_start, n_q, kvh,
+                                      GROUP, HALF, BLOCK_Q)),
+            ], [4, 1, 1], [240, 32, 32])
+else:  # pragma: no cover
+    _bwd_kernel = None
+
+BLOCK_Q = 64  # queries per step
+KEYS = 128  # keys per program: two warpgroups of 64
+STAGES = 2  # Q / dO ring depth (shared memory at head_dim 128: 226 KB of 227)
+MAX_REGISTERS = 168  # per thread at launch; the partitions rebalance to 240 (compute) and 32
+
+
+def hopper_backward_applies(q: torch.Tensor, window_size) -> bool:
+    """Whether the backward takes this kernel: asked for with ``HF_HYBRID_FOX_HOPPER_BWD=1`` (opt-in
+    until its GPU tests pass: docs/benchmarks_fox.md), a Hopper GPU, 16-bit inputs, head_dim 64 or
+    128, causal without a window, Gluon available and deterministic algorithms off; everything else
+    takes the portable kernels."""
+    if gluon is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.shape[-1] not in HEAD_DIMS or os.environ.get("HF_HYBRID_FOX_HOPPER_BWD", "0") != "1":
+        return False
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+def _dq_descriptor(dq_acc: torch.Tensor) -> "TensorDescriptor":
+    """Head-major float32 dQ [heads * tokens, head_dim]; one warpgroup adds [BLOCK_Q, head_dim / 2]."""
+    rows, d = dq_acc.shape
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, d // 2], gl.float32)
+    return TensorDescriptor(dq_acc, [rows, d], [d, 1], [BLOCK_Q, d // 2], layout)
+
+
+def backward(do, q, k, v, c_t, o, lse, delta, cu, max_len, scale):
+    """As ``triton._backward`` for causal attention: (dq, dk, dv, dc) with dc [HQ, N_tok] the
+    gradient of the cumulative log forget; ``delta`` = rowsum(dO o O) [HQ, N_tok] float32."""
+    total, hq, d = q.shape
+    hkv = k.shape[1]
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dc = torch.empty_like(c_t)
+    dcq = torch.zeros_like(c_t)
+    # Head-major float32 dQ (row h * N_tok + token): each program adds its keys' share.
+    dq_acc = torch.zeros((hq * total, d), device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(max_len, KEYS), hkv, cu.numel() - 1)
+    _bwd_kernel[grid](
+        _descriptor(q, BLOCK_Q), _descriptor(do, BLOCK_Q), _descriptor(k, KEYS // 2), _descriptor(v, KEYS // 2),
+        _dq_descriptor(dq_acc), c_t, lse, delta, dk, dv, dc, dcq, cu, scale, scale * 1.4426950408889634, dk.stride(0), c_t.stride(0),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_Q=BLOCK_Q, STAGES=STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
+    )
+    dq = torch.empty_like(q)
+    dq.copy_(dq_acc.view(hq, total, d).transpose(0, 1).mul_(scale))
+    return dq, dk, dv, dc.add_(dcq)
