@@ -30,6 +30,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gluon = pytest.mark.skipif(hopper.gluon is None, reason="this Triton has no Gluon")
 
 
+SHAPES = [
+    (2, 1000, 4, 4, 128, None),                  # odd length, two sequences
+    (1, 4096, 4, 2, 128, None),                  # GQA 2:1, many key blocks
+    (1, 3001, 4, 2, 64, [300, 1, 777, 128, 1795]),  # packed, a one-token sequence, head_dim 64
+    (1, 1, 2, 1, 128, None),                     # a single token
+]
+
+
 def _needs_hopper():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU")
@@ -123,12 +131,7 @@ def test_compiles_for_sm90(report, head_dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b, t, hq, hkv, d, lengths", [
-    (2, 1000, 4, 4, 128, None),                  # odd length, two sequences
-    (1, 4096, 4, 2, 128, None),                  # GQA 2:1, many key blocks
-    (1, 3001, 4, 2, 64, [300, 1, 777, 128, 1795]),  # packed, a one-token sequence, head_dim 64
-    (1, 1, 2, 1, 128, None),                     # a single token
-])
+@pytest.mark.parametrize("b, t, hq, hkv, d, lengths", SHAPES)
 def test_forward_matches_float64(dtype, b, t, hq, hkv, d, lengths):
     _needs_hopper()
     q, k, v, log_f = _inputs(b, t, hq, hkv, d, dtype, seed=t)
@@ -194,12 +197,7 @@ def _portable_backward(monkeypatch, *args):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b, t, hq, hkv, d, lengths", [
-    (2, 1000, 4, 4, 128, None),                  # odd length, two sequences
-    (1, 4096, 4, 2, 128, None),                  # GQA 2:1, many key blocks
-    (1, 3001, 4, 2, 64, [300, 1, 777, 128, 1795]),  # packed, a one-token sequence, head_dim 64
-    (1, 1, 2, 1, 128, None),                     # a single token
-])
+@pytest.mark.parametrize("b, t, hq, hkv, d, lengths", SHAPES)
 def test_backward_matches_float64_and_the_portable_kernels(dtype, b, t, hq, hkv, d, lengths, monkeypatch):
     """dq, dk, dv and d log f of the public op (Hopper forward + backward) against autograd through
     the float64 reference (bound 1e-2), and the raw gradients against the portable two kernels."""
