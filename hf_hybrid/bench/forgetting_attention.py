@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -40,21 +41,6 @@ def _inputs(batch, seq, heads, head_dim, dtype, device):
     q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
     log_f = F.logsigmoid(torch.randn((batch, seq, heads), device=device, generator=g) + 4.0)
     return q, k, v, log_f, do
-
-
-@contextlib.contextmanager
-def _environment(**values):
-    """Environment switches held over a whole timed call, backward included."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
 
 
 def _ops():
@@ -88,8 +74,8 @@ def _ops():
 
 # Rows timed with environment switches held over the whole call, backward included.
 CONTEXTS = {
-    "ours_portable": lambda: _environment(HF_HYBRID_FOX_HOPPER="0", HF_HYBRID_FOX_HOPPER_BWD="0"),
-    "ours_hopper_bwd": lambda: _environment(HF_HYBRID_FOX_HOPPER_BWD="1"),
+    "ours_portable": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER="0", HF_HYBRID_FOX_HOPPER_BWD="0"),
+    "ours_hopper_bwd": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER_BWD="1"),
 }
 
 
