@@ -9,9 +9,10 @@ tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_
 restricted to its cuDNN backend and to its flash backend with ``is_causal=True`` (plain softmax
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
 ``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours": on Hopper its forward is
-the warp-specialised Gluon kernel, kernels/forgetting_attention/hopper.py), on Hopper ours with the
-portable kernels ("ours_portable": HF_HYBRID_FOX_HOPPER=0) and ours with the opt-in Hopper backward
-("ours_hopper_bwd": HF_HYBRID_FOX_HOPPER_BWD=1, kernels/forgetting_attention/hopper_backward.py),
+the warp-specialised Gluon kernels, kernels/forgetting_attention/hopper.py and hopper_backward.py),
+on Hopper ours with the portable kernels ("ours_portable": HF_HYBRID_FOX_HOPPER=0 and
+HF_HYBRID_FOX_HOPPER_BWD=0) and ours with the Hopper forward but the portable backward
+("ours_portable_bwd": HF_HYBRID_FOX_HOPPER_BWD=0),
 and ours on cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs
 without gradients in bf16 on GPUs other than Hopper). Ratios are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
@@ -68,14 +69,14 @@ def _ops():
     ops["ours_sdpa"] = lambda q, k, v, log_f: forgetting_attention(q, k, v, log_f, backend="sdpa")
     if torch.cuda.get_device_capability()[0] == 9:
         ops["ours_portable"] = ops["ours"]  # under CONTEXTS' switches
-        ops["ours_hopper_bwd"] = ops["ours"]
+        ops["ours_portable_bwd"] = ops["ours"]
     return ops
 
 
 # Rows timed with environment switches held over the whole call, backward included.
 CONTEXTS = {
     "ours_portable": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER="0", HF_HYBRID_FOX_HOPPER_BWD="0"),
-    "ours_hopper_bwd": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER_BWD="1"),
+    "ours_portable_bwd": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER_BWD="0"),
 }
 
 

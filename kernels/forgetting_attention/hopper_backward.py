@@ -24,11 +24,11 @@ dQ's summation order depends on the run (float atomics); ``torch.use_determinist
 keeps the portable two-kernel backward. Causal attention without a window only; 16-bit inputs,
 head_dim 64 or 128 (shared memory: 226 KB at 128).
 
-Opt-in (``HF_HYBRID_FOX_HOPPER_BWD=1``) for now: measured on the H200 at 1.17-1.39x cuDNN's causal
-forward + backward against the portable kernels' 1.49-1.69x, but that run's float64 check caught
-d log f at 2.3e-2 (the keys' dc summed float32 dS, the queries' the rounded bf16 dS). Both now sum
-the rounded values (3.1e-3 in a float64 emulation of the sums, as the portable kernels' 2.2e-3);
-the GPU tests have not run on this version yet.
+The default on sm_90 (``HF_HYBRID_FOX_HOPPER_BWD=0`` keeps the portable pair): on the H200,
+1.20-1.46x cuDNN's causal forward + backward against the portable kernels' 1.50-1.72x, and 5% off a
+whole FoX-LLaMA training step at 8K (docs/benchmarks_fox.md). Both sides of d log f add up the same
+bf16-rounded dS (the queries' row sums read it from shared memory), so their rounding cancels in the
+reverse cumulative sum as in the portable kernels; the GPU tests hold every gradient to 1e-2 of float64.
 """
 from __future__ import annotations
 
@@ -291,13 +291,12 @@ MAX_REGISTERS = 168  # per thread at launch; the partitions rebalance to 240 (co
 
 
 def hopper_backward_applies(q: torch.Tensor, window_size) -> bool:
-    """Whether the backward takes this kernel: asked for with ``HF_HYBRID_FOX_HOPPER_BWD=1`` (opt-in
-    until its GPU tests pass: docs/benchmarks_fox.md), a Hopper GPU, 16-bit inputs, head_dim 64 or
-    128, causal without a window, Gluon available and deterministic algorithms off; everything else
-    takes the portable kernels."""
+    """Whether the backward takes this kernel: a Hopper GPU, 16-bit inputs, head_dim 64 or
+    128, causal without a window, Gluon available and deterministic algorithms off, and not switched
+    off with ``HF_HYBRID_FOX_HOPPER_BWD=0``; everything else takes the portable kernels."""
     if gluon is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[-1] not in HEAD_DIMS or os.environ.get("HF_HYBRID_FOX_HOPPER_BWD", "0") != "1":
+    if q.shape[-1] not in HEAD_DIMS or os.environ.get("HF_HYBRID_FOX_HOPPER_BWD") == "0":
         return False
     if torch.are_deterministic_algorithms_enabled():
         return False

@@ -87,20 +87,20 @@ def test_dispatch_rules(monkeypatch):
 
 
 def test_backward_dispatch_rules(monkeypatch):
-    """The Hopper backward is opt-in (HF_HYBRID_FOX_HOPPER_BWD=1) and then takes causal 16-bit inputs
-    of head_dim 64 / 128 on sm_90 only, stepping aside for deterministic algorithms (its dQ sums with
-    float atomics)."""
+    """The Hopper backward is the default for causal 16-bit inputs of head_dim 64 / 128 on sm_90 only,
+    switched off by HF_HYBRID_FOX_HOPPER_BWD=0, stepping aside for deterministic algorithms (its dQ
+    sums with float atomics)."""
     q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
-    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+    monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD", raising=False)
     assert not hopper_backward.hopper_backward_applies(q, 8)
     assert not hopper_backward.hopper_backward_applies(q.float(), None)
     assert not hopper_backward.hopper_backward_applies(q[..., :96], None)
     assert not hopper_backward.hopper_backward_applies(q, None)  # CPU
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         assert hopper_backward.hopper_backward_applies(q.cuda(), None)
+        monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "0")
+        assert not hopper_backward.hopper_backward_applies(q.cuda(), None)  # switched off
         monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD")
-        assert not hopper_backward.hopper_backward_applies(q.cuda(), None)  # off unless asked for
-        monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
         torch.use_deterministic_algorithms(True)
         try:
             assert not hopper_backward.hopper_backward_applies(q.cuda(), None)
@@ -192,7 +192,7 @@ def _portable_backward(monkeypatch, *args):
     try:
         return fa._backward(*args)
     finally:
-        monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+        monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD")
 
 
 @pytest.mark.gpu
@@ -204,7 +204,7 @@ def test_backward_matches_float64_and_the_portable_kernels(dtype, b, t, hq, hkv,
     _needs_hopper()
     from hf_hybrid.kernels.forgetting_attention import triton as fa
 
-    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+    monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD", raising=False)
 
     q, k, v, log_f = _inputs(b, t, hq, hkv, d, dtype, seed=t + 1)
     do = torch.randn_like(q)
@@ -235,7 +235,7 @@ def test_backward_matches_float64_and_the_portable_kernels(dtype, b, t, hq, hkv,
 @pytest.mark.gpu
 def test_public_op_takes_hopper_backward(monkeypatch):
     _needs_hopper()
-    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "1")
+    monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD", raising=False)
     q, k, v, log_f = _inputs(2, 2048, 8, 4, 128, torch.bfloat16, seed=5)
     calls = []
     monkeypatch.setattr(hopper_backward, "_bwd_kernel", _Spy(hopper_backward._bwd_kernel, calls))
