@@ -255,7 +255,7 @@ def fox_hopper_backward_report(head_dims=(64, 128)) -> list[dict]:
         try:
             desc_q = hopper._descriptor(x, hopper_backward.BLOCK_Q)
             desc_kv = hopper._descriptor(x, hopper_backward.KEYS // 2)
-            desc_dq = hopper_backward._dq_descriptor(torch.empty(16 * 1024, d))
+            desc_dq = hopper_backward._dq_descriptor(torch.empty(1024, 16, d))
             types = dict(desc_q=desc_q, desc_do=desc_q, desc_k=desc_kv, desc_v=desc_kv, desc_dq=desc_dq, C="*fp32",
                          LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", DC="*fp32", DCQ="*fp32", CU="*i32",
                          scale="fp32", scale2="fp32")

@@ -143,7 +143,7 @@ if gluon is not None:
             c_ref = gl.load(c_row + start_n) * LOG2E
             kb = gl.load(c_row + kn, mask=k_ok, other=0.0) * LOG2E - c_ref
             dc = gl.zeros([HALF], gl.float32, layout=keys_s)
-            dq_row0 = h * stride_ch + seq_start + q_start
+            dq_row0 = seq_start + q_start
             for j in range(n_q):
                 i = g * n_q + j
                 stage = i % STAGES
@@ -191,7 +191,8 @@ if gluon is not None:
                 dq_smem.index(2 * buf + wg).store(dq)
                 fence_async_shared()
                 # Rows past the sequence's end carry dS = 0: adding them changes nothing.
-                _tma_reduce_add(desc_dq, [dq_row0 + j * BLOCK_Q, wg * DQ_COLS], dq_smem.index(2 * buf + wg))
+                _tma_reduce_add(desc_dq, [dq_row0 + j * BLOCK_Q, h * HEAD_DIM + wg * DQ_COLS],
+                                dq_smem.index(2 * buf + wg))
             gl.store(DC + h * stride_ch + tok0 + kn, -dc, mask=k_ok)
         tma.store_wait(0)
         offs_k = key0 + gl.arange(0, HALF, layout=rows_acc)
@@ -304,10 +305,11 @@ def hopper_backward_applies(q: torch.Tensor, window_size) -> bool:
 
 
 def _dq_descriptor(dq_acc: torch.Tensor) -> "TensorDescriptor":
-    """Head-major float32 dQ [heads * tokens, head_dim]; one warpgroup adds [BLOCK_Q, head_dim / 2]."""
-    rows, d = dq_acc.shape
+    """Float32 dQ [tokens, heads, head_dim] as [tokens, heads * head_dim]; one warpgroup adds
+    [BLOCK_Q, head_dim / 2] at a time."""
+    tokens, heads, d = dq_acc.shape
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, d // 2], gl.float32)
-    return TensorDescriptor(dq_acc, [rows, d], [d, 1], [BLOCK_Q, d // 2], layout)
+    return TensorDescriptor(dq_acc.view(tokens, heads * d), [tokens, heads * d], [heads * d, 1], [BLOCK_Q, d // 2], layout)
 
 
 def backward(do, q, k, v, c_t, o, lse, delta, cu, max_len, scale):
@@ -319,14 +321,13 @@ def backward(do, q, k, v, c_t, o, lse, delta, cu, max_len, scale):
     dv = torch.empty_like(v)
     dc = torch.empty_like(c_t)
     dcq = torch.zeros_like(c_t)
-    # Head-major float32 dQ (row h * N_tok + token): each program adds its keys' share.
-    dq_acc = torch.zeros((hq * total, d), device=q.device, dtype=torch.float32)
+    # Float32 dQ in q's layout: each program adds its keys' share; scaled and rounded in one pass.
+    dq_acc = torch.zeros((total, hq, d), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(max_len, KEYS), hkv, cu.numel() - 1)
     _bwd_kernel[grid](
         _descriptor(q, BLOCK_Q), _descriptor(do, BLOCK_Q), _descriptor(k, KEYS // 2), _descriptor(v, KEYS // 2),
         _dq_descriptor(dq_acc), c_t, lse, delta, dk, dv, dc, dcq, cu, scale, scale * 1.4426950408889634, dk.stride(0), c_t.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_Q=BLOCK_Q, STAGES=STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
     )
-    dq = torch.empty_like(q)
-    dq.copy_(dq_acc.view(hq, total, d).transpose(0, 1).mul_(scale))
+    dq = torch.mul(dq_acc, scale, out=torch.empty_like(q))
     return dq, dk, dv, dc.add_(dcq)
