@@ -56,12 +56,32 @@ def _resources(compiled) -> dict:
         fh.write(compiled.asm["cubin"])
         fh.flush()
         usage = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True).stdout
+    wgmma = "wgmma" in compiled.asm["ptx"]
     return {
         "regs": int(re.search(r"REG:(\d+)", usage).group(1)),
         "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
         "shared_bytes": compiled.metadata.shared,
-        "wgmma": "wgmma" in compiled.asm["ptx"],
+        "wgmma": wgmma,
+        "wgmma_serialized": wgmma and _wgmma_serialized(compiled.asm["ptx"]),
     }
+
+
+def _wgmma_serialized(ptx: str) -> bool:
+    """Whether ptxas makes each wgmma wait for the one before (its C7511 / C7512 note, "wgmma.mma_async
+    instructions are serialized", given when a warpgroup's register budget cannot hold the
+    asynchronous pipeline): the kernel then runs with no overlap between its matrix products (FoX's
+    backward was 10% slower for it). ptxas prints the note only with -v, so the PTX is assembled
+    again here."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as fh:
+            fh.write(ptx)
+        notes = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "kernel.cubin")],
+                               capture_output=True, text=True)
+    return "instructions are serialized" in notes.stdout + notes.stderr
 
 
 def _compile_rows(kernels: dict) -> list[dict]:

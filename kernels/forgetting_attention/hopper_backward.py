@@ -39,6 +39,13 @@ import triton
 
 from .hopper import HEAD_DIMS, _descriptor, gluon
 
+# The one-warp partitions' registers. setmaxnreg works per warpgroup, so the loader, the row-sum warp
+# and two idle warps hold 4 x 32 x this; the default partition (compute warpgroup 0) gets what is
+# left of 168 x 384. At 32 that was 232, and ptxas then serialised every wgmma of the kernel
+# ("insufficient register resources": no product overlapped another, 10% slower); at 24 both
+# compute warpgroups get 240.
+PARTITION_REGISTERS = 24
+
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
@@ -53,6 +60,7 @@ if gluon is not None:
 
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+    _PARTITION_REGS: gl.constexpr = gl.constexpr(PARTITION_REGISTERS)
 
     if hasattr(tma, "async_atomic_add"):  # Triton >= 3.7
         _tma_reduce_add = tma.async_atomic_add
@@ -281,14 +289,14 @@ if gluon is not None:
                                    delta_smem, bars, rows, GROUP, HEAD_DIM, BLOCK_Q, STAGES)),
                 (_row_sum_partition, (ds_smem, bars, DCQ, tok0, stride_ch, seq_len, q_start, n_q, kvh,
                                       GROUP, HALF, BLOCK_Q)),
-            ], [4, 1, 1], [240, 32, 32])
+            ], [4, 1, 1], [240, _PARTITION_REGS, _PARTITION_REGS])
 else:  # pragma: no cover
     _bwd_kernel = None
 
 BLOCK_Q = 64  # queries per step
 KEYS = 128  # keys per program: two warpgroups of 64
 STAGES = 2  # Q / dO ring depth (shared memory at head_dim 128: 226 KB of 227)
-MAX_REGISTERS = 168  # per thread at launch; the partitions rebalance to 240 (compute) and 32
+MAX_REGISTERS = 168  # per thread at launch (384 threads: 3 warpgroups, the one-warp partitions share one)
 
 
 def hopper_backward_applies(q: torch.Tensor, window_size) -> bool:

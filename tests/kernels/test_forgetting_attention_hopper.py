@@ -113,8 +113,10 @@ def test_backward_dispatch_rules(monkeypatch):
 @pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
 def test_compiles_for_sm90(report, head_dim):
     """The shipped configuration builds for the H100 with wgmma, the partitions rebalance their
-    registers (setmaxnreg) and shared memory fits Hopper's 227 KB. Under Triton 3.6 (the GPU
-    image) it also keeps every value in registers; newer Triton allocates differently."""
+    registers (setmaxnreg), ptxas keeps the wgmma asynchronous (under Triton 3.6, the GPU image,
+    it serialised the backward's products while compute warpgroup 0 had 232 registers) and shared
+    memory fits Hopper's 227 KB. Under Triton 3.6 the forward also keeps every value in registers;
+    newer Triton allocates differently."""
     # A process of its own without TRITON_INTERPRET: the interpreter (which conftest turns on
     # without CUDA) replaces Triton's own jit helpers, and Gluon's compiler cannot call those.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -124,9 +126,10 @@ def test_compiles_for_sm90(report, head_dim):
     (row,) = json.loads(done.stdout.strip().splitlines()[-1])
     assert "error" not in row, row.get("error")
     assert row["wgmma"] and row["setmaxnreg"]
+    assert not row["wgmma_serialized"]
     assert row["shared_bytes"] <= 227 * 1024
     if triton.__version__.startswith("3.6") and report == "fox_hopper_report":
-        assert row["stack_bytes"] == 0  # the backward spills ~100 bytes at head_dim 128 (measured as shipped)
+        assert row["stack_bytes"] == 0  # the backward spills ~120 bytes at head_dim 128 (measured as shipped)
 
 
 @pytest.mark.gpu
