@@ -289,7 +289,28 @@ def fox_hopper_backward_report(head_dims=(64, 128)) -> list[dict]:
     return rows
 
 
+def serialised_wgmma_in_cache(cache_dir: str) -> dict[str, bool]:
+    """Every kernel with wgmma that a run compiled into ``cache_dir`` (``TRITON_CACHE_DIR``), by its
+    PTX file -> whether ptxas serialised its wgmma: a whole workload checked at once, on the GPU
+    machine after a benchmark or a training step."""
+    import glob
+
+    found = {}
+    for path in sorted(glob.glob(os.path.join(cache_dir, "**", "*.ptx"), recursive=True)):
+        with open(path) as fh:
+            ptx = fh.read()
+        if "wgmma" in ptx:
+            found[os.path.relpath(path, cache_dir)] = _wgmma_serialized(ptx)
+    return found
+
+
 if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--scan-cache":  # python -m hf_hybrid.bench.sm90 --scan-cache DIR
+        for name, serialised in serialised_wgmma_in_cache(sys.argv[2]).items():
+            print(f"{'SERIALISED' if serialised else 'ok':10} {name}")
+        raise SystemExit(0)
     for row in (rat_keys_values_report() + fused_norm_report() + rat_decode_report() + fox_decode_report() + output_gate_report()
                 + kv_shift_report() + fox_hopper_report() + fox_hopper_backward_report()):
         print(row)
