@@ -26,12 +26,12 @@ head_dim 64 or 128 (shared memory: 226 KB at 128).
 
 The default on sm_90 (``HF_HYBRID_FOX_HOPPER_BWD=0`` keeps the portable pair): on the H200,
 1.13x cuDNN's causal forward + backward from 16K to 64K and 1.25x at 4K, against the portable
-kernels' 1.50-1.64x, and 7% off a whole FoX-LLaMA training step at 8K (docs/benchmarks_fox.md).
-Registers decide it: with fewer than 240 per compute thread ptxas serialises the wgmma
+kernels' 1.50-1.64x, and 5-8% off a whole FoX-LLaMA training step at 8K (docs/benchmarks_fox.md).
+Registers decide its speed: with fewer than 240 per compute thread ptxas serialises the wgmma
 (``PARTITION_REGISTERS``), and with more live accumulators (the next block's S^T and dP^T issued
-early) it spills. Both sides of d log f add up the same
-bf16-rounded dS (the queries' row sums read it from shared memory), so their rounding cancels in the
-reverse cumulative sum as in the portable kernels; the GPU tests hold every gradient to 1e-2 of float64.
+early) it spills. Both sides of d log f add up the same bf16-rounded dS (the queries' row sums read
+it from shared memory), so their rounding cancels in the reverse cumulative sum as in the portable
+kernels; the GPU tests hold every gradient to 1e-2 of float64.
 """
 from __future__ import annotations
 
