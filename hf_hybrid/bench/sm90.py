@@ -81,6 +81,8 @@ def _wgmma_serialized(ptx: str) -> bool:
             fh.write(ptx)
         notes = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "kernel.cubin")],
                                capture_output=True, text=True)
+    if notes.returncode != 0:  # no answer is not "not serialised"
+        raise RuntimeError(f"ptxas could not assemble the kernel: {notes.stderr[-500:]}")
     return "instructions are serialized" in notes.stdout + notes.stderr
 
 

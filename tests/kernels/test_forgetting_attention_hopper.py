@@ -132,6 +132,21 @@ def test_compiles_for_sm90(report, head_dim):
         assert row["stack_bytes"] == 0  # the backward spills ~120 bytes at head_dim 128 (measured as shipped)
 
 
+def test_cache_scan_reads_only_wgmma_kernels_and_refuses_what_ptxas_cannot_read(tmp_path):
+    """``python -m hf_hybrid.bench.sm90 --scan-cache DIR``: kernels without wgmma are not assembled,
+    and a PTX that ptxas rejects raises instead of counting as "not serialised"."""
+    pytest.importorskip("triton.backends.nvidia")
+    from hf_hybrid.bench.sm90 import serialised_wgmma_in_cache
+
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "k.ptx").write_text(".version 8.0\n.target sm_90a\n.address_size 64\n")
+    assert serialised_wgmma_in_cache(str(tmp_path)) == {}
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "k.ptx").write_text("wgmma.mma_async but no PTX header\n")
+    with pytest.raises(RuntimeError, match="ptxas could not assemble"):
+        serialised_wgmma_in_cache(str(tmp_path))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b, t, hq, hkv, d, lengths", SHAPES)
