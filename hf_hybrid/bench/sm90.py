@@ -72,9 +72,9 @@ def _wgmma_serialized(ptx: str) -> bool:
     asynchronous pipeline): the kernel then runs with no overlap between its matrix products (FoX's
     backward was 10% slower for it). ptxas prints the note only with -v, so the PTX is assembled
     again here."""
-    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90 (newer Triton ships two)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as fh:

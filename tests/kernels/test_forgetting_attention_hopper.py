@@ -113,8 +113,8 @@ def test_backward_dispatch_rules(monkeypatch):
 @pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
 def test_compiles_for_sm90(report, head_dim):
     """The shipped configuration builds for the H100 with wgmma, the partitions rebalance their
-    registers (setmaxnreg), ptxas keeps the wgmma asynchronous (under Triton 3.6, the GPU image,
-    it serialised the backward's products while compute warpgroup 0 had 232 registers) and shared
+    registers (setmaxnreg), ptxas keeps the wgmma asynchronous (ptxas of Triton 3.6, the GPU image,
+    and of 3.9 serialised the backward's products while compute warpgroup 0 had 232 registers) and shared
     memory fits Hopper's 227 KB. Under Triton 3.6 the forward also keeps every value in registers;
     newer Triton allocates differently."""
     # A process of its own without TRITON_INTERPRET: the interpreter (which conftest turns on
