@@ -16,8 +16,10 @@ HF_HYBRID_FOX_HOPPER_BWD=0) and ours with the Hopper forward but the portable ba
 and ours on cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs
 without gradients in bf16 on GPUs other than Hopper). Ratios are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
-the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), median of
-``--repeat`` calls; inputs are random (never zeros); log f = logsigmoid(N(4, 1)) per head.
+the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), then each op runs
+for ``--warm-ms`` (250 ms) untimed so that the clocks settle at its own level (the H200 timed a
+kernel up to 10% off its steady speed within ~100 ms of another), then the median of ``--repeat``
+calls; inputs are random (never zeros); log f = logsigmoid(N(4, 1)) per head.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ BASELINES = ("sdpa_cudnn", "sdpa_flash")
 FORWARD_ONLY = ("ours_sdpa",)  # no backward (kernels/forgetting_attention/sdpa.py says why)
 
 
-def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
+def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16, warm_ms=250.0):
     device = torch.device("cuda")
     rows = []
     for seq in seqs:
@@ -106,8 +108,8 @@ def run(seqs, tokens, heads, head_dim, repeat, dtype=torch.bfloat16):
                 with context():
                     torch.autograd.grad(op(*leaves), wrt, do)
 
-            t_f = time_fn(fwd, device, warmup=3, repeat=repeat)
-            t_fb = None if name in FORWARD_ONLY else time_fn(fwd_bwd, device, warmup=3, repeat=repeat)
+            t_f = time_fn(fwd, device, warmup=3, repeat=repeat, warm_ms=warm_ms)
+            t_fb = None if name in FORWARD_ONLY else time_fn(fwd_bwd, device, warmup=3, repeat=repeat, warm_ms=warm_ms)
             row[name] = {
                 "fwd_ms": t_f.median_ms,
                 "fwd_bwd_ms": None if t_fb is None else t_fb.median_ms,
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", type=str, default=None, help="write the raw numbers here")
+    parser.add_argument("--warm-ms", type=float, default=250.0,
+                        help="untimed running time of each op before it is timed (0: the warm-up calls only)")
     parser.add_argument("--sweep-forward", action="store_true",
                         help="time the forward kernel alone at every tile of SWEEP_TILES instead (how the autotuning table was chosen)")
     args = parser.parse_args(argv)
@@ -215,7 +219,7 @@ def main(argv=None) -> int:
             with open(args.json, "w") as fh:
                 json.dump({"device": torch.cuda.get_device_name(), "sweep_forward": results}, fh, indent=2)
         return 0
-    rows = run(args.seq, args.tokens, args.heads, args.head_dim, args.repeat)
+    rows = run(args.seq, args.tokens, args.heads, args.head_dim, args.repeat, warm_ms=args.warm_ms)
     table = markdown(rows)
     print(json.dumps(_tuned_configs(), indent=1))
     print(table)

@@ -253,8 +253,8 @@ def fox_hopper_report(head_dims=(64, 128)) -> list[dict]:
         try:
             desc_q = hopper._descriptor(x.view(1024, 16, d), hopper.BLOCK_M // 2)
             desc_kv = hopper._descriptor(x.view(1024, 16, d), hopper.BLOCK_N)
-            types = dict(desc_q=desc_q, desc_k=desc_kv, desc_v=desc_kv, C="*fp32", O="*bf16", LSE="*fp32", CU="*i32",
-                         scale2="fp32")
+            types = dict(desc_q=desc_q, desc_k=desc_kv, desc_v=desc_kv, desc_o=desc_q, C="*fp32", O="*bf16",
+                         LSE="*fp32", CU="*i32", COUNTER="*i32", scale2="fp32")
             constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_N=hopper.BLOCK_N, STAGES=hopper.STAGES[d], num_warps=4)
             row.update(compile_gluon_for_sm90(hopper._fwd_kernel, types, constexprs, 4, hopper.MAX_REGISTERS))
         except Exception as exc:
@@ -278,7 +278,8 @@ def fox_hopper_backward_report(head_dims=(64, 128)) -> list[dict]:
             desc_q = hopper._descriptor(x, hopper_backward.BLOCK_Q)
             desc_kv = hopper._descriptor(x, hopper_backward.KEYS // 2)
             desc_dq = hopper_backward._dq_descriptor(torch.empty(1024, 16, d))
-            types = dict(desc_q=desc_q, desc_do=desc_q, desc_k=desc_kv, desc_v=desc_kv, desc_dq=desc_dq, C="*fp32",
+            types = dict(desc_q=desc_q, desc_do=desc_q, desc_k=desc_kv, desc_v=desc_kv, desc_dq=desc_dq,
+                         desc_dk=desc_kv, desc_dv=desc_kv, C="*fp32",
                          LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", DC="*fp32", DCQ="*fp32", CU="*i32",
                          scale="fp32", scale2="fp32")
             constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_Q=hopper_backward.BLOCK_Q, STAGES=hopper_backward.STAGES,

@@ -24,14 +24,26 @@ class Timing:
     peak_mem_gb: float | None = None
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, repeat: int = MIN_REPEAT) -> Timing:
-    """Median wall time of ``fn()`` in milliseconds (repeat is raised to at least MIN_REPEAT)."""
+def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, repeat: int = MIN_REPEAT,
+            warm_ms: float = 0.0) -> Timing:
+    """Median wall time of ``fn()`` in milliseconds (repeat is raised to at least MIN_REPEAT).
+
+    ``warm_ms``: after the warm-up calls, keep calling ``fn`` until this much time has passed, so that
+    the GPU's clocks settle at this workload's own level before timing. On the H200 a kernel timed
+    within ~100 ms of a different one ran up to 10% off its steady speed, in either direction
+    (docs/benchmarks_fox.md), which a few warm-up calls of a 2 ms kernel do not cover."""
     repeat = max(repeat, MIN_REPEAT)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup):
         fn()
+    if warm_ms > 0:
+        _synchronize(device)
+        start = time.perf_counter()
+        while (time.perf_counter() - start) * 1e3 < warm_ms:
+            fn()
+            _synchronize(device)
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -50,6 +62,11 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, rep
             times.append((time.perf_counter() - t0) * 1e3)
         peak = None
     return Timing(statistics.median(times), min(times), max(times), repeat, peak)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def time_cuda_graph(fn: Callable[[], object], device: torch.device, warmup: int = 3, repeat: int = MIN_REPEAT) -> Timing:
