@@ -72,6 +72,11 @@ if gluon is not None:
     # sequence start, sequence length, three unused
 
     @gluon.jit
+    def _mbarriers(count: gl.constexpr):
+        """``count`` mbarriers in shared memory, one per index."""
+        return gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+
+    @gluon.jit
     def _take_item(counter):
         """Lane 0 of the calling warp takes the next work item; every lane gets it."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -281,14 +286,14 @@ if gluon is not None:
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         c_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], flat)
         item_smem = gl.allocate_shared_memory(gl.int32, [2, RECORD], flat)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = _mbarriers(2)
+        q_empty = _mbarriers(2)
+        k_ready = _mbarriers(STAGES)
+        k_empty = _mbarriers(STAGES)
+        v_ready = _mbarriers(STAGES)
+        v_empty = _mbarriers(STAGES)
+        item_ready = _mbarriers(2)
+        item_free = _mbarriers(2)
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)

@@ -64,6 +64,8 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from .hopper import _mbarriers
+
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     # Triton 3.6 (the GPU image) names the shared-memory type pun _reinterpret; newer Triton reinterpret.
@@ -283,12 +285,12 @@ if gluon is not None:
             row_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_Q], r_shared)
             delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_Q], r_shared)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            q_ready = _mbarriers(STAGES)
+            q_empty = _mbarriers(STAGES)
+            do_ready = _mbarriers(STAGES)
+            do_empty = _mbarriers(STAGES)
+            ds_ready = _mbarriers(2)
+            ds_free = _mbarriers(2)
             mbarrier.init(kv_bar, count=1)
             for i in gl.static_range(STAGES):
                 mbarrier.init(q_ready.index(i), count=2)  # the TMA's expect + the loader's row terms
