@@ -49,7 +49,9 @@ def test_reference_is_cached_attention_over_the_filled_columns():
         got = forgetting_attention_decode_reference(q, k, v, c_q, c_k, length, mask, None, window)
         want = forgetting_attention_with_cache_reference(
             q, k[:, :23], v[:, :23], c_q, c_k[:, :23], mask[:, :23], None, window)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # The same math over 40 and over 23 columns: float32 products of different widths may round
+        # differently (2.4e-7 seen on one CPU); the garbage tail (1e4) would be off by far more.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @needs_kernel
