@@ -167,8 +167,7 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_partition(q_smem, k_smem, v_smem, c_smem, item_smem, bars, C, O, LSE, desc_o, scalars,
-                           wg: gl.constexpr,
-                           HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           wg: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                            STAGES: gl.constexpr):
         """One warpgroup: per work item, online softmax over the key blocks for its 64 query rows."""
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_ready, item_free = bars
@@ -276,9 +275,8 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_kernel(desc_q, desc_k, desc_v, desc_o, C, O, LSE, CU, COUNTER, n_items, n_m, hq, scale2, stride_ot,
-                    stride_ch,
-                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    stride_ch, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):
         HALF: gl.constexpr = desc_q.block_type.shape[0]
         q_smem = gl.allocate_shared_memory(desc_q.dtype, [4] + desc_q.block_type.shape, desc_q.layout)
         k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
