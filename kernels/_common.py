@@ -14,3 +14,15 @@ def leading_strides(x: torch.Tensor) -> tuple[int, int, int]:
     """Strides of the first three dims of a [batch, seq, heads, dim] tensor (dim contiguous):
     what the row-wise Triton kernels take to address any such view."""
     return x.stride(0), x.stride(1), x.stride(2)
+
+
+_MULTIPROCESSORS: dict[int, int] = {}
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device, read once per device (the property query is
+    slow next to a kernel launch): what persistent grids and split-K plans size themselves by."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _MULTIPROCESSORS[index]

@@ -19,12 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import multiprocessors
+
 # splits are chosen so that about this many programs share each SM: the H100 sweep of FoX's decode
 # (hf_hybrid/bench/split_decode_sweep.py) found 16 best at both generate() shapes, 4 up to 1.9x slower.
 PROGRAMS_PER_SM = 16
-
-_SM_COUNT: dict[int, int] = {}
-
 
 def plan_splits(rows_heads: int, keys: int, block: int, dim: int, device: torch.device, programs_per_sm: int | None = None):
     """(splits, keys per split: a multiple of block, stats [2, pairs]: m and l, partial outputs
@@ -33,11 +32,8 @@ def plan_splits(rows_heads: int, keys: int, block: int, dim: int, device: torch.
     ``programs_per_sm``: a kernel's own tuned value instead of PROGRAMS_PER_SM."""
     blocks = triton.cdiv(max(keys, 1), block)
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _SM_COUNT:
-            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
         per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-        wanted = (per_sm * _SM_COUNT[index]) // max(rows_heads, 1)
+        wanted = (per_sm * multiprocessors(device)) // max(rows_heads, 1)
     else:  # Triton's CPU interpreter: three splits wherever there are blocks for them (tests the merge)
         wanted = 3
     per_split = triton.cdiv(blocks, max(1, min(wanted, blocks))) * block

@@ -42,6 +42,8 @@ import os
 import torch
 import triton
 
+from .._common import multiprocessors
+
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -338,16 +340,6 @@ def _descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
     return TensorDescriptor(flat, [total, heads * d], [heads * d, 1], [rows, d], layout)
 
 
-_MULTIPROCESSORS: dict[int, int] = {}
-
-
-def _multiprocessors(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _MULTIPROCESSORS:
-        _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _MULTIPROCESSORS[index]
-
-
 def forward(q, k, v, c_t, cu, max_len, scale):
     """q [N_tok, HQ, D], k/v [N_tok, HKV, D] contiguous 16-bit, c_t [HQ, N_tok] float32
     -> (o [N_tok, HQ, D], lse [HQ, N_tok] float32), as ``triton._forward`` without a window."""
@@ -357,7 +349,7 @@ def forward(q, k, v, c_t, cu, max_len, scale):
     n_m = triton.cdiv(max_len, BLOCK_M)
     n_items = n_m * hq * (cu.numel() - 1)
     next_item = torch.zeros(1, device=q.device, dtype=torch.int32)  # the work counter the loaders share
-    _fwd_kernel[(min(n_items, _multiprocessors(q.device)),)](
+    _fwd_kernel[(min(n_items, multiprocessors(q.device)),)](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(o, BLOCK_M // 2),
         c_t, o, lse, cu, next_item, n_items, n_m, hq, scale * 1.4426950408889634, o.stride(0), c_t.stride(0),
         GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=BLOCK_N, STAGES=STAGES[d], num_warps=4, maxnreg=MAX_REGISTERS,
