@@ -6,9 +6,17 @@ recomputes P and dP in a second kernel for dQ (seven matrix products per key-que
 program of 128 keys adds its share of dQ = dS K into a float32 buffer with TMA reduce-add, as
 FlashAttention-3 does, so each tile costs the five products of the dense backward.
 
-Per program (128 keys of one KV head), warp-specialised:
+Schedule: a program takes a block of 128 keys of one KV head and then the mirror block from its
+sequence's end (block n - 1 - p after block p), so programs carry about equal work and half as many
+start and end (each start and end cost ~8 us against ~3 us between the two blocks of a program); the
+last (KV head, sequence) pairs of the grid run one block per program, heaviest first, so the last
+wave of equal programs does not leave most multiprocessors idle (``SINGLE_WAVES``). 2-3% off the
+kernel from 4K to 32K against one block per program (docs/benchmarks_fox.md).
 
-* a one-warp **loader** moves K and V once and, per query block of 64, Q and dO through TMA into a
+Per key block (128 keys of one KV head), warp-specialised:
+
+* a one-warp **loader** moves K and V (once a program's first block is done with them, the second
+  block's) and, per query block of 64, Q and dO through TMA into a
   two-stage ring, and stages the block's row terms (c_i - c_ref) log2(e) - lse_i and delta_i in
   shared memory (loaded by every compute thread from global memory they cost registers that spilled);
 * two **compute warpgroups**, 64 keys each: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T in
@@ -43,6 +51,7 @@ import os
 import torch
 import triton
 
+from .._common import multiprocessors
 from .hopper import HEAD_DIMS, _descriptor, gluon
 
 # The one-warp partitions' registers. setmaxnreg works per warpgroup, so the loader, the row-sum warp
@@ -86,25 +95,37 @@ if gluon is not None:
                                                       src.handle)
 
     @gluon.jit
-    def _load_partition(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem, delta_smem, bars,
-                        rows, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
-                        STAGES: gl.constexpr):
-        """One warp: K and V once, then Q, dO and the row terms of every query block of every head
-        of the group into the stage ring."""
-        kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
-        C, LSE, DELTA, tok0, seq_start, stride_ch, seq_len, start_n, q_start, n_q, kvh = rows
+    def _opaque_zero(x):
+        """0, computed from x by an instruction the compiler cannot see through.
+
+        Shared-memory descriptors indexed with it are rebuilt in every step (a few integer
+        instructions): hoisted out of the step loop they live in registers across the whole program,
+        and at 240 registers ptxas spilled them and reloaded them from local memory right before
+        each product (19% slower)."""
+        return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _load_item(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem, delta_smem, bars, rows,
+                   start_n, step0, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """One key block: its K and V, then Q, dO and the row terms of every query block of every head
+        of the group into the stage ring (ring position step0 onwards)."""
+        kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
+        C, LSE, DELTA, tok0, seq_start, stride_ch, seq_len, kvh = rows
         r_layout: gl.constexpr = gl.BlockedLayout([BLOCK_Q // 32], [32], [1], [0])
         offs = gl.arange(0, BLOCK_Q, layout=r_layout)
         half: gl.constexpr = desc_k.block_type.shape[0]
+        n_q = gl.cdiv(seq_len - start_n, BLOCK_Q)
         mbarrier.expect(kv_bar, 4 * desc_k.block_type.nbytes)
         _tma_load(desc_k, [seq_start + start_n, kvh * HEAD_DIM], kv_bar, k_smem.index(0))
         _tma_load(desc_k, [seq_start + start_n + half, kvh * HEAD_DIM], kv_bar, k_smem.index(1))
         _tma_load(desc_v, [seq_start + start_n, kvh * HEAD_DIM], kv_bar, v_smem.index(0))
         _tma_load(desc_v, [seq_start + start_n + half, kvh * HEAD_DIM], kv_bar, v_smem.index(1))
-        for i in range(GROUP * n_q):
-            g = i // n_q
-            qm = q_start + (i - g * n_q) * BLOCK_Q
+        for t in range(GROUP * n_q):
+            g = t // n_q
+            qm = start_n + (t - g * n_q) * BLOCK_Q
             h = kvh * GROUP + g
+            i = step0 + t
             stage = i % STAGES
             free_phase = ((i // STAGES) & 1) ^ 1  # a fresh mbarrier passes the wait of the phase before
             mbarrier.wait(q_empty.index(stage), free_phase)
@@ -124,13 +145,30 @@ if gluon is not None:
             _tma_load(desc_do, [seq_start + qm, h * HEAD_DIM], do_ready.index(stage), do_smem.index(stage))
 
     @gluon.jit
-    def _compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq, desc_dk,
-                           desc_dv, bars, ptrs, scalars, wg: gl.constexpr, GROUP: gl.constexpr, HALF: gl.constexpr,
-                           BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-        """One warpgroup: keys [start_n + wg * HALF, + HALF); dK, dV, the keys' dc, half of dQ's columns."""
-        kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
+    def _load_partition(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem, delta_smem, bars,
+                        rows, pair, mirror, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+                        STAGES: gl.constexpr):
+        """One warp: the program's key block, then (once both warpgroups' last products have read K and
+        V) its mirror block if it has one (mirror > pair), each as ``_load_item``."""
+        seq_len = rows[6]
+        keys: gl.constexpr = 2 * desc_k.block_type.shape[0]
+        _load_item(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem, delta_smem, bars, rows,
+                   pair * keys, 0, GROUP, HEAD_DIM, BLOCK_Q, STAGES)
+        if mirror > pair:
+            mbarrier.wait(bars[1], 0)
+            _load_item(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem, delta_smem, bars,
+                       rows, mirror * keys, GROUP * gl.cdiv(seq_len - pair * keys, BLOCK_Q), GROUP, HEAD_DIM, BLOCK_Q,
+                       STAGES)
+
+    @gluon.jit
+    def _compute_item(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq, desc_dk,
+                      desc_dv, bars, ptrs, scalars, start_n, step0, kv_phase, wg: gl.constexpr, GROUP: gl.constexpr,
+                      HALF: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup, one key block: keys [start_n + wg * HALF, + HALF); dK, dV, the keys' dc, half
+        of dQ's columns."""
+        kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
         C, DK, DV, DC = ptrs
-        start_n, seq_len, n_q, tok0, seq_start, kvh, stride_ch, stride_kt, scale, scale2 = scalars
+        seq_len, tok0, seq_start, kvh, stride_ch, stride_kt, scale, scale2 = scalars
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_Q, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -150,24 +188,26 @@ if gluon is not None:
         offs_q = gl.arange(0, BLOCK_Q, layout=queries_s)
         dk = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=acc_layout)
-        k_w = k_smem.index(wg)
-        v_w = v_smem.index(wg)
-        k_cols0 = k_smem.index(0).slice(wg * DQ_COLS, DQ_COLS, dim=1)
-        k_cols1 = k_smem.index(1).slice(wg * DQ_COLS, DQ_COLS, dim=1)
-        q_start = (start_n // BLOCK_Q) * BLOCK_Q
-        mbarrier.wait(kv_bar, 0)
+        n_q = gl.cdiv(seq_len - start_n, BLOCK_Q)  # start_n is a multiple of BLOCK_Q
+        mbarrier.wait(kv_bar, kv_phase)
+        tma.store_wait(0)  # the block before's dK / dV copies have read the dQ staging buffers
         for g in range(GROUP):
             h = kvh * GROUP + g
             c_row = C + h * stride_ch + tok0
             c_ref = gl.load(c_row + start_n) * LOG2E
             kb = gl.load(c_row + kn, mask=k_ok, other=0.0) * LOG2E - c_ref
             dc = gl.zeros([HALF], gl.float32, layout=keys_s)
-            dq_row0 = seq_start + q_start
+            dq_row0 = seq_start + start_n
             for j in range(n_q):
-                i = g * n_q + j
+                i = step0 + g * n_q + j
                 stage = i % STAGES
                 phase = (i // STAGES) & 1
                 buf = i % 2
+                zero = _opaque_zero(i)
+                k_w = k_smem.index(wg + zero)
+                v_w = v_smem.index(wg + zero)
+                k_cols0 = k_smem.index(zero).slice(wg * DQ_COLS, DQ_COLS, dim=1)
+                k_cols1 = k_smem.index(1 + zero).slice(wg * DQ_COLS, DQ_COLS, dim=1)
                 mbarrier.wait(q_ready.index(stage), phase)
                 s_tok = warpgroup_mma(k_w, q_smem.index(stage).permute((1, 0)),
                                       gl.zeros([HALF, BLOCK_Q], gl.float32, layout=s_layout), use_acc=False,
@@ -179,8 +219,8 @@ if gluon is not None:
                 row = row_smem.index(stage).load(queries_s)
                 s = warpgroup_mma_wait(1, deps=(s_tok, ))
                 p = gl.exp2(s * scale2 - kb[:, None] + row[None, :])
-                if q_start + j * BLOCK_Q < start_n + 2 * HALF:  # blocks that reach the diagonal
-                    p = gl.where((q_start + j * BLOCK_Q + offs_q)[None, :] >= kn[:, None], p, 0.0)
+                if j * BLOCK_Q < 2 * HALF:  # blocks that reach the diagonal
+                    p = gl.where((start_n + j * BLOCK_Q + offs_q)[None, :] >= kn[:, None], p, 0.0)
                 p_op = gl.convert_layout(p.to(q_smem.dtype), a_layout)
                 dv_tok = warpgroup_mma(p_op, do_smem.index(stage), dv, is_async=True)
                 delta = delta_smem.index(stage).load(queries_s)
@@ -213,6 +253,7 @@ if gluon is not None:
                 _tma_reduce_add(desc_dq, [dq_row0 + j * BLOCK_Q, h * HEAD_DIM + wg * DQ_COLS],
                                 dq_smem.index(2 * buf + wg))
             gl.store(DC + h * stride_ch + tok0 + kn, -dc, mask=k_ok)
+        mbarrier.arrive(kv_empty, count=1)  # the loader may bring the next block's K and V
         tma.store_wait(0)  # the last reduce-adds have read the dQ staging buffers
         if key0 + HALF <= seq_len:
             # dK / dV staged in this warpgroup's dQ buffers (slots wg and 2 + wg) and copied by TMA. A
@@ -226,7 +267,6 @@ if gluon is not None:
             fence_async_shared()
             _tma_store(desc_dk, [seq_start + key0, kvh * HEAD_DIM], kv_stage.index(wg))
             _tma_store(desc_dv, [seq_start + key0, kvh * HEAD_DIM], kv_stage.index(2 + wg))
-            tma.store_wait(0)
         else:
             offs_k = key0 + gl.arange(0, HALF, layout=rows_acc)
             offs_d = gl.arange(0, HEAD_DIM, layout=cols_acc)
@@ -236,17 +276,34 @@ if gluon is not None:
             gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
 
     @gluon.jit
-    def _row_sum_partition(ds_smem, bars, DCQ, tok0, stride_ch, seq_len, q_start, n_q, kvh,
-                           GROUP: gl.constexpr, HALF: gl.constexpr, BLOCK_Q: gl.constexpr):
-        """One warp: per query block, dcq_i += sum over the program's 128 keys of dS_ij, read from
-        the compute warpgroups' shared dS^T tiles in slices of 16 keys."""
-        kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
+    def _compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq, desc_dk,
+                           desc_dv, bars, ptrs, scalars, pair, mirror, wg: gl.constexpr, GROUP: gl.constexpr,
+                           HALF: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup: the program's key block, then its mirror, each as ``_compute_item``."""
+        seq_len = scalars[0]
+        _compute_item(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq, desc_dk,
+                      desc_dv, bars, ptrs, scalars, pair * (2 * HALF), 0, 0, wg, GROUP, HALF, BLOCK_Q, HEAD_DIM, STAGES)
+        if mirror > pair:
+            _compute_item(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq, desc_dk,
+                          desc_dv, bars, ptrs, scalars, mirror * (2 * HALF),
+                          GROUP * gl.cdiv(seq_len - pair * (2 * HALF), BLOCK_Q), 1, wg, GROUP, HALF, BLOCK_Q, HEAD_DIM,
+                          STAGES)
+        tma.store_wait(0)  # the dK / dV copies have read shared memory before the program ends
+
+    @gluon.jit
+    def _row_sum_item(ds_smem, bars, DCQ, tok0, stride_ch, seq_len, start_n, step0, kvh, GROUP: gl.constexpr,
+                      HALF: gl.constexpr, BLOCK_Q: gl.constexpr):
+        """Per query block of one key block: dcq_i += sum over its 128 keys of dS_ij, read from the
+        compute warpgroups' shared dS^T tiles in slices of 16 keys."""
+        kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free = bars
         SLICE: gl.constexpr = 16
         layout: gl.constexpr = gl.BlockedLayout([SLICE, BLOCK_Q // 32], [1, 32], [1, 1], [1, 0])
         cols: gl.constexpr = gl.SliceLayout(0, layout)
         offs = gl.arange(0, BLOCK_Q, layout=cols)
-        for i in range(GROUP * n_q):
-            g = i // n_q
+        n_q = gl.cdiv(seq_len - start_n, BLOCK_Q)
+        for t in range(GROUP * n_q):
+            g = t // n_q
+            i = step0 + t
             buf = i % 2
             total = gl.zeros([BLOCK_Q], gl.float32, layout=cols)
             mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
@@ -255,25 +312,46 @@ if gluon is not None:
                     tile = ds_smem.index(2 * buf + part).slice(k0, SLICE, dim=0).load(layout)
                     total += gl.sum(tile.to(gl.float32), 0)
             mbarrier.arrive(ds_free.index(buf), count=1)
-            rows_q = q_start + (i - g * n_q) * BLOCK_Q + offs
+            rows_q = start_n + (t - g * n_q) * BLOCK_Q + offs
             gl.atomic_add(DCQ + (kvh * GROUP + g) * stride_ch + tok0 + rows_q, total, mask=rows_q < seq_len,
                           sem="relaxed")
 
     @gluon.jit
+    def _row_sum_partition(ds_smem, bars, DCQ, tok0, stride_ch, seq_len, pair, mirror, kvh, GROUP: gl.constexpr,
+                           HALF: gl.constexpr, BLOCK_Q: gl.constexpr):
+        """One warp: the queries' dS sums of the program's key block, then of its mirror."""
+        _row_sum_item(ds_smem, bars, DCQ, tok0, stride_ch, seq_len, pair * (2 * HALF), 0, kvh, GROUP, HALF, BLOCK_Q)
+        if mirror > pair:
+            _row_sum_item(ds_smem, bars, DCQ, tok0, stride_ch, seq_len, mirror * (2 * HALF),
+                          GROUP * gl.cdiv(seq_len - pair * (2 * HALF), BLOCK_Q), kvh, GROUP, HALF, BLOCK_Q)
+
+    @gluon.jit
     def _bwd_kernel(desc_q, desc_do, desc_k, desc_v, desc_dq, desc_dk, desc_dv, C, LSE, DELTA, DK, DV, DC, DCQ, CU,
-                    scale, scale2, stride_kt, stride_ch, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    scale, scale2, stride_kt, stride_ch, n_n, hkv, n_heads, single_heads, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                     BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         HALF: gl.constexpr = desc_k.block_type.shape[0]
-        # Heaviest (first) key blocks first: they see the most query blocks under the causal mask.
-        pid_n = gl.program_id(0)
-        kvh = gl.program_id(1)
-        seq = gl.program_id(2)
+        # Most programs take a key block and then its mirror from the sequence's end: about the same work
+        # each (a heavy block and a light one), and half as many program starts and ends (~8 us each on
+        # the H200). Equal programs leave a ragged last wave, so the last `single_heads` (KV head,
+        # sequence) pairs come after them as one block per program, heaviest first.
+        pid = gl.program_id(0)
+        n_pairs = gl.cdiv(n_n, 2)
+        paired_programs = (n_heads - single_heads) * n_pairs
+        if pid < paired_programs:
+            hs = pid // n_pairs
+            pair = pid - hs * n_pairs
+        else:
+            rest = pid - paired_programs
+            pair = rest // single_heads
+            hs = n_heads - single_heads + (rest - pair * single_heads)
+        kvh = hs % hkv
+        seq = hs // hkv
         seq_start = gl.load(CU + seq)
         seq_len = gl.load(CU + seq + 1) - seq_start
-        start_n = pid_n * (2 * HALF)
-        if start_n < seq_len:
-            q_start = (start_n // BLOCK_Q) * BLOCK_Q
-            n_q = gl.cdiv(seq_len - q_start, BLOCK_Q)
+        n_blocks = gl.cdiv(seq_len, 2 * HALF)
+        paired = pid < paired_programs
+        mirror = gl.where(paired, n_blocks - 1 - pair, -1)  # -1: no second block
+        if pair < gl.where(paired, mirror + 1, n_blocks):  # a pair's middle block (pair == mirror) runs once
             k_smem = gl.allocate_shared_memory(desc_k.dtype, [2] + desc_k.block_type.shape, desc_k.layout)
             v_smem = gl.allocate_shared_memory(desc_v.dtype, [2] + desc_v.block_type.shape, desc_v.layout)
             q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
@@ -285,6 +363,7 @@ if gluon is not None:
             row_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_Q], r_shared)
             delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_Q], r_shared)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             q_ready = _mbarriers(STAGES)
             q_empty = _mbarriers(STAGES)
             do_ready = _mbarriers(STAGES)
@@ -292,6 +371,7 @@ if gluon is not None:
             ds_ready = _mbarriers(2)
             ds_free = _mbarriers(2)
             mbarrier.init(kv_bar, count=1)
+            mbarrier.init(kv_empty, count=2)  # both warpgroups' last products of a block
             for i in gl.static_range(STAGES):
                 mbarrier.init(q_ready.index(i), count=2)  # the TMA's expect + the loader's row terms
                 mbarrier.init(q_empty.index(i), count=2)  # one arrival per compute warpgroup
@@ -300,21 +380,21 @@ if gluon is not None:
             for i in gl.static_range(2):
                 mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS stored
                 mbarrier.init(ds_free.index(i), count=3)  # both warpgroups' dQ and the row-sum warp done
-            bars = (kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free)
+            bars = (kv_bar, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free)
             tok0 = seq_start.to(gl.int64)
             ptrs = (C, DK, DV, DC)
-            scalars = (start_n, seq_len, n_q, tok0, seq_start, kvh, stride_ch, stride_kt, scale, scale2)
-            rows = (C, LSE, DELTA, tok0, seq_start, stride_ch, seq_len, start_n, q_start, n_q, kvh)
+            scalars = (seq_len, tok0, seq_start, kvh, stride_ch, stride_kt, scale, scale2)
+            rows = (C, LSE, DELTA, tok0, seq_start, stride_ch, seq_len, kvh)
             gl.warp_specialize([
                 (_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq,
-                                      desc_dk, desc_dv, bars, ptrs, scalars, 0, GROUP, HALF, BLOCK_Q, HEAD_DIM,
-                                      STAGES)),
+                                      desc_dk, desc_dv, bars, ptrs, scalars, pair, mirror, 0, GROUP, HALF, BLOCK_Q,
+                                      HEAD_DIM, STAGES)),
                 (_compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, row_smem, delta_smem, desc_dq,
-                                      desc_dk, desc_dv, bars, ptrs, scalars, 1, GROUP, HALF, BLOCK_Q, HEAD_DIM,
-                                      STAGES)),
+                                      desc_dk, desc_dv, bars, ptrs, scalars, pair, mirror, 1, GROUP, HALF, BLOCK_Q,
+                                      HEAD_DIM, STAGES)),
                 (_load_partition, (desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem,
-                                   delta_smem, bars, rows, GROUP, HEAD_DIM, BLOCK_Q, STAGES)),
-                (_row_sum_partition, (ds_smem, bars, DCQ, tok0, stride_ch, seq_len, q_start, n_q, kvh,
+                                   delta_smem, bars, rows, pair, mirror, GROUP, HEAD_DIM, BLOCK_Q, STAGES)),
+                (_row_sum_partition, (ds_smem, bars, DCQ, tok0, stride_ch, seq_len, pair, mirror, kvh,
                                       GROUP, HALF, BLOCK_Q)),
             ], [4, 1, 1], [240, _PARTITION_REGS, _PARTITION_REGS])
 else:  # pragma: no cover
@@ -323,6 +403,7 @@ else:  # pragma: no cover
 BLOCK_Q = 64  # queries per step
 KEYS = 128  # keys per program: two warpgroups of 64
 STAGES = 2  # Q / dO ring depth (shared memory at head_dim 128: 226 KB of 227)
+SINGLE_WAVES = 2  # waves of work (one pair per multiprocessor) left to single-block programs at the end
 MAX_REGISTERS = 168  # per thread at launch (384 threads: 3 warpgroups, the one-warp partitions share one)
 
 
@@ -358,10 +439,15 @@ def backward(do, q, k, v, c_t, o, lse, delta, cu, max_len, scale):
     dcq = torch.zeros_like(c_t)
     # Float32 dQ in q's layout: each program adds its keys' share; scaled and rounded in one pass.
     dq_acc = torch.zeros((total, hq, d), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(max_len, KEYS), hkv, cu.numel() - 1)
+    n_n = triton.cdiv(max_len, KEYS)
+    n_heads = hkv * (cu.numel() - 1)
+    # About one wave's work in single-block programs at the end (see _bwd_kernel).
+    single = min(n_heads, triton.cdiv(SINGLE_WAVES * 2 * multiprocessors(q.device), max(n_n, 1)))
+    grid = ((n_heads - single) * triton.cdiv(n_n, 2) + single * n_n,)
     _bwd_kernel[grid](
         _descriptor(q, BLOCK_Q), _descriptor(do, BLOCK_Q), _descriptor(k, KEYS // 2), _descriptor(v, KEYS // 2),
         _dq_descriptor(dq_acc), _descriptor(dk, KEYS // 2), _descriptor(dv, KEYS // 2), c_t, lse, delta, dk, dv, dc, dcq, cu, scale, scale * 1.4426950408889634, dk.stride(0), c_t.stride(0),
+        n_n, hkv, n_heads, single,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_Q=BLOCK_Q, STAGES=STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
     )
     dq = torch.mul(dq_acc, scale, out=torch.empty_like(q))

@@ -128,10 +128,12 @@ def test_compiles_for_sm90(report, head_dim):
     assert row["wgmma"] and row["setmaxnreg"]
     assert not row["wgmma_serialized"]
     assert row["shared_bytes"] <= 227 * 1024
-    if triton.__version__.startswith("3.6") and report == "fox_hopper_report":
-        # One 4-byte value, stored at entry and read back once per work item outside the key-block
-        # loop; the backward spills ~120 bytes at head_dim 128 (measured as shipped).
-        assert row["stack_bytes"] <= 8
+    if triton.__version__.startswith("3.6"):
+        # Forward: one 4-byte value, stored at entry and read back once per work item outside the
+        # key-block loop. Backward: a few scalars; with K / V's shared-memory descriptors hoisted out
+        # of the step loop (no _opaque_zero) it spilled 128-232 bytes and reloaded them before each
+        # product, 19% slower with two key blocks per program.
+        assert row["stack_bytes"] <= (8 if report == "fox_hopper_report" else 48)
 
 
 def test_cache_scan_reads_only_wgmma_kernels_and_refuses_what_ptxas_cannot_read(tmp_path):
@@ -250,6 +252,39 @@ def test_backward_matches_float64_and_the_portable_kernels(dtype, b, t, hq, hkv,
     for name, g, r in zip(("dq", "dk", "dv", "dc"), hopper_grads, portable):
         if r.abs().max() > 0:
             assert _rel(g, r) < 5e-3, (name, _rel(g, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", hopper.HEAD_DIMS)
+def test_backward_schedules_agree(d, monkeypatch):
+    """The backward's program schedule (a key block and its mirror per program, then single blocks
+    at the end: SINGLE_WAVES) changes which program computes a block, not the block's math: every
+    split, from all pairs to all single blocks, gives bit-equal dK / dV (dQ and d log f add in a
+    run-dependent order: float rounding), and all pairs agree with the portable kernels. Odd packed
+    lengths give pairs with a middle block, and sequences shorter than the grid's blocks."""
+    _needs_hopper()
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+
+    lengths = [1, 700, 2049, 130, 1300, 1000]
+    total = sum(lengths)
+    q, k, v, log_f = _inputs(1, total, 4, 2, d, torch.bfloat16, seed=11)
+    do = torch.randn_like(q)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32)
+    c_t = cumulative_log_forget_by_head(log_f, cu)
+    flat = [x.reshape(total, x.shape[2], d) for x in (q, k, v, do)]
+    o, lse = fa._forward(flat[0], flat[1], flat[2], c_t, cu, max(lengths), d ** -0.5, None)
+    delta = (flat[3].float() * o.float()).sum(-1).t().contiguous()
+    runs = {}
+    for waves in (0, hopper_backward.SINGLE_WAVES, 10 ** 6):
+        monkeypatch.setattr(hopper_backward, "SINGLE_WAVES", waves)
+        runs[waves] = hopper_backward.backward(flat[3], *flat[:3], c_t, o, lse, delta, cu, max(lengths), d ** -0.5)
+    first = runs[0]
+    for waves, grads in runs.items():
+        assert torch.equal(grads[1], first[1]) and torch.equal(grads[2], first[2]), waves
+        assert _rel(grads[0], first[0]) < 1e-3 and _rel(grads[3], first[3]) < 1e-5, waves
+    portable = _portable_backward(monkeypatch, flat[3], *flat[:3], c_t, o, lse, cu, max(lengths), d ** -0.5, None)
+    for name, g, r in zip(("dq", "dk", "dv", "dc"), first, portable):
+        assert _rel(g, r) < 5e-3, (name, _rel(g, r))
 
 
 @pytest.mark.gpu
