@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import resolve_backend
+from .._backend import resolve_backend, triton_interpreting
 from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad
 from .decode import (
     forgetting_attention_decode_reference,
@@ -132,9 +132,19 @@ def forgetting_attention(
         if q.shape[1] == 0:
             return torch.empty_like(q)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        c_by_head = cumulative_log_forget_by_head(log_f, cu_seqlens)
+        c_by_head = _cumulative_log_forget(log_f, cu_seqlens)
         return forgetting_attention_fwd(q, k, v, c_by_head, cu_seqlens, scale, window_size)[0]
     return forgetting_attention_reference(q, k, v, log_f, scale, window_size, cu_seqlens)
+
+
+def _cumulative_log_forget(log_f: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """c by head for the Triton kernels: one Triton scan each way (cumulative.py), or the reference's
+    torch scan under torch.compile (which traces it) and where Triton cannot run."""
+    if torch.compiler.is_compiling() or not (log_f.is_cuda or triton_interpreting()):
+        return cumulative_log_forget_by_head(log_f, cu_seqlens)
+    from .cumulative import cumulative_log_forget_by_head_triton
+
+    return cumulative_log_forget_by_head_triton(log_f, cu_seqlens)
 
 
 def _forgetting_attention_sdpa(q, k, v, log_f, scale, window_size, cu_seqlens):

@@ -50,8 +50,10 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 from .._common import multiprocessors
+from .._launch import launch_cached
 from .hopper import HEAD_DIMS, _descriptor, gluon
 
 # The one-warp partitions' registers. setmaxnreg works per warpgroup, so the loader, the row-sum warp
@@ -407,6 +409,24 @@ SINGLE_WAVES = 2  # waves of work (one pair per multiprocessor) left to single-b
 MAX_REGISTERS = 168  # per thread at launch (384 threads: 3 warpgroups, the one-warp partitions share one)
 
 
+@launch_cached
+@triton.jit
+def _scale_to_output_kernel(ACC, OUT, n, scale, BLOCK: tl.constexpr):
+    """OUT = (ACC * scale) in OUT's dtype over n flat elements: dQ's float32 sum to the model's dtype
+    in one pass (torch.mul(acc, scale, out=bf16) runs an unvectorised mixed-dtype loop: 261 us
+    for 64K tokens x 16 heads x 128 on the H200)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(OUT + offs, (tl.load(ACC + offs, mask=ok) * scale).to(OUT.dtype.element_ty), mask=ok)
+
+
+def _scale_to_output(acc: torch.Tensor, scale: float, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(like)
+    block = 4096
+    _scale_to_output_kernel[(triton.cdiv(acc.numel(), block),)](acc, out, acc.numel(), scale, BLOCK=block, num_warps=8)
+    return out
+
+
 def hopper_backward_applies(q: torch.Tensor, window_size) -> bool:
     """Whether the backward takes this kernel: a Hopper GPU, 16-bit inputs, head_dim 64 or
     128, causal without a window, Gluon available and deterministic algorithms off, and not switched
@@ -450,5 +470,4 @@ def backward(do, q, k, v, c_t, o, lse, delta, cu, max_len, scale):
         n_n, hkv, n_heads, single,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_Q=BLOCK_Q, STAGES=STAGES, num_warps=4, maxnreg=MAX_REGISTERS,
     )
-    dq = torch.mul(dq_acc, scale, out=torch.empty_like(q))
-    return dq, dk, dv, dc.add_(dcq)
+    return _scale_to_output(dq_acc, scale, q), dk, dv, dc.add_(dcq)

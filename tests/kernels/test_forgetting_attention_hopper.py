@@ -136,6 +136,24 @@ def test_compiles_for_sm90(report, head_dim):
         assert row["stack_bytes"] <= (8 if report == "fox_hopper_report" else 48)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dq_scaled_to_the_output_dtype_in_one_pass(dtype):
+    """The backward's last step: dQ's float32 sum times the softmax scale, rounded once to the
+    inputs' dtype (as torch.mul(acc, scale) in float32 then .to(dtype)), over a size that is not a
+    multiple of the kernel's block."""
+    acc = torch.randn(3, 5, 3 * 1000 + 7, device=DEVICE)
+    like = torch.empty(acc.shape, device=DEVICE, dtype=dtype)
+    out = hopper_backward._scale_to_output(acc, 0.0884, like)
+    expected = (acc * 0.0884).to(dtype)
+    assert out.dtype == dtype and out.shape == acc.shape
+    if os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16:
+        # The CPU interpreter's numpy bfloat16 truncates where the GPU rounds to nearest: one unit
+        # in the last place at most.
+        assert ((out.float() - expected.float()).abs() <= expected.float().abs() * 2.0 ** -7).all()
+    else:
+        assert torch.equal(out, expected)
+
+
 def test_cache_scan_reads_only_wgmma_kernels_and_refuses_what_ptxas_cannot_read(tmp_path):
     """``python -m hf_hybrid.bench.sm90 --scan-cache DIR``: kernels without wgmma are not assembled,
     and a PTX that ptxas rejects raises instead of counting as "not serialised"."""
