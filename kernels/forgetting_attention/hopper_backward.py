@@ -152,12 +152,13 @@ if gluon is not None:
                         STAGES: gl.constexpr):
         """One warp: the program's key block, then (once both warpgroups' last products have read K and
         V) its mirror block if it has one (mirror > pair), each as ``_load_item``."""
+        kv_empty = bars[1]
         seq_len = rows[6]
         keys: gl.constexpr = 2 * desc_k.block_type.shape[0]
         _load_item(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem, delta_smem, bars, rows,
                    pair * keys, 0, GROUP, HEAD_DIM, BLOCK_Q, STAGES)
         if mirror > pair:
-            mbarrier.wait(bars[1], 0)
+            mbarrier.wait(kv_empty, 0)
             _load_item(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, row_smem, delta_smem, bars,
                        rows, mirror * keys, GROUP * gl.cdiv(seq_len - pair * keys, BLOCK_Q), GROUP, HEAD_DIM, BLOCK_Q,
                        STAGES)
