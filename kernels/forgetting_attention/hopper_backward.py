@@ -414,8 +414,8 @@ MAX_REGISTERS = 168  # per thread at launch (384 threads: 3 warpgroups, the one-
 @triton.jit
 def _scale_to_output_kernel(ACC, OUT, n, scale, BLOCK: tl.constexpr):
     """OUT = (ACC * scale) in OUT's dtype over n flat elements: dQ's float32 sum to the model's dtype
-    in one pass (torch.mul(acc, scale, out=bf16) runs an unvectorised mixed-dtype loop: 261 us
-    for 64K tokens x 16 heads x 128 on the H200)."""
+    in one pass (torch.mul(acc, scale, out=bf16) runs an unvectorised mixed-dtype loop: 286 against
+    267 us for 64K tokens x 16 heads x 128 on the H100)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     tl.store(OUT + offs, (tl.load(ACC + offs, mask=ok) * scale).to(OUT.dtype.element_ty), mask=ok)
