@@ -24,6 +24,7 @@ from .reference import (
     cumulative_log_forget,
     cumulative_log_forget_by_head,
     forgetting_attention_reference,
+    row_boundaries,
     visibility_mask,
 )
 
@@ -282,7 +283,7 @@ def _packing(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Te
     """(int32 sequence boundaries, longest sequence): dense rows are B packed sequences of T."""
     b, t = q.shape[:2]
     if cu_seqlens is None:
-        return torch.arange(0, (b + 1) * t, t, device=q.device, dtype=torch.int32), t
+        return row_boundaries(b, t, q.device), t
     _check_cu_seqlens_values(cu_seqlens, t)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .._launch import launch_cached
+from .reference import row_boundaries
 
 BLOCK = 2048  # tokens per scan step
 
@@ -82,7 +83,7 @@ def cumulative_log_forget_by_head_triton(log_f: torch.Tensor, cu_seqlens: torch.
     every batch row or packed sequence (cu_seqlens, batch 1). Differentiable in log_f."""
     batch, seq, _ = log_f.shape
     if cu_seqlens is None:
-        cu = torch.arange(0, (batch + 1) * seq, seq, device=log_f.device, dtype=torch.int32)
+        cu = row_boundaries(batch, seq, log_f.device)
     else:
         cu = cu_seqlens.to(device=log_f.device, dtype=torch.int32)
     return _CumulativeLogForget.apply(log_f, cu)

@@ -27,6 +27,12 @@ def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].to(torch.int64), positions, right=True)
 
 
+def row_boundaries(batch: int, seq: int, device) -> torch.Tensor:
+    """int32 [batch + 1]: a dense batch's rows as packed-sequence boundaries (0, seq, 2 seq, ...),
+    the cu_seqlens the kernels take when none is given."""
+    return torch.arange(0, (batch + 1) * seq, seq, device=device, dtype=torch.int32)
+
+
 def cumulative_log_forget_by_head(log_f: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """c = cumsum(log_f) laid out [heads, batch * seq] (float32): the Triton kernels' layout.
 

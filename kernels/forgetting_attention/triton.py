@@ -36,6 +36,7 @@ from .hopper import forward as hopper_forward
 from .hopper import hopper_forward_applies
 from .hopper_backward import backward as hopper_backward
 from .hopper_backward import hopper_backward_applies
+from .reference import row_boundaries
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -500,7 +501,7 @@ def forgetting_attention_triton(q, k, v, c_by_head, scale, window_size=None, cu_
     """
     b, t = q.shape[:2]
     if cu_seqlens is None:
-        cu = torch.arange(0, (b + 1) * t, t, device=q.device, dtype=torch.int32)
+        cu = row_boundaries(b, t, q.device)
         max_len = t
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
