@@ -31,6 +31,7 @@ from ..layers.context import SequenceContext
 from ..layers.loss import lm_head_and_loss
 from ..layers.norm import RMSNorm
 from .cache_layer import DEFAULT_CROP_WINDOW
+from .packed_sequences import find_packed_documents
 from .compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
 
 logger = logging.get_logger(__name__)
@@ -204,24 +205,29 @@ class HybridModel(HybridPreTrainedModel):
             )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        explicit_use_cache = use_cache
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False  # recomputation would write the cache twice
+        batch, seq = inputs_embeds.shape[:2]
+        mixer_kwargs = {name: kwargs[name] for name in self.mixer_forward_kwargs if kwargs.get(name) is not None}
+        packed = find_packed_documents(batch, seq, position_ids, attention_mask, kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"))
+        if packed is not None:
+            return self._forward_packed(
+                packed, inputs_embeds, mixer_kwargs, explicit_use_cache or past_key_values is not None,
+                bool(output_attentions), bool(output_hidden_states),
+            )
         if use_cache and past_key_values is None:
             past_key_values = self.cache_class(self.config)
         if past_key_values is not None:
             self._check_cache(past_key_values)
-        batch, seq = inputs_embeds.shape[:2]
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         context = SequenceContext.build(
             batch, seq, past_length, attention_mask, position_ids, inputs_embeds.device,
             output_attentions=bool(output_attentions),
         )
-        mixer_kwargs = {name: kwargs[name] for name in self.mixer_forward_kwargs if kwargs.get(name) is not None}
 
         hidden_states = inputs_embeds
-        all_hidden_states = [] if output_hidden_states else None
-        all_attentions = [] if output_attentions else None
         if not (output_hidden_states or output_attentions) and deferred_adds_apply(hidden_states, self.layers, self.norm):
             # generate()'s static decode step: every residual add fused into the norm after it.
             residual, delta = hidden_states, None
@@ -232,6 +238,21 @@ class HybridModel(HybridPreTrainedModel):
                 last_hidden_state=add_norm(residual, delta, self.norm)[1],
                 **cache_field(past_key_values if use_cache else None),
             )
+        hidden_states, all_hidden_states, all_attentions = self._run_layers(
+            hidden_states, context, past_key_values, mixer_kwargs, output_hidden_states, output_attentions
+        )
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            **cache_field(past_key_values if use_cache else None),
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+
+    def _run_layers(self, hidden_states, context, past_key_values, mixer_kwargs, output_hidden_states, output_attentions):
+        """The decoder stack and the final norm: (last hidden state, every layer's hidden states or
+        None, every layer's attention probabilities or None)."""
+        all_hidden_states = [] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
         for layer_idx, layer in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(hidden_states)
@@ -242,12 +263,40 @@ class HybridModel(HybridPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if all_hidden_states is not None:
             all_hidden_states.append(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **cache_field(past_key_values if use_cache else None),
-            hidden_states=None if all_hidden_states is None else tuple(all_hidden_states),
-            attentions=None if all_attentions is None else tuple(all_attentions),
+        return (
+            hidden_states,
+            None if all_hidden_states is None else tuple(all_hidden_states),
+            None if all_attentions is None else tuple(all_attentions),
         )
+
+    def _forward_packed(self, packed, inputs_embeds, mixer_kwargs, use_cache, output_attentions, output_hidden_states):
+        """Packed rows (hf_hybrid/models/packed_sequences.py): the stack runs on each group of whole
+        documents as an unpadded batch, and the outputs return to the packed layout."""
+        if use_cache:
+            raise ValueError(
+                "use_cache=True or past_key_values with packed rows (position_ids / cu_seq_lens_q / seq_idx mark several "
+                "documents in one row): a cache continues one sequence per row. Pass use_cache=False and no "
+                "past_key_values, or give each document its own row."
+            )
+        if output_attentions:
+            raise ValueError(
+                "output_attentions=True with packed rows: attention probabilities are per document. Run the "
+                "documents as rows of a padded batch to get them."
+            )
+        last, per_layer = [], []
+        for group in packed.groups:
+            context = SequenceContext.build(
+                group.num_docs, group.length, 0, None, group.positions, inputs_embeds.device,
+            )
+            hidden, all_hidden, _ = self._run_layers(
+                packed.unpack(inputs_embeds, group), context, None, mixer_kwargs, output_hidden_states, False
+            )
+            last.append(hidden)
+            per_layer.append(all_hidden)
+        all_hidden_states = None
+        if output_hidden_states:
+            all_hidden_states = tuple(packed.repack([group[i] for group in per_layer]) for i in range(len(per_layer[0])))
+        return BaseModelOutputWithPast(last_hidden_state=packed.repack(last), hidden_states=all_hidden_states)
 
 
 class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin):

@@ -265,12 +265,6 @@ def test_local_cache_bytes_are_constant_in_sequence_length():
     assert sizes[8192][1] == 8 * sizes[1024][1] == 2 * 8192 * 8 * 4
 
 
-def test_dynamic_cache_from_config_builds_our_layers():
-    cache = DynamicCache(config=tiny_config())
-    kinds = [type(layer) for layer in cache.layers]
-    assert kinds == [RattentionLocalLayerCache] * 3 + [RattentionGlobalLayerCache]
-
-
 # ---------------------------------------------------------------- generation
 
 

@@ -29,12 +29,11 @@ from ..cache_layer import (
 
 
 class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
-    _layer_type = "fox"
     is_sliding = False
     is_compileable = False
     is_croppable = True  # while past recording is on (StateHistoryMixin), see crop()
 
-    def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
+    def __init__(self, **kwargs):
         super().__init__()
         self.cum_log_forget: torch.Tensor | None = None
         self.shift_key: torch.Tensor | None = None

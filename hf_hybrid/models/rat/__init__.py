@@ -14,7 +14,7 @@ def register() -> None:
     from ..registry import register_architecture
 
     register_architecture(
-        RatConfig, RatModel, RatForCausalLM, layer_types=RAT_LAYER_TYPES,
+        RatConfig, RatModel, RatForCausalLM,
         task_heads=(RatForSequenceClassification, RatForTokenClassification, RatForQuestionAnswering),
     )
 

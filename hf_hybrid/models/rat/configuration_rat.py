@@ -4,14 +4,12 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from ..compat import CACHE_NAME
-from ..registry import register_layer_types
-from ..validation import check_kv_heads, check_layer_types, check_positive, resolve_head_dim
+from ..validation import ArchitectureLayerTypes, check_kv_heads, check_layer_types, check_positive, resolve_head_dim
 
 RAT_LAYER_TYPES = ("rat", "sliding_attention", "full_attention")
-register_layer_types(*RAT_LAYER_TYPES)  # also when this module is imported from a saved checkpoint's code
 
 
-class RatConfig(PretrainedConfig):
+class RatConfig(ArchitectureLayerTypes, PretrainedConfig):
     r"""
     One config class expresses the paper's four model families through ``layer_types``:
 
@@ -42,6 +40,7 @@ class RatConfig(PretrainedConfig):
     """
 
     model_type = "rat"
+    allowed_layer_types = RAT_LAYER_TYPES
     keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(

@@ -14,7 +14,7 @@ def register() -> None:
     from ..registry import register_architecture
 
     register_architecture(
-        RattentionConfig, RattentionModel, RattentionForCausalLM, layer_types=RATTENTION_LAYER_TYPES,
+        RattentionConfig, RattentionModel, RattentionForCausalLM,
         task_heads=(RattentionForSequenceClassification, RattentionForTokenClassification, RattentionForQuestionAnswering),
     )
 

@@ -6,15 +6,13 @@ from transformers import PretrainedConfig
 
 from ...kernels.residual_linear_attention.reference import FEATURE_MAPS
 from ..compat import CACHE_NAME
-from ..registry import register_layer_types
-from ..validation import check_kv_heads, check_layer_types, check_positive, resolve_head_dim
+from ..validation import ArchitectureLayerTypes, check_kv_heads, check_layer_types, check_positive, resolve_head_dim
 
 RATTENTION_LAYER_TYPES = ("local", "global")
 RATTENTION_BACKENDS = ("auto", "reference", "chunked", "triton")
-register_layer_types(*RATTENTION_LAYER_TYPES)  # also when this module is imported from a saved checkpoint's code
 
 
-class RattentionConfig(PretrainedConfig):
+class RattentionConfig(ArchitectureLayerTypes, PretrainedConfig):
     r"""
     Attention implementation (``attn_implementation=`` of from_pretrained / from_config, or
     ``model.set_attn_implementation``): ``"global"`` layers go through transformers' attention
@@ -48,6 +46,7 @@ class RattentionConfig(PretrainedConfig):
     """
 
     model_type = "rattention"
+    allowed_layer_types = RATTENTION_LAYER_TYPES
     keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(

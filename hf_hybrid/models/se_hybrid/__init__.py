@@ -15,7 +15,7 @@ def register() -> None:
     from ..registry import register_architecture
 
     register_architecture(
-        SEHybridConfig, SEHybridModel, SEHybridForCausalLM, layer_types=SE_HYBRID_LAYER_TYPES,
+        SEHybridConfig, SEHybridModel, SEHybridForCausalLM,
         task_heads=(SEHybridForSequenceClassification, SEHybridForTokenClassification, SEHybridForQuestionAnswering),
     )
 

@@ -6,8 +6,7 @@ from transformers import PretrainedConfig
 
 from ...kernels.span_expanded_attention import MODES
 from ..compat import CACHE_NAME
-from ..registry import register_layer_types
-from ..validation import check_kv_heads, check_layer_types, check_positive, resolve_head_dim
+from ..validation import ArchitectureLayerTypes, check_kv_heads, check_layer_types, check_positive, resolve_head_dim
 
 SE_HYBRID_LAYER_TYPES = ("mamba", "attention")
 # transformers >= 5.17 renames the legacy hybrid names (mamba -> linear_attention, attention ->
@@ -19,7 +18,6 @@ def canonical_layer_type(layer_type: str) -> str:
     """"mamba" or "attention" for either spelling (raises KeyError on anything else)."""
     return _CANONICAL[layer_type]
 SE_ATTENTION_MODES = MODES
-register_layer_types(*SE_HYBRID_LAYER_TYPES)  # also when imported from a checkpoint's bundled code
 
 
 def default_layer_types(num_hidden_layers: int, attention_every: int = 4) -> list[str]:
@@ -30,7 +28,7 @@ def default_layer_types(num_hidden_layers: int, attention_every: int = 4) -> lis
     return types
 
 
-class SEHybridConfig(PretrainedConfig):
+class SEHybridConfig(ArchitectureLayerTypes, PretrainedConfig):
     r"""
     A Mamba-2 hybrid causal LM whose attention layers can run as full attention or Span-Expanded
     Attention (SE-Attn) and its ablations.
@@ -73,6 +71,7 @@ class SEHybridConfig(PretrainedConfig):
     """
 
     model_type = "se_hybrid"
+    allowed_layer_types = SE_HYBRID_LAYER_TYPES
     keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(
