@@ -202,7 +202,7 @@ def test_mamba_layer_training_step_at_16k_tokens_stays_small():
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads ru_maxrss in KiB (Linux)")
 def test_small_hybrid_training_step_at_16k_tokens():
-    """The issue's CPU target: a training step of a small SE hybrid at T=16384 in < 90 s, peak RSS < 3 GB
+    """The CPU target: a training step of a small SE hybrid at T=16384 in < 90 s, peak RSS < 3 GB
     (measured on the shared 2-core box, one thread: 54 s, 2.80 GB; the Mamba layers are ~0.7 GB of
     it, the rest is attention, MLPs and logits). Slow-marked: a minute of CI time; the layer test
     above covers the Mamba path on every run."""
