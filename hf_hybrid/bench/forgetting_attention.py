@@ -4,7 +4,7 @@
     python -m hf_hybrid.bench.forgetting_attention --seq 4096 --json out.json
     python -m hf_hybrid.bench.forgetting_attention --sweep-forward --seq 4096 65536 --json sweep.json
 
-Shapes follow the FoX issue: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
+Shapes: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
 tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_attention``
 restricted to its cuDNN backend and to its flash backend with ``is_causal=True`` (plain softmax
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's

@@ -233,7 +233,7 @@ def test_gpu_converted_bamba_matches_and_decodes(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_training_step_at_8k_tokens_is_small(no_bamba_fallback):
-    """The issue's failure: at T=8192 the Bamba fallback asked for 64 GiB in one allocation. A small
+    """The failure this guards against: at T=8192 the Bamba fallback asked for 64 GiB in one allocation. A small
     hybrid (hidden 256, default Mamba sizes) trains at T=8192 in bf16 within 2 GiB of activations."""
     config = SEHybridConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
     torch.manual_seed(0)
