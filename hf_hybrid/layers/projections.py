@@ -2,7 +2,7 @@
 
 Called as separate ``nn.Linear`` modules, n projections of x give autograd n input gradients
 g_i W_i, which it sums with n - 1 element-wise adds (each reads two [tokens, hidden] tensors and
-writes one; `python -m benchmarks.profile` shows them in a layer's training step). Here the backward computes
+writes one; `python -m benchmarks.profile train rat` shows them). Here the backward computes
 dx = g_0 W_0 and then dx += g_i W_i with ``addmm_`` (beta = 1), so the sums ride on the GEMMs.
 Forward outputs and weight gradients are the modules' own (x W_i^T, g_i^T x).
 """
