@@ -2,7 +2,7 @@
 
 Why: ``torch.compile(model, fullgraph=True)`` must not trace into a Triton launch or into an
 ``autograd.Function`` full of host-side launch logic (Inductor then recompiles the user kernels
-itself, and that failed on the H200). A custom op is one opaque node: Dynamo records it, the fake
+itself, and that failed on sm_90). A custom op is one opaque node: Dynamo records it, the fake
 ("meta") function gives its output shapes without running it, and the autograd formula is a second
 custom op (the backward kernels), so the compiled backward graph holds it as one node too.
 
@@ -31,9 +31,9 @@ autograd's ctx so their ``forward`` / ``backward`` static methods can be the bod
 
 Eager calls skip the dispatcher (:class:`EagerKernelOp`): outside torch.compile and tracing, an op
 runs its body directly, through a plain ``autograd.Function`` built from the same setup / backward
-when gradients are needed. Through ``torch.library`` each call cost ~0.4 ms of host time (the
-dispatcher, default filling and the output-aliasing check): 18 of the ~64 ms a RAT training step
-at T=8K spent enqueueing work on the H100 (cProfile), while the GPU needed ~49 ms.
+when gradients are needed. Through ``torch.library`` each call pays the dispatcher, default
+filling and the output-aliasing check on the host, enough to make an eager training step wait on
+the host (`python -m benchmarks.host_time MODEL`).
 """
 from __future__ import annotations
 

@@ -3,9 +3,8 @@ the arguments' specialisation and started through its own C launcher.
 
 Why: ``kernel[grid](...)`` binds and specialises every argument, builds a cache key string, checks
 the kernel's globals, builds launch metadata and calls empty launch hooks, all in Python, on every
-call. Inside a RAT training step at T=8K on the H200's host that is 40-75 us a launch, ~8 ms of a
-~50 ms step over 146 launches (docs/benchmarks.md, "ninth run"), at a point where the step waits on
-the host. The compiled kernel's launcher alone takes ~6 us.
+call: several times what the compiled kernel's own launcher takes, and enough to make a training
+step at 8K wait on the host (`python -m benchmarks.launch_cost MODELS`).
 
 How: :func:`launch_cached` wraps a ``@triton.jit`` kernel. A call ``kernel[grid](*args, **kwargs)``
 computes a key holding everything Triton specialises a compiled kernel on (Triton 3.x,

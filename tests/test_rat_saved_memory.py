@@ -1,4 +1,4 @@
-"""What a RAT training forward keeps for its backward (issue 16: peak memory at 32K).
+"""What a RAT training forward keeps for its backward (peak memory at 32K).
 
 The fused training path rebuilds k_rot, v~, the rotated q, the gate logits and z in the backward
 instead of keeping them (hf_hybrid/layers/rat_attention.py, ``_train_fused``): the saved bytes per token drop by

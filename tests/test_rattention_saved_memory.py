@@ -1,4 +1,4 @@
-"""What a RATTENTION training forward keeps for its backward (issue 16: peak memory at 32K).
+"""What a RATTENTION training forward keeps for its backward (peak memory at 32K).
 
 The local layer rebuilds the QK-normed, rotated q~ and k~ (kept by the SWA op) in the backward from
 the raw q and k (kept by the norm and the RLA op), and o_proj's input (the sum of the branch norms,
@@ -52,7 +52,7 @@ def _model(dtype: torch.dtype):
 # On CUDA, SDPA's float32 kernels for a masked (band or causal) attention save contiguous copies of
 # q~ / k~, not the tensors the layers register, so nothing is rebuilt there (nor wrongly kept: the
 # registration is unused). The models' own CUDA window path is flex_attention; the bench's bf16
-# training step measures the drop (docs/benchmarks.md).
+# training step measures the drop (`hf-hybrid bench --suites models --only "train T=32K"`).
 _NOT_ON_CUDA = pytest.mark.skipif(DEVICE == "cuda", reason="SDPA's fp32 CUDA kernels save copies of q~ / k~: no rebuild to test")
 
 

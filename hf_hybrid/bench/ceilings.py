@@ -17,7 +17,7 @@ mixer cost nothing: a target above it cannot be met by any mixer kernel.
   sliding window, no residual linear attention, no branch norms); the global layers stay.
 - ``FoX, cuDNN attention``: Forgetting Attention replaced by PyTorch's causal SDPA (cuDNN / flash on
   the GPU), the forget gate's projection kept (its gradient is zeros): the model if its attention
-  kernel were exactly as fast as the one Llama runs (issue 21's target).
+  kernel were exactly as fast as the one Llama runs.
 
 The stand-ins compute nothing meaningful (their loss is not RAT's): timing only. Rows are printed as
 JSON and, with ``--json``, appended to a JSON-lines file as they are timed.

@@ -4,7 +4,7 @@
     python -m hf_hybrid.bench.forgetting_attention --seq 4096 --json out.json
     python -m hf_hybrid.bench.forgetting_attention --sweep-forward --seq 4096 65536 --json sweep.json
 
-Shapes follow the FoX issue: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
+Shapes: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
 tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_attention``
 restricted to its cuDNN backend and to its flash backend with ``is_causal=True`` (plain softmax
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
@@ -17,8 +17,8 @@ and ours on cuDNN with the forget bias as extra head dimensions ("ours_sdpa", wh
 without gradients in bf16 on GPUs other than Hopper). Ratios are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
 the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), then each op runs
-for ``--warm-ms`` (250 ms) untimed so that the clocks settle at its own level (the H200 timed a
-kernel up to 10% off its steady speed within ~100 ms of another), then the median of ``--repeat``
+for ``--warm-ms`` (250 ms) untimed so that the clocks settle at its own level (a kernel timed
+right after a different one can run up to 10% off its steady speed), then the median of ``--repeat``
 calls; inputs are random (never zeros); log f = logsigmoid(N(4, 1)) per head.
 """
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _line(row):
 
 
 def markdown(rows):
-    """The table for docs/benchmarks: times in ms, ratios to SDPA's cuDNN backend (time / cuDNN's)."""
+    """The table for docs/benchmarks/fox.md: times in ms, ratios to SDPA's cuDNN backend (time / cuDNN's)."""
     names = [n for n in rows[0] if isinstance(rows[0][n], dict)]
     head = "| T | batch | " + " | ".join(f"{n} fwd" for n in names) + " | " + " | ".join(f"{n} fwd+bwd" for n in names) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]

@@ -17,8 +17,8 @@ architecture's defaults. Cells (one Case each, every model a variant):
   ``min_new_tokens = max_new_tokens`` and otherwise default arguments; Llama with its default
   (dynamic) cache, with Liger, and with ``cache_implementation="static"`` (generate() then compiles
   the decode step: its fastest; Liger adds nothing under Inductor, which fuses the same ops).
-  Liger slows eager decode steps down (launch-bound: Llama+Liger 0.76x at B=32 on the H100), so
-  our models keep PyTorch's norm and SwiGLU below backbone_fusion.FUSED_MIN_TOKENS tokens.
+  Liger slows eager decode steps down (they are launch-bound), so our models keep PyTorch's norm
+  and SwiGLU below backbone_fusion.FUSED_MIN_TOKENS tokens.
   A logits processor records a CUDA event after the prefill and after every token, so the cell
   reports decode throughput, B x (new - 1) / (time from the first to the last token), and keeps
   the prefill and whole-call times in its info. The warm-up is a short generate() (a whole one
@@ -27,8 +27,7 @@ architecture's defaults. Cells (one Case each, every model a variant):
 Every cell catches OOM (reported as OOM) and errors (reported, the suite goes on). The big shapes
 run 1 warm-up (compilation, autotuning) and one or two timed calls (a call is a whole training
 step or a whole generate(), itself an average over its tokens). A cold run is dominated by
-compiling and autotuning every model's Triton kernels: on an H100 the first 14 of the 52 cells
-took about 3.5 minutes, so run it in pieces (``--only train``, ``--only prefill,decode B=8``,
+compiling and autotuning every model's Triton kernels (minutes for the first cells), so run it in pieces (``--only train``, ``--only prefill,decode B=8``,
 ``--only "decode B=32"``, and ``--variants "Llama,FoX"`` for chosen rows: each case's baseline
 always runs) where one command is time-limited; bench.json is rewritten after every case. ``HF_HYBRID_BENCH_BUDGET=<seconds>``
 caps a run: each case gets a share of the budget and the variants past it are reported as skipped
@@ -64,7 +63,7 @@ class SkipVariant(Exception):
 
 class TimeBudget:
     """Optional wall-clock budget for the suite (``HF_HYBRID_BENCH_BUDGET`` seconds, e.g. to fit a
-    time-limited GPU session): case i may run until its cumulative share of the budget is spent
+    time-limited GPU job): case i may run until its cumulative share of the budget is spent
     (unused time carries over); variants that would start later are reported as skipped.
     ``keep(names)`` (the harness's --only) shares the budget among the cases that will run."""
 

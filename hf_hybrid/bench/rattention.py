@@ -5,7 +5,7 @@ SWA-only layer (w=4096), all in one process, plus the decode step at a long cont
     python -m hf_hybrid.bench.rattention --json out.json
     python -m hf_hybrid.bench.rattention --compile-report   # no GPU needed: sm_90 registers / spills
 
-Shapes follow the RATTENTION issue (paper Fig. 3, 3B model): hidden 2048, 16 query heads x 128,
+Shapes follow the RATTENTION paper (Fig. 3, 3B model): hidden 2048, 16 query heads x 128,
 4 key/value heads, bf16. Layers (projections, QK-norm, RoPE and branch norms included):
 
 * ``full``       RattentionGlobalAttention: causal SDPA (flash) over all tokens.

@@ -17,8 +17,8 @@ Llama decodes into one user-made StaticCache of fixed length (reset before each 
 run reuses one compiled graph. Our models decode with default arguments: generate()'s stop check
 one step late (generation/deferred_stop.py; ``--llama-deferred-stop`` times Llama with that loop
 too), and from the second timed run on, a capture at the first decode step (the same shape ran
-before: StaticDecodeStep.prewarmed). (Until 2026-11-25 this subtracted two whole generate() calls; the
-SE hybrid's 16K prefill made that difference noisy, 0.8 to 2.3 ms per token in two runs.)
+before: StaticDecodeStep.prewarmed). (The difference of two whole generate() calls would carry the
+prefill's run-to-run noise.)
 """
 from __future__ import annotations
 

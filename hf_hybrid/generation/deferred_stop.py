@@ -3,8 +3,8 @@
 transformers' sampling loop reads ``unfinished_sequences.max() == 0`` on the host after every
 token (``StopCheck``): the host waits for the device each step, so the next step's Python
 (input preparation, this package's step dispatch, the graph launch) runs while the GPU idles.
-With a replayed CUDA graph that wait is a large share of a token: on the H100 at B=8 / 16K, RAT's
-graphed step takes 1.13 ms in a loop without the wait and 1.81 ms per token inside generate().
+With a replayed CUDA graph that wait is a large share of a token (compare ``--floor``, the graphed
+steps in a bare loop, with generate() in `python -m benchmarks.generation.benchmark`).
 
 transformers ships the fix, ``DeferredStopCheck``: it copies the flag to the host asynchronously,
 reads it one step later, and at the end undoes the one extra step it ran (tokens, scores and

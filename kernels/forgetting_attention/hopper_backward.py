@@ -8,10 +8,9 @@ FlashAttention-3 does, so each tile costs the five products of the dense backwar
 
 Schedule: a program takes a block of 128 keys of one KV head and then the mirror block from its
 sequence's end (block n - 1 - p after block p), so programs carry about equal work and half as many
-start and end (each start and end cost ~8 us against ~3 us between the two blocks of a program); the
+start and end (a program's start and end cost more than the step between its two blocks); the
 last (KV head, sequence) pairs of the grid run one block per program, heaviest first, so the last
-wave of equal programs does not leave most multiprocessors idle (``SINGLE_WAVES``). 2-3% off the
-kernel from 4K to 32K against one block per program (docs/benchmarks_fox.md).
+wave of equal programs does not leave most multiprocessors idle (``SINGLE_WAVES``).
 
 Per key block (128 keys of one KV head), warp-specialised:
 
@@ -24,20 +23,19 @@ Per key block (128 keys of one KV head), warp-specialised:
   (both warpgroups' dS in place) dQ = dS K, each warpgroup taking half of dQ's columns, staged in
   shared memory and added to global memory by TMA reduce-add (double-buffered);
 * dK and dV leave through the dQ staging buffers (free once the last reduce-add has read them) and TMA
-  stores, not 4-byte stores from the accumulators' registers: 2% off the kernel at 4K and 8K, where a
+  stores, not 4-byte stores from the accumulators' registers, which matters at short sequences, where a
   program's end is a larger share (blocks that run past their sequence's end keep masked stores);
 * a one-warp **row-sum** partition adds up each query's dS over the program's keys (the queries'
   share of the forget gate's gradient, which cancels the rounding of the bf16 output in delta) and
   adds it into a float32 buffer with atomics, off the compute warpgroups' path: in the compute
-  warpgroups that sum runs across warps (keys are rows) and made the kernel 1.4x slower.
+  warpgroups that sum runs across warps (keys are rows) and slows the whole kernel.
 
 dQ's summation order depends on the run (float atomics); ``torch.use_deterministic_algorithms(True)``
 keeps the portable two-kernel backward. Causal attention without a window only; 16-bit inputs,
 head_dim 64 or 128 (shared memory: 226 KB at 128).
 
-The default on sm_90 (``HF_HYBRID_FOX_HOPPER_BWD=0`` keeps the portable pair): on the H200,
-1.13x cuDNN's causal forward + backward from 16K to 64K and 1.25x at 4K, against the portable
-kernels' 1.50-1.64x, and 5-8% off a whole FoX-LLaMA training step at 8K (docs/benchmarks_fox.md).
+The default on sm_90 (``HF_HYBRID_FOX_HOPPER_BWD=0`` keeps the portable pair), being clearly
+faster than the portable pair (`python -m hf_hybrid.bench.forgetting_attention`; docs/benchmarks/fox.md).
 Registers decide its speed: with fewer than 240 per compute thread ptxas serialises the wgmma
 (``PARTITION_REGISTERS``), and with more live accumulators (the next block's S^T and dP^T issued
 early) it spills. Both sides of d log f add up the same bf16-rounded dS (the queries' row sums read
@@ -334,8 +332,8 @@ if gluon is not None:
                     BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         HALF: gl.constexpr = desc_k.block_type.shape[0]
         # Most programs take a key block and then its mirror from the sequence's end: about the same work
-        # each (a heavy block and a light one), and half as many program starts and ends (~8 us each on
-        # the H200). Equal programs leave a ragged last wave, so the last `single_heads` (KV head,
+        # each (a heavy block and a light one), and half as many program starts and ends. Equal
+        # programs leave a ragged last wave, so the last `single_heads` (KV head,
         # sequence) pairs come after them as one block per program, heaviest first.
         pid = gl.program_id(0)
         n_pairs = gl.cdiv(n_n, 2)
@@ -414,8 +412,7 @@ MAX_REGISTERS = 168  # per thread at launch (384 threads: 3 warpgroups, the one-
 @triton.jit
 def _scale_to_output_kernel(ACC, OUT, n, scale, BLOCK: tl.constexpr):
     """OUT = (ACC * scale) in OUT's dtype over n flat elements: dQ's float32 sum to the model's dtype
-    in one pass (torch.mul(acc, scale, out=bf16) runs an unvectorised mixed-dtype loop: 286 against
-    267 us for 64K tokens x 16 heads x 128 on the H100)."""
+    in one vectorised pass (torch.mul(acc, scale, out=bf16) runs an unvectorised mixed-dtype loop)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     tl.store(OUT + offs, (tl.load(ACC + offs, mask=ok) * scale).to(OUT.dtype.element_ty), mask=ok)

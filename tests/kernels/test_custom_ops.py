@@ -95,7 +95,7 @@ def _cases():
     yield "rla_state_segments", rla.residual_linear_attention_fwd, (
         rq, rk, rv, leaf(1, 1, 2 * D, D, scale=0.5), 3, "relu", None, None, 1, None, None)
     yield "rla_identity_pure_linear", rla.residual_linear_attention_fwd, (rq, rk, rv, None, -1, "identity", *none5)
-    # Mamba-2 (engineer G's kernels): depthwise causal conv1d and the SSD scan
+    # Mamba-2: depthwise causal conv1d and the SSD scan
     cx, cw, cb, cs = leaf(B, 11, 13), leaf(13, 4, scale=0.5), leaf(13), leaf(B, 13, 4)
     yield "causal_conv1d", conv.causal_conv1d_fwd, (cx, cw, None, None, False)
     yield "causal_conv1d_bias_state_silu", conv.causal_conv1d_fwd, (cx, cw, cb, cs, True)

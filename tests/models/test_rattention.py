@@ -1,4 +1,4 @@
-"""RATTENTION local-global models: the issue's must-show properties on tiny CPU models."""
+"""RATTENTION local-global models: the properties a RATTENTION model must show, on tiny CPU models."""
 from __future__ import annotations
 
 import pytest
