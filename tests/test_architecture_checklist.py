@@ -184,3 +184,26 @@ def test_model_types_match_the_registered_auto_classes():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     assert set(MODEL_TYPES) <= set(CONFIG_MAPPING.keys())
+
+
+def _model_types_of(factories) -> set[str]:
+    return {factory().model_type for factory in factories}
+
+
+# Test modules whose cases are hand-picked configs per architecture (variants tuned to what each
+# checks): each must still have a case of every registered architecture.
+_CASE_TABLES = {
+    "test_model_outputs": lambda m: _model_types_of(m.CONFIGS.values()),
+    "test_attention_implementations": lambda m: _model_types_of([*m.SOFTMAX_CONFIGS.values(), *m.OTHER_CONFIGS.values()]),
+    "test_assisted_decoding": lambda m: _model_types_of(factory for factory, _ in m.ARCHITECTURES.values()),
+    "test_examples": lambda m: set(m.PRETRAIN_CASES),
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(_CASE_TABLES))
+def test_hand_picked_case_tables_cover_every_architecture(module_name):
+    import importlib
+
+    covered = _CASE_TABLES[module_name](importlib.import_module(module_name))
+    missing = sorted(set(MODEL_TYPES) - covered)
+    assert not missing, f"tests/{module_name}.py has no case of {missing}"
