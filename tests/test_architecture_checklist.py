@@ -207,3 +207,10 @@ def test_hand_picked_case_tables_cover_every_architecture(module_name):
     covered = _CASE_TABLES[module_name](importlib.import_module(module_name))
     missing = sorted(set(MODEL_TYPES) - covered)
     assert not missing, f"tests/{module_name}.py has no case of {missing}"
+
+
+@every_architecture
+def test_readme_lists_it(arch):
+    rows = [line.split("|")[1].strip() for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("|")]
+    assert f"`{arch.model_type}`" in rows, f"README.md's table of architectures has no row `{arch.model_type}`"
