@@ -25,13 +25,13 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import ModelOutput, logging
 
+from ..compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
 from ..generation.graph_decode import DecodeGraphMixin
 from ..layers.backbone import DecoderLayer, add_norm, deferred_adds_apply
 from ..layers.context import SequenceContext
 from ..layers.loss import lm_head_and_loss
 from ..layers.norm import RMSNorm
 from .cache_layer import DEFAULT_CROP_WINDOW
-from ..compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
 
 logger = logging.get_logger(__name__)
 
