@@ -108,12 +108,14 @@ def test_layer_types(arch):
 def test_mixers_and_reference_ops(arch):
     """Its mixers are modules of hf_hybrid/layers/ that its modeling file builds, and every op they
     run has a readable reference (kernels/<op>/reference.py)."""
+    assert arch.mixer_modules, f"{arch.model_type}: name its mixer modules"
+    for mixer in arch.mixer_modules:
+        assert (ROOT / "hf_hybrid" / "layers" / f"{mixer}.py").is_file(), f"{arch.model_type}: hf_hybrid/layers/{mixer}.py is missing"
     modeling = ROOT / "hf_hybrid" / "models" / arch.model_type / f"modeling_{arch.model_type}.py"
     built = _imported_modules(modeling)
     used_ops = set()
     for mixer in arch.mixer_modules:
         path = ROOT / "hf_hybrid" / "layers" / f"{mixer}.py"
-        assert path.is_file(), f"{arch.model_type}: hf_hybrid/layers/{mixer}.py is missing"
         assert f"layers.{mixer}" in built, f"{arch.model_type}: {modeling.name} does not import layers.{mixer}"
         used_ops |= _imported_modules(path)
     used_ops |= built
@@ -214,3 +216,17 @@ def test_readme_lists_it(arch):
     rows = [line.split("|")[1].strip() for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
             if line.startswith("|")]
     assert f"`{arch.model_type}`" in rows, f"README.md's table of architectures has no row `{arch.model_type}`"
+
+
+def test_an_entry_without_its_pieces_fails_the_checklist():
+    """The checks are not vacuous: a new entry naming nothing that exists fails each with the piece named."""
+    from dataclasses import replace
+
+    toy = replace(architecture("rat"), model_type="toy", class_prefix="Toy", reproduction="toy", demo_key="toy",
+                  bench_row="Toy", mixer_modules=("toy_attention",), reference_ops=("toy_op",))
+    for check, message in ((test_files, "hf_hybrid/models/toy/"), (test_model_card, "model_cards/toy.md"),
+                           (test_tests, "tests/models/test_toy.py"), (test_bench_row, "no row 'Toy'"),
+                           (test_demo_contestant, "no contestant 'toy'"), (test_reproduction, "reproduce/toy.py"),
+                           (test_mixers_and_reference_ops, "layers/toy_attention.py"), (test_readme_lists_it, "`toy`")):
+        with pytest.raises(AssertionError, match=message.replace("(", r"\(")):
+            check(toy)
