@@ -107,7 +107,7 @@ def test_layer_types(arch):
 @every_architecture
 def test_mixers_and_reference_ops(arch):
     """Its mixers are modules of hf_hybrid/layers/ that its modeling file builds, and every op they
-    run has a readable reference (kernels/<op>/reference.py)."""
+    run has a readable reference (kernels/<op>/reference.py) and a test in tests/kernels/."""
     assert arch.mixer_modules, f"{arch.model_type}: name its mixer modules"
     for mixer in arch.mixer_modules:
         assert (ROOT / "hf_hybrid" / "layers" / f"{mixer}.py").is_file(), f"{arch.model_type}: hf_hybrid/layers/{mixer}.py is missing"
@@ -119,11 +119,15 @@ def test_mixers_and_reference_ops(arch):
         assert f"layers.{mixer}" in built, f"{arch.model_type}: {modeling.name} does not import layers.{mixer}"
         used_ops |= _imported_modules(path)
     used_ops |= built
+    kernel_tests = sorted((ROOT / "tests" / "kernels").glob("test_*.py"))
     assert arch.reference_ops, f"{arch.model_type}: name the ops its mixers run"
     for op in arch.reference_ops:
         assert (ROOT / "kernels" / op / "reference.py").is_file(), f"{arch.model_type}: kernels/{op}/reference.py is missing"
         assert any(name.endswith(f"kernels.{op}") or f"kernels.{op}." in name for name in used_ops), (
             f"{arch.model_type}: no mixer of it (nor its modeling file) imports kernels.{op}"
+        )
+        assert any(f"hf_hybrid.kernels.{op}" in name for path in kernel_tests for name in _imported_modules(path)), (
+            f"{arch.model_type}: no test of tests/kernels/ imports hf_hybrid.kernels.{op}"
         )
 
 
