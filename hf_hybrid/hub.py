@@ -14,6 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
+from .models.common import register_sharing as _register_with_models
 from .models.registry import architecture_classes
 from .remote_code import write_remote_code
 
@@ -99,3 +100,9 @@ def push_model_to_hub(
         return api.upload_folder(
             repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision, create_pr=create_pr
         )
+
+
+def register_sharing() -> None:
+    """Make every hf-hybrid model's save_pretrained write the sharing files and its push_to_hub use
+    :func:`push_model_to_hub` (run by ``import hf_hybrid``; the models do not import this module)."""
+    _register_with_models(save_sharing_files, push_model_to_hub)

@@ -119,7 +119,7 @@ def test_push_to_hub_example_through_a_loopback_hub(tmp_path, monkeypatch, model
             monkeypatch.setattr(hub_constants, "HF_HUB_DISABLE_TELEMETRY", True)
             monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
             if how == "model_path":
-                config = AutoConfig.for_model(model_type, **example.TINY, **example.TINY_EXTRA[model_type])
+                config = AutoConfig.for_model(model_type, **example.tiny_config_kwargs(model_type))
                 torch.manual_seed(1)
                 AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "checkpoint")
                 argv = ["--model-path", str(tmp_path / "checkpoint"), "--repo-id", "me/checkpoint",

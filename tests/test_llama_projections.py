@@ -13,7 +13,7 @@ from hf_hybrid.generation import llama_projections
 from hf_hybrid.generation.llama_projections import apply_few_row_projections_to_llama
 from hf_hybrid.kernels._backend import triton_interpreting
 from hf_hybrid.layers import projections
-from hf_hybrid.models.compat import CACHE_NAME
+from hf_hybrid.compat import CACHE_NAME
 
 needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() or triton_interpreting()),
                                   reason="needs CUDA or TRITON_INTERPRET=1")

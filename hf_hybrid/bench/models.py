@@ -101,24 +101,33 @@ class Arch:
 
 
 def architectures(quick: bool) -> list[Arch]:
+    """The rows of every architecture of hf_hybrid/architectures.py, in its order."""
+    from ..architectures import ARCHITECTURES
     from ..sparse import SparseInferenceConfig
 
     layers = (QUICK_SHAPE if quick else FULL_SHAPE)["num_hidden_layers"]
     alternate = lambda a, b: [a if i % 2 == 0 else b for i in range(layers)]  # noqa: E731
     tiny = {"mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16, "se_chunk_sizes": [32, 64],
             "se_block_size": 8, "se_top_k": 2, "se_select_every": 16} if quick else {}
-    return [
-        Arch("RAT", "rat", {"chunk_size": 16} if not quick else {"chunk_size": 8}),
-        Arch("RAT-SWA", "rat", {"layer_types": alternate("rat", "sliding_attention"),
-                                **({"chunk_size": 8, "sliding_window": 16} if quick else {})}),
-        Arch("RAT+", "rat_plus", {"training_dilations": [1, 4]} if quick else {}),
-        Arch("RAT+ D=16", "rat_plus", {"sparse_config": SparseInferenceConfig(dilation=4 if quick else 16).to_dict(),
-                                       **({"training_dilations": [1, 4]} if quick else {})}, trains=False),
-        Arch("FoX (llama)", "fox", {"block_type": "llama"}),
-        Arch("FoX (pro)", "fox", {"block_type": "pro"}),
-        Arch("RATTENTION", "rattention", {"window_size": 16} if quick else {}),
-        Arch("SE hybrid", "se_hybrid", tiny),
-    ]
+    rows = {
+        "rat": [
+            Arch("RAT", "rat", {"chunk_size": 16} if not quick else {"chunk_size": 8}),
+            Arch("RAT-SWA", "rat", {"layer_types": alternate("rat", "sliding_attention"),
+                                    **({"chunk_size": 8, "sliding_window": 16} if quick else {})}),
+        ],
+        "rat_plus": [
+            Arch("RAT+", "rat_plus", {"training_dilations": [1, 4]} if quick else {}),
+            Arch("RAT+ D=16", "rat_plus", {"sparse_config": SparseInferenceConfig(dilation=4 if quick else 16).to_dict(),
+                                           **({"training_dilations": [1, 4]} if quick else {})}, trains=False),
+        ],
+        "fox": [Arch("FoX (llama)", "fox", {"block_type": "llama"}), Arch("FoX (pro)", "fox", {"block_type": "pro"})],
+        "rattention": [Arch("RATTENTION", "rattention", {"window_size": 16} if quick else {})],
+        "se_hybrid": [Arch("SE hybrid", "se_hybrid", tiny)],
+    }
+    missing = [arch.model_type for arch in ARCHITECTURES if arch.model_type not in rows]
+    if missing:
+        raise KeyError(f"the model bench has no row for architecture(s) {missing}: add them to architectures().")
+    return [row for arch in ARCHITECTURES for row in rows[arch.model_type]]
 
 
 def _shape(config: BenchConfig) -> dict:

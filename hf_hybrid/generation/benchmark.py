@@ -29,8 +29,8 @@ import time
 
 import torch
 
+from ..compat import CACHE_NAME, cache_of
 from ..layers.backbone_fusion import backbone_fusion_settings
-from ..models.compat import CACHE_NAME, cache_of
 from .deferred_stop import deferred_for_every_generation
 
 SHAPE = dict(

@@ -57,8 +57,8 @@ import time
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..compat import CACHE_NAME, cache_field, rename_cache_kwarg
 from ..layers.backbone_fusion import static_decode_step
-from ..models.compat import CACHE_NAME, cache_field, rename_cache_kwarg
 from .deferred_stop import allow_deferred_stop, stop_was_deferred, withdraw_deferred_stop
 
 DECODE_GRAPH_MODES = (None, True, False, "eager")

@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import ModelOutput, logging
 
+from ..compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
 from ..generation.graph_decode import DecodeGraphMixin
 from ..layers.backbone import DecoderLayer, add_norm, deferred_adds_apply
 from ..layers.context import SequenceContext
@@ -32,7 +33,6 @@ from ..layers.loss import lm_head_and_loss
 from ..layers.norm import RMSNorm
 from .cache_layer import DEFAULT_CROP_WINDOW
 from .packed_sequences import find_packed_documents
-from .compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
 
 logger = logging.get_logger(__name__)
 
@@ -98,6 +98,19 @@ def check_input_shapes(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         )
 
 
+# What save_pretrained writes besides weights and config (self-contained code, a filled model card)
+# and how push_to_hub uploads: hf_hybrid/hub.py, a layer above the models, plugs both in on
+# `import hf_hybrid` (register_sharing). In a checkpoint's bundled code, where transformers copies
+# the code itself, neither is plugged in and both stay transformers' own.
+_SHARING: dict = {}
+
+
+def register_sharing(save_files, push) -> None:
+    """``save_files(model, directory, repo_id, training_data)`` runs after every save_pretrained;
+    ``push(model, repo_id, training_data=..., **kwargs)`` replaces push_to_hub."""
+    _SHARING.update(save_files=save_files, push=push)
+
+
 class HybridPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -121,17 +134,15 @@ class HybridPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, card_repo_id=None, card_training_data=None, **kwargs):
         """transformers' save_pretrained, plus self-contained remote code and a filled model card (hub.py)."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            from ..hub import save_sharing_files
-
-            save_sharing_files(self, save_directory, card_repo_id, card_training_data)
+        if kwargs.get("is_main_process", True) and "save_files" in _SHARING:
+            _SHARING["save_files"](self, save_directory, card_repo_id, card_training_data)
         return result
 
     def push_to_hub(self, repo_id: str, *, training_data: str | None = None, **kwargs):
         """Upload weights, config, remote code and the filled model card (not transformers' generic card)."""
-        from ..hub import push_model_to_hub
-
-        return push_model_to_hub(self, repo_id, training_data=training_data, **kwargs)
+        if "push" not in _SHARING:  # a checkpoint's bundled code: transformers uploads it with the weights
+            return super().push_to_hub(repo_id, **kwargs)
+        return _SHARING["push"](self, repo_id, training_data=training_data, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

@@ -88,8 +88,8 @@ def check_fast_paths(device: torch.device) -> str:
     PyTorch references once; "auto" if they agree, else "scan" (PyTorch scan + SDPA, no Triton)."""
     if device.type != "cuda":
         return "auto"
-    from ...kernels.chunk_attention import block_end_attention
-    from ...kernels.gated_recurrence import gated_recurrence
+    from ..kernels.chunk_attention import block_end_attention
+    from ..kernels.gated_recurrence import gated_recurrence
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(2, 1000, 4, 64, generator=gen).to(device)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..adapt import synthetic_language
-from ..models.compat import cache_of
+from ..compat import cache_of
 from ..models.rattention import RattentionConfig, RattentionForCausalLM
 from .report import Reproduction
 from .training import adamw_warmup_cosine, autocast_for

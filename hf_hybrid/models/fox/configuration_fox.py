@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from ..compat import CACHE_NAME
+from ...compat import CACHE_NAME
 from ..validation import check_kv_heads, check_positive, resolve_head_dim
 
 FOX_BLOCK_TYPES = ("llama", "pro")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from ..compat import CACHE_NAME
+from ...compat import CACHE_NAME
 from ..validation import ArchitectureLayerTypes, check_kv_heads, check_layer_types, check_positive, resolve_head_dim
 
 RAT_LAYER_TYPES = ("rat", "sliding_attention", "full_attention")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from transformers import PretrainedConfig
 
 from ...sparse import SparseInferenceConfig
-from ..compat import CACHE_NAME
+from ...compat import CACHE_NAME
 from ..validation import check_kv_heads, check_positive, resolve_head_dim
 
 

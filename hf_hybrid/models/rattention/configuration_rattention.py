@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from ...kernels.residual_linear_attention.reference import FEATURE_MAPS
-from ..compat import CACHE_NAME
+from ...compat import CACHE_NAME
 from ..validation import ArchitectureLayerTypes, check_kv_heads, check_layer_types, check_positive, resolve_head_dim
 
 RATTENTION_LAYER_TYPES = ("local", "global")
