@@ -46,7 +46,7 @@ and the host bookkeeping this design keeps outside the graph).
 Around the graph, generate()'s stop check runs one step late on CUDA (deferred_stop.py), and a
 step of a shape that already ran in the process is captured at once (StaticDecodeStep.prewarmed).
 
-Measured (hf_hybrid/generation/benchmark.py, H100, 8 layers of the 1.3B shape, bf16; ms per new
+Measured (benchmarks/generation.py, H100, 8 layers of the 1.3B shape, bf16; ms per new
 token through generate(), first to last new token; transformers' Llama with a compiled static
 cache as the baseline; docs/benchmarks.md has every run), 2026-11-25, B=8 / 16K prompt / 64 new:
 Llama 4.97, RAT 1.44, RAT+ D=16 2.92, RATTENTION 2.41, FoX 5.08, SE hybrid 1.97; B=32 / 2K / 128

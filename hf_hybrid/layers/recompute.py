@@ -15,7 +15,7 @@ register it. Other saves pass through untouched. It steps aside (:func:`recomput
 False) under torch.compile, which plans its own recomputation, and when other saved-tensor hooks are
 already active (activation checkpointing, CPU offload), which manage these tensors themselves;
 hooks that only observe (their pack function has ``observes_only = True``: the saved-bytes
-accounting, hf_hybrid/bench/saved_tensors.py) stay below it and get every save it passes through.
+accounting, benchmarks/saved_tensors.py) stay below it and get every save it passes through.
 """
 from __future__ import annotations
 

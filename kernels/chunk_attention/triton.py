@@ -63,7 +63,7 @@ DKV_CONFIG_FP32 = (64, 64, 8, 1)
 ROWS_BLOCK, ROWS_WARPS = 32, 8  # rows per program and warps of the row-wise backward kernel
 # RAT's geometry (block ends + own pair, no window or sinks) can take dQ from the dK/dV kernel, as
 # float32 atomic adds of dS k, instead of recomputing P and dP in a dQ kernel (5 matmul passes in
-# the backward instead of 7). Off until timed on the H100 (python -m hf_hybrid.bench.tune).
+# the backward instead of 7). Off until timed on the H100 (python -m benchmarks.tune).
 ATOMIC_DQ = False
 
 

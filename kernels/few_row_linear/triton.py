@@ -17,7 +17,7 @@ import triton.language as tl
 from .._triton_dot import dot
 
 MAX_WEIGHTS = 6  # pointer slots of the kernel
-# H200 sweep (hf_hybrid/bench/few_row_sweep.py, docs/device_runs/few_row_sweep_s28_h200.json; CUDA-graph
+# H200 sweep (benchmarks/few_row_sweep.py, docs/device_runs/few_row_sweep_s28_h200.json; CUDA-graph
 # replays, bf16, 8 / 32 rows): RAT's five projections 8.9 / 11.1 us against cuBLAS's 25.8 / 26.1, q/k/v
 # 6.9 / 8.5 against 15.2 / 15.6, gate+up 10.0 / 11.9 against 13.3 / 13.7. A single weight gains
 # nothing (o_proj 5.5 against 5.1 us; down_proj 11.0 against cuBLAS's split-K 8.4): callers keep cuBLAS there.

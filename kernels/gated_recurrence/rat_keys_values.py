@@ -71,7 +71,7 @@ def _check(op, k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin) -> None
 
 # Both kernels unroll a chunk's L token steps in full. Up to 16 steps that is what was measured
 # (docs/benchmarks_rat.md); at L = 64 the backward's TritonGPU passes run for minutes (an H100
-# training run made no progress in 4.5 minutes; an sm_90 compile on CPU, hf_hybrid/bench/sm90.py,
+# training run made no progress in 4.5 minutes; an sm_90 compile on CPU, tests/kernels/sm90_resources.py,
 # was still in make_ttgir after 8), so longer chunks take the op-by-op Triton path instead.
 MAX_FUSED_CHUNK = 16
 

@@ -44,13 +44,13 @@ from .._backend import triton_interpreting
 
 # Chunk length and the P / N block of the state kernels (and the N loop of the chunk kernels).
 # H100 sweep at the SE hybrid's mixer shape (T = 32K, 64 heads x 64, N = 128, bf16;
-# `python3 -m hf_hybrid.bench.ssd_sweep`, docs/device_runs/ssd_sweep_h100.json): op forward +
+# `python -m benchmarks.ssd_sweep`, docs/device_runs/ssd_sweep_h100.json): op forward +
 # backward 11.8 ms with 64 / 32 against 15.5 ms with 64 / 64; chunks of 128 need more shared
 # memory than the H100 has with 64-wide blocks and were slower with 32 (15.3 ms).
 CHUNK = 64
 BLOCK_PN = 32
 # num_warps per kernel (states forward, output forward, dstates backward, chunk backward): one
-# place for hf_hybrid/bench/ssd_sweep.py to vary.
+# place for benchmarks/ssd_sweep.py to vary.
 WARPS = {"states": 4, "output": 4, "dstates": 4, "chunk_bwd": 4}
 # Dots whose operands hold 16-bit values exactly run on 16-bit tensor cores (twice TF32's rate
 # on Hopper; the same products, float32 accumulation); False: every dot in float32 / TF32.

@@ -25,6 +25,7 @@ from hf_hybrid.kernels.forgetting_attention import (
     forgetting_attention_reference,
 )
 from hf_hybrid.kernels.forgetting_attention import hopper, hopper_backward
+from sm90_check import LOAD_SM90_RESOURCES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gluon = pytest.mark.skipif(hopper.gluon is None, reason="this Triton has no Gluon")
@@ -120,7 +121,7 @@ def test_compiles_for_sm90(report, head_dim):
     # A process of its own without TRITON_INTERPRET: the interpreter (which conftest turns on
     # without CUDA) replaces Triton's own jit helpers, and Gluon's compiler cannot call those.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import json; from hf_hybrid.bench.sm90 import {report}; print(json.dumps({report}(({head_dim},))))"
+    code = LOAD_SM90_RESOURCES + f"import json; from sm90_resources import {report}; print(json.dumps({report}(({head_dim},))))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(done.stdout.strip().splitlines()[-1])
@@ -155,10 +156,10 @@ def test_dq_scaled_to_the_output_dtype_in_one_pass(dtype):
 
 
 def test_cache_scan_reads_only_wgmma_kernels_and_refuses_what_ptxas_cannot_read(tmp_path):
-    """``python -m hf_hybrid.bench.sm90 --scan-cache DIR``: kernels without wgmma are not assembled,
+    """``python -m benchmarks.sm90 --scan-cache DIR``: kernels without wgmma are not assembled,
     and a PTX that ptxas rejects raises instead of counting as "not serialised"."""
     pytest.importorskip("triton.backends.nvidia")
-    from hf_hybrid.bench.sm90 import serialised_wgmma_in_cache
+    from sm90_resources import serialised_wgmma_in_cache
 
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "k.ptx").write_text(".version 8.0\n.target sm_90a\n.address_size 64\n")
