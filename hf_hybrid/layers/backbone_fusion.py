@@ -22,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import os
 
 import torch
 
-_enabled = os.environ.get("HF_HYBRID_LIGER", "1").strip().lower() not in ("0", "false", "off", "no")
+from ..options import get as option
+
+_enabled = option("HF_HYBRID_LIGER")
 _allow_cpu = False
 # The norm and SwiGLU kernels are used from this many tokens per call: a decode step (a few tokens)
 # is launch-bound, and there Liger's Python-side launch costs more than the PyTorch ops. On the H100
@@ -40,7 +41,7 @@ _min_tokens = FUSED_MIN_TOKENS
 # per-head norm kernels apply there too). Measured on the H100 (B=8, 16K prompt, ms per token through
 # generate(), same run): RATTENTION 3.22 -> 2.04, FoX 5.96 -> 5.01, RAT+ D=16 3.55 -> 2.87. On by
 # default; HF_HYBRID_FUSED_DECODE=0 or set_backbone_fusion(..., fused_decode=False) switches it off.
-_fused_decode = os.environ.get("HF_HYBRID_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "off", "no")
+_fused_decode = option("HF_HYBRID_FUSED_DECODE")
 _static_decode_depth = 0
 
 

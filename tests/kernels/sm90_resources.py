@@ -21,7 +21,7 @@ def compile_for_sm90(fn, pointer_dtypes: dict, constexprs: dict, num_warps: int,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(fn, "jit_function", fn)  # a kernels._launch.launch_cached kernel: its JIT function
+    fn = getattr(fn, "jit_function", fn)  # a launch_cached kernel (hf_hybrid/_compat/triton_launch.py): its JIT function
     signature = {a: ("constexpr" if a in constexprs else pointer_dtypes.get(a, "i32")) for a in fn.arg_names}
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs),
