@@ -1,5 +1,6 @@
-"""sm_90 compiles without a GPU: registers, spills and shared memory of the shipped kernels, and a scan
-of a GPU run's Triton cache for wgmma that ptxas serialised.
+"""sm_90 compiles without a GPU: registers, spills and shared memory of the shipped kernels.
+
+It also scans a GPU run's Triton cache for wgmma that ptxas serialised.
 
     python -m benchmarks.sm90                      every kernel report of tests/kernels/sm90_resources.py
     python -m benchmarks.sm90 --rla [--json F]     the RATTENTION RLA kernels at the bench's variants

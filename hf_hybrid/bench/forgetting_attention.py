@@ -73,7 +73,7 @@ def _ops():
     return ops
 
 
-def _portable(forward: bool):
+def portable_kernels(forward: bool = True):
     """The portable kernels in place of the Hopper ones: the backward always, the forward too when
     asked (the Triton wrapper and the SDPA route both ask the forward's predicate)."""
     from hf_hybrid.kernels.forgetting_attention import sdpa as fa_sdpa
@@ -89,8 +89,8 @@ def _portable(forward: bool):
 
 # Rows timed with the Hopper kernels held off over the whole call, backward included.
 CONTEXTS = {
-    "ours_portable": lambda: _portable(forward=True),
-    "ours_portable_bwd": lambda: _portable(forward=False),
+    "ours_portable": lambda: portable_kernels(forward=True),
+    "ours_portable_bwd": lambda: portable_kernels(forward=False),
 }
 
 
