@@ -394,24 +394,6 @@ def test_prompt_goes_straight_into_the_static_buffers(name, monkeypatch):
     assert built == []
 
 
-def test_bare_decode_loop_runs_every_step_on_the_static_path():
-    """generation.benchmark.decode_loop_ms (the benchmark's floor and the decode profiler's loop):
-    prefill, three warm-up steps, then the measured steps, all through the static step."""
-    from hf_hybrid.generation.benchmark import decode_loop_ms
-
-    model = rat_model()
-    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    measured = []
-
-    def measure(fn):
-        fn()
-        measured.append(True)
-        return 0.004
-
-    assert decode_loop_ms(model, ids, 5, mode="eager", measure=measure) == pytest.approx(0.8)
-    assert measured == [True] and model._decode_graph_session is None
-
-
 FEW_ROW_MODELS = ("rat", "fox_pro", "rattention", "rat_plus_d4_w2_i2", "se_hybrid_full")
 
 

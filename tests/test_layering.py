@@ -26,6 +26,8 @@ LAYERS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
     ("foundation", {  # import no other layer (torch / transformers only)
         "architectures": ("hf_hybrid.architectures",),
         "compat": ("hf_hybrid.compat",),
+        "options": ("hf_hybrid.options",),
+        "library_patches": ("hf_hybrid._compat",),
         "checkout": ("hf_hybrid._checkout",),
         "data": ("hf_hybrid.data",),
         "sparse": ("hf_hybrid.sparse",),
@@ -46,8 +48,7 @@ LAYERS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
         "cli": ("hf_hybrid.cli",),
         "demo": ("hf_hybrid.demo",),
         "eval": ("hf_hybrid.eval",),
-        # generation/benchmark.py times generate() across architectures: a benchmark, whatever its folder.
-        "bench": ("hf_hybrid.bench", "hf_hybrid.generation.benchmark"),
+        "bench": ("hf_hybrid.bench",),
         "reproduce": ("hf_hybrid.reproduce",),
         "model_cards": ("hf_hybrid.model_cards",),
     }),

@@ -5,7 +5,7 @@ the raw q and k (kept by the norm and the RLA op), and o_proj's input (the sum o
 kept by o_proj) from the two branch outputs (kept by the norms' backward); the global layer rebuilds
 its QK-normed q and k (kept by the attention) from the raw ones (kept by the norm).
 hf_hybrid/layers/residual_linear_attention.py, layers/recompute.py. The saved bytes per token drop by
-exactly those tensors (hf_hybrid/bench/saved_tensors.py counts them) and every gradient is bit-equal
+exactly those tensors (benchmarks/saved_tensors.py counts them) and every gradient is bit-equal
 to the path that keeps them. Tiny shapes in Triton's interpreter on CPU; there the SWA runs through
 SDPA with its band mask (flex_attention has no CPU backward), which saves q~ and k~ as flex does.
 """
@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import hf_hybrid.layers.residual_linear_attention as rattention_module
-from hf_hybrid.bench.saved_tensors import saved_tensor_report
+from benchmark_modules import load
 from hf_hybrid.kernels._backend import triton_interpreting
+
+saved_tensor_report = load("saved_tensors").saved_tensor_report  # counts what a forward saves
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpreting()), reason="needs CUDA or TRITON_INTERPRET=1"

@@ -10,9 +10,8 @@ restricted to its cuDNN backend and to its flash backend with ``is_causal=True``
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
 ``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours": on Hopper its forward is
 the warp-specialised Gluon kernels, kernels/forgetting_attention/hopper.py and hopper_backward.py),
-on Hopper ours with the portable kernels ("ours_portable": HF_HYBRID_FOX_HOPPER=0 and
-HF_HYBRID_FOX_HOPPER_BWD=0) and ours with the Hopper forward but the portable backward
-("ours_portable_bwd": HF_HYBRID_FOX_HOPPER_BWD=0),
+on Hopper ours with the portable kernels ("ours_portable": the Hopper dispatch predicates held
+off) and ours with the Hopper forward but the portable backward ("ours_portable_bwd"),
 and ours on cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs
 without gradients in bf16 on GPUs other than Hopper). Ratios are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
@@ -26,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import sys
 from unittest import mock
@@ -75,10 +73,24 @@ def _ops():
     return ops
 
 
-# Rows timed with environment switches held over the whole call, backward included.
+def portable_kernels(forward: bool = True):
+    """The portable kernels in place of the Hopper ones: the backward always, the forward too when
+    asked (the Triton wrapper and the SDPA route both ask the forward's predicate)."""
+    from hf_hybrid.kernels.forgetting_attention import sdpa as fa_sdpa
+    from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(fa_triton, "hopper_backward_applies", lambda *args: False))
+    if forward:
+        for module in (fa_triton, fa_sdpa):
+            stack.enter_context(mock.patch.object(module, "hopper_forward_applies", lambda *args: False))
+    return stack
+
+
+# Rows timed with the Hopper kernels held off over the whole call, backward included.
 CONTEXTS = {
-    "ours_portable": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER="0", HF_HYBRID_FOX_HOPPER_BWD="0"),
-    "ours_portable_bwd": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER_BWD="0"),
+    "ours_portable": lambda: portable_kernels(forward=True),
+    "ours_portable_bwd": lambda: portable_kernels(forward=False),
 }
 
 

@@ -29,7 +29,7 @@ run 1 warm-up (compilation, autotuning) and one or two timed calls (a call is a 
 step or a whole generate(), itself an average over its tokens). A cold run is dominated by
 compiling and autotuning every model's Triton kernels (minutes for the first cells), so run it in pieces (``--only train``, ``--only prefill,decode B=8``,
 ``--only "decode B=32"``, and ``--variants "Llama,FoX"`` for chosen rows: each case's baseline
-always runs) where one command is time-limited; bench.json is rewritten after every case. ``HF_HYBRID_BENCH_BUDGET=<seconds>``
+always runs) where one command is time-limited; bench.json is rewritten after every case. ``--budget <seconds>``
 caps a run: each case gets a share of the budget and the variants past it are reported as skipped
 (see TimeBudget), so the JSON is always written. ``python -m hf_hybrid.bench.models A.json
 [B.json ...]`` turns bench.json files into the per-model Markdown summary (ratios against the
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -62,7 +61,7 @@ class SkipVariant(Exception):
 
 
 class TimeBudget:
-    """Optional wall-clock budget for the suite (``HF_HYBRID_BENCH_BUDGET`` seconds, e.g. to fit a
+    """Optional wall-clock budget for the suite (``hf-hybrid bench --budget`` seconds, e.g. to fit a
     time-limited GPU job): case i may run until its cumulative share of the budget is spent
     (unused time carries over); variants that would start later are reported as skipped.
     ``keep(names)`` (the harness's --only) shares the budget among the cases that will run."""
@@ -85,7 +84,7 @@ class TimeBudget:
                 now = time.perf_counter()
                 self.start = now if self.start is None else self.start
                 if now - self.start > self.ends.get(case_name, 1.0) * self.seconds:
-                    raise SkipVariant(f"time budget spent (HF_HYBRID_BENCH_BUDGET={self.seconds:g} s)")
+                    raise SkipVariant(f"time budget spent (--budget {self.seconds:g} s)")
             return builder()
         return build
 
@@ -351,15 +350,14 @@ def _variants(config: BenchConfig, make_builder, llama_static=None, unfused: boo
 
 def cases(config: BenchConfig) -> list[Case]:
     out = _cases(config)
-    budget = os.environ.get("HF_HYBRID_BENCH_BUDGET")
-    schedule = TimeBudget(float(budget) if budget else None, {c.name: CASE_SHARES.get(c.name.split(" ")[0], 1.0) for c in out})
+    schedule = TimeBudget(config.budget_s, {c.name: CASE_SHARES.get(c.name.split(" ")[0], 1.0) for c in out})
     for case in out:
         case.variants = {name: schedule.guard(case.name, builder) for name, builder in case.variants.items()}
         case.schedule = schedule
     return out
 
 
-CASE_SHARES = {"train": 0.2, "prefill": 0.12, "decode": 0.24}  # of HF_HYBRID_BENCH_BUDGET, per case
+CASE_SHARES = {"train": 0.2, "prefill": 0.12, "decode": 0.24}  # of --budget, per case
 
 
 def _cases(config: BenchConfig) -> list[Case]:

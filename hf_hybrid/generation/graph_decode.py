@@ -46,7 +46,7 @@ and the host bookkeeping this design keeps outside the graph).
 Around the graph, generate()'s stop check runs one step late on CUDA (deferred_stop.py), and a
 step of a shape that already ran in the process is captured at once (StaticDecodeStep.prewarmed).
 
-Timed by `python -m benchmarks.generation.benchmark` against transformers' Llama with a compiled
+Timed by `python -m benchmarks.generation` against transformers' Llama with a compiled
 static cache; current figures: docs/benchmarks/models.md.
 """
 from __future__ import annotations

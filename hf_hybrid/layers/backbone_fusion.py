@@ -22,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import os
 
 import torch
 
-_enabled = os.environ.get("HF_HYBRID_LIGER", "1").strip().lower() not in ("0", "false", "off", "no")
+from ..options import get as option
+
+_enabled = option("HF_HYBRID_LIGER")
 _allow_cpu = False
 # The norm and SwiGLU kernels are used from this many tokens per call: a decode step (a few tokens)
 # is launch-bound, and there Liger's Python-side launch costs more than the PyTorch ops (an eager
@@ -36,10 +37,10 @@ _min_tokens = FUSED_MIN_TOKENS
 # Inside generate()'s static decode step (hf_hybrid/generation: captured in a CUDA graph on the GPU)
 # there is no launch cost to amortise, only each kernel's own time: an RMSNorm as one kernel
 # instead of six saves ~25 kernels per FoX Pro layer per token (and layers/fused_norms.py's
-# per-head norm kernels apply there too; `python -m benchmarks.generation.benchmark --unfused-decode`
+# per-head norm kernels apply there too; `python -m benchmarks.generation --unfused-decode`
 # times it off). On by default; HF_HYBRID_FUSED_DECODE=0 or set_backbone_fusion(..., fused_decode=False)
 # switches it off.
-_fused_decode = os.environ.get("HF_HYBRID_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "off", "no")
+_fused_decode = option("HF_HYBRID_FUSED_DECODE")
 _static_decode_depth = 0
 
 

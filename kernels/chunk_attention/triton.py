@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .._common import leading_strides as _strides
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 
 LOG2E = 1.4426950408889634

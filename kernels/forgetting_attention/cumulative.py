@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 from .reference import row_boundaries
 
 BLOCK = 2048  # tokens per scan step

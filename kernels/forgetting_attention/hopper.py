@@ -36,8 +36,6 @@ takes the portable kernel.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
@@ -319,11 +317,10 @@ else:  # pragma: no cover
 
 def hopper_forward_applies(q: torch.Tensor, window_size) -> bool:
     """Whether the forward takes this path: a Hopper GPU, 16-bit inputs, head_dim 64 or 128,
-    causal without a window, Gluon available. ``HF_HYBRID_FOX_HOPPER=0`` keeps the portable kernel
-    (A/B runs); everything else takes it anyway."""
+    causal without a window, Gluon available; everything else takes the portable kernel."""
     if gluon is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[-1] not in HEAD_DIMS or os.environ.get("HF_HYBRID_FOX_HOPPER", "1") == "0":
+    if q.shape[-1] not in HEAD_DIMS:
         return False
     return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
 

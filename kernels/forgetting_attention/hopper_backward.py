@@ -34,8 +34,8 @@ dQ's summation order depends on the run (float atomics); ``torch.use_determinist
 keeps the portable two-kernel backward. Causal attention without a window only; 16-bit inputs,
 head_dim 64 or 128 (shared memory: 226 KB at 128).
 
-The default on sm_90 (``HF_HYBRID_FOX_HOPPER_BWD=0`` keeps the portable pair), being clearly
-faster than the portable pair (`python -m hf_hybrid.bench.forgetting_attention`; docs/benchmarks/fox.md).
+The default on sm_90 (deterministic algorithms keep the portable pair), being clearly faster than
+the portable pair (`python -m hf_hybrid.bench.forgetting_attention`; docs/benchmarks/fox.md).
 Registers decide its speed: with fewer than 240 per compute thread ptxas serialises the wgmma
 (``PARTITION_REGISTERS``), and with more live accumulators (the next block's S^T and dP^T issued
 early) it spills. Both sides of d log f add up the same bf16-rounded dS (the queries' row sums read
@@ -44,14 +44,13 @@ kernels; the GPU tests hold every gradient to 1e-2 of float64.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .._common import multiprocessors
-from .._launch import launch_cached
+from ..._compat.gluon_tma import tma_reduce_add
+from ..._compat.triton_launch import launch_cached
 from .hopper import HEAD_DIMS, _descriptor, gluon
 
 # The one-warp partitions' registers. setmaxnreg works per warpgroup, so the loader, the row-sum warp
@@ -63,7 +62,6 @@ PARTITION_REGISTERS = 24
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -82,17 +80,7 @@ if gluon is not None:
     LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
     _PARTITION_REGS: gl.constexpr = gl.constexpr(PARTITION_REGISTERS)
 
-    if hasattr(tma, "async_atomic_add"):  # Triton >= 3.7
-        _tma_reduce_add = tma.async_atomic_add
-    else:  # Triton 3.6 has the operation in its builder but no Python wrapper yet
-
-        @builtin
-        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-            from triton._C.libtriton import ir
-
-            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                      src.handle)
+    _tma_reduce_add = tma_reduce_add()  # None on a Triton without it: the portable backward runs
 
     @gluon.jit
     def _opaque_zero(x):
@@ -399,7 +387,7 @@ if gluon is not None:
                                       GROUP, HALF, BLOCK_Q)),
             ], [4, 1, 1], [240, _PARTITION_REGS, _PARTITION_REGS])
 else:  # pragma: no cover
-    _bwd_kernel = None
+    _bwd_kernel = _tma_reduce_add = None
 
 BLOCK_Q = 64  # queries per step
 KEYS = 128  # keys per program: two warpgroups of 64
@@ -427,11 +415,11 @@ def _scale_to_output(acc: torch.Tensor, scale: float, like: torch.Tensor) -> tor
 
 def hopper_backward_applies(q: torch.Tensor, window_size) -> bool:
     """Whether the backward takes this kernel: a Hopper GPU, 16-bit inputs, head_dim 64 or
-    128, causal without a window, Gluon available and deterministic algorithms off, and not switched
-    off with ``HF_HYBRID_FOX_HOPPER_BWD=0``; everything else takes the portable kernels."""
-    if gluon is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
+    128, causal without a window, Gluon available and deterministic algorithms off; everything else
+    takes the portable kernels."""
+    if gluon is None or _tma_reduce_add is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[-1] not in HEAD_DIMS or os.environ.get("HF_HYBRID_FOX_HOPPER_BWD") == "0":
+    if q.shape[-1] not in HEAD_DIMS:
         return False
     if torch.are_deterministic_algorithms_enabled():
         return False

@@ -18,7 +18,7 @@ Same function as ``reference.forgetting_attention_reference`` on the cumulative 
   (dropping them left a 3e-2 relative error in bf16 against the float32 reference).
 * Backward = dK/dV/dc kernel (one key block, loops over query blocks and over the query heads of
   its GQA group) + dQ kernel (one query block, loops over key blocks); no atomics, deterministic.
-  On Hopper (unless HF_HYBRID_FOX_HOPPER_BWD=0), one Gluon kernel does both with dQ added by
+  On Hopper (unless deterministic algorithms are on), one Gluon kernel does both with dQ added by
   TMA reduce-add (hopper_backward.py).
 * Key blocks are split into three phases per query block: window edge (masked), interior
   (no mask), diagonal (masked), so the hot loop carries no mask arithmetic.
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
 from .hopper import forward as hopper_forward
 from .hopper import hopper_forward_applies

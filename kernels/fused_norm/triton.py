@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 MAX_HEAD_DIM = 1024  # a [BLOCK_T, D] float32 tile per operand must fit in registers
 # Elements per operand tile: 8 tokens x 128 at 4 warps, the fastest of (tokens, warps) in

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 MAX_GROUP_SIZE = 8192  # one row of each operand must fit in registers
 # Forward rows per program: short groups share a program until the tile holds this many elements.

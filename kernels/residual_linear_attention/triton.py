@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
 
 FEATURE_IDS = {"softmax": 0, "relu": 1, "identity": 2}

@@ -48,7 +48,7 @@ from .._backend import triton_interpreting
 CHUNK = 64
 BLOCK_PN = 32
 # num_warps per kernel (states forward, output forward, dstates backward, chunk backward): one
-# place for hf_hybrid/bench/ssd_sweep.py to vary.
+# place for benchmarks/ssd_sweep.py to vary.
 WARPS = {"states": 4, "output": 4, "dstates": 4, "chunk_bwd": 4}
 # Dots whose operands hold 16-bit values exactly run on 16-bit tensor cores (twice TF32's rate
 # on Hopper; the same products, float32 accumulation); False: every dot in float32 / TF32.

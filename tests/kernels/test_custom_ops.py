@@ -226,3 +226,25 @@ def test_eager_calls_skip_the_dispatcher_and_match_the_registered_op():
     with FakeTensorMode() as mode:
         fake = fused_norm.branch_norm_sum_fwd(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args))
     assert fake.shape == direct.shape
+
+
+def test_other_torch_versions_keep_torchs_own_op():
+    """The eager fast path swaps the class of torch's private CustomOpDef: only checked versions
+    get it; elsewhere the op stays torch's object and every call goes through the dispatcher."""
+    from hf_hybrid._compat import torch_custom_ops
+
+    assert torch_custom_ops.torch_checked("2.11.0") and torch_custom_ops.torch_checked("2.13.0+cu128")
+    assert not torch_custom_ops.torch_checked("2.14.0") and not torch_custom_ops.torch_checked("2.10.1")
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    op = torch.library.custom_op("hf_hybrid_test::unchecked_torch_probe", mutates_args=())(body)
+    original = torch_custom_ops.torch_checked
+    torch_custom_ops.torch_checked = lambda version=None: False
+    try:
+        assert type(torch_custom_ops.with_eager_fast_path(op, 1)) is torch_custom_ops.CustomOpDef
+    finally:
+        torch_custom_ops.torch_checked = original
+    assert type(torch_custom_ops.with_eager_fast_path(op, 1)) is torch_custom_ops.EagerKernelOp
+    assert torch.equal(op(torch.ones(3)), torch.full((3,), 2.0))

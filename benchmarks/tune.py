@@ -1,6 +1,6 @@
 """Tile-size sweep for the chunk-attention and recurrence kernels on the current GPU.
 
-    python -m hf_hybrid.bench.tune [--seq 32768] [--batch 2]
+    python -m benchmarks.tune [--seq 32768] [--batch 2]
 
 Times each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, dQ and dK/dV
 kernels (dK/dV also with ATOMIC_DQ), BLOCK_N / warps of the recurrence and (columns, warps) of the
@@ -25,13 +25,13 @@ KV_BWD = [(16, 4), (16, 2), (32, 4), (8, 2), (8, 1), (32, 2)]  # (columns per pr
 
 
 def _time(fn) -> float:
-    from .timing import time_fn
+    from hf_hybrid.bench.timing import time_fn
 
     return time_fn(fn, torch.device("cuda"), warmup=2, repeat=10).median_ms
 
 
 def sweep_attention(batch, seq, heads, dim, block, window, sinks, log):
-    from ..kernels.chunk_attention import triton as attn
+    from hf_hybrid.kernels.chunk_attention import triton as attn
 
     q, k, v, dout = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     geo = attn._Geometry(False, seq // block, block, window, sinks, sinks // block)
@@ -78,7 +78,7 @@ def sweep_attention(batch, seq, heads, dim, block, window, sinks, log):
 
 
 def sweep_recurrence(batch, seq, heads, dim, log):
-    from ..kernels.gated_recurrence import triton as rec
+    from hf_hybrid.kernels.gated_recurrence import triton as rec
 
     x = torch.randn(batch, seq, heads * dim, device="cuda", dtype=torch.bfloat16)
     g = torch.rand(batch, seq, heads * dim, device="cuda")
@@ -96,9 +96,9 @@ def sweep_recurrence(batch, seq, heads, dim, log):
 
 def sweep_keys_values(batch, seq, log):
     """fwd+bwd of the fused keys/values (rat_keys_values) per backward (columns, warps)."""
-    from ..kernels.gated_recurrence import rat_keys_values
-    from ..kernels.gated_recurrence import rat_keys_values_triton as kv
-    from ..layers.rotary import RotaryEmbedding
+    from hf_hybrid.kernels.gated_recurrence import rat_keys_values
+    from hf_hybrid.kernels.gated_recurrence import rat_keys_values_triton as kv
+    from hf_hybrid.layers.rotary import RotaryEmbedding
 
     def leaf(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -122,7 +122,7 @@ def sweep_keys_values(batch, seq, log):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hf_hybrid.bench.tune")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tune")
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--out", default=None, help="write the timings as JSON here")

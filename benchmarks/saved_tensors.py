@@ -11,7 +11,7 @@ Saved bytes grow linearly in the tokens, so tiny CPU shapes (Triton's interprete
 ``TRITON_INTERPRET=1``, ``kernel_backend="triton"``: the same autograd Functions save the same
 tensors as on the GPU) give the per-token figure of the real shape, up to the per-head widths.
 
-    TRITON_INTERPRET=1 python -m hf_hybrid.bench.saved_tensors     RAT, RAT-SWA, RATTENTION, Llama, tiny shape
+    TRITON_INTERPRET=1 python -m benchmarks.saved_tensors     RAT, RAT-SWA, RATTENTION, Llama, tiny shape
 
 Activation recomputation (hf_hybrid/layers/recompute.py) stacks its own hooks above these: what
 it rebuilds in the backward is never handed to them, so it is not counted, as it is not kept.

@@ -1,7 +1,7 @@
 """Tile sweep of the few-row projection kernel (kernels/few_row_linear) against cuBLAS (F.linear per
 weight, what the modules run) at a decode step's shapes.
 
-    python -m hf_hybrid.bench.few_row_sweep --json sweep.json
+    python -m benchmarks.few_row_sweep --json sweep.json
 
 The 1.3B shape (hidden 2048, 16 heads x 128, SwiGLU 5632), bf16, M = 8 and 32 rows (the generate()
 benchmark's batches): RAT's five projections (q, k in 2 groups of 128, v, gate logits, z), a
@@ -35,7 +35,7 @@ CONFIGS = list(itertools.product((16, 32), (64, 128, 256), (2, 4), (3, 5)))  # (
 
 
 def set_config(block_n: int, block_k: int, warps: int, stages: int) -> None:
-    from ..kernels.few_row_linear import triton as kernel
+    from hf_hybrid.kernels.few_row_linear import triton as kernel
 
     kernel.BLOCK_N, kernel.BLOCK_K, kernel.WARPS, kernel.STAGES = block_n, block_k, warps, stages
 
@@ -43,8 +43,8 @@ def set_config(block_n: int, block_k: int, warps: int, stages: int) -> None:
 def sweep() -> dict:
     import triton.testing
 
-    from ..kernels.few_row_linear import few_row_linear
-    from ..kernels.few_row_linear import triton as kernel
+    from hf_hybrid.kernels.few_row_linear import few_row_linear
+    from hf_hybrid.kernels.few_row_linear import triton as kernel
 
     shipped = (kernel.BLOCK_N, kernel.BLOCK_K, kernel.WARPS, kernel.STAGES)
     rows_out = []

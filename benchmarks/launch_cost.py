@@ -1,9 +1,9 @@
 """Host time spent launching Triton kernels in a training step, per kernel (the device held by a
 sleep kernel, so no launch waits for the GPU):
 
-    python -m hf_hybrid.bench.launch_cost rat,rattention,fox --seq 8192
+    python -m benchmarks.launch_cost rat,rattention,fox --seq 8192
 
-Times every call of Triton's ``JITFunction.run`` and of kernels/_launch.py's cached launch (the
+Times every call of Triton's ``JITFunction.run`` and of hf_hybrid/_compat/triton_launch.py's cached launch (the
 outermost of the two when one calls the other), grouped by kernel name. Models as train_gaps builds
 them. Set ``HF_HYBRID_TRITON_FAST_LAUNCH=0`` to see Triton's own launch path for every kernel.
 """
@@ -62,7 +62,7 @@ def timed_methods(times: LaunchTimes, targets):
 def _triton_targets():
     from triton.runtime.jit import JITFunction
 
-    from ..kernels._launch import CachedLaunchKernel
+    from hf_hybrid._compat.triton_launch import CachedLaunchKernel
 
     return [(JITFunction, "run", lambda fn: fn.fn.__name__),
             (CachedLaunchKernel, "launch", lambda k: k.jit_function.fn.__name__)]

@@ -1,12 +1,12 @@
 """ms per new token of model.generate(): our architectures (CUDA-graph decode step and eager) vs
 transformers' LlamaForCausalLM with a static cache (which generate() compiles automatically).
 
-    python -m hf_hybrid.generation.benchmark --batch 32 --prompt 2048
-    python -m hf_hybrid.generation.benchmark --batch 8 --prompt 16384 --models llama,llama_projections,rat
+    python -m benchmarks.generation --batch 32 --prompt 2048
+    python -m benchmarks.generation --batch 8 --prompt 16384 --models llama,llama_projections,rat
 
 The Llama baseline gets every backbone optimisation our models get: ``llama_projections`` is the
 same Llama with its decode step's projections through our few-row projection kernel, as our models'
-are (generation/llama_projections.py); the ratio column is against the faster of the two.
+are (benchmarks/llama_projections.py); the ratio column is against the faster of the two.
 
 Every model has the same shape: 8 layers of the 1.3B configuration (hidden 2048, 16 heads x 128,
 intermediate 5632, vocab 32000), random weights, bf16, greedy decoding without EOS. A model's ms
@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from ..compat import CACHE_NAME, cache_of
-from ..layers.backbone_fusion import backbone_fusion_settings
-from .deferred_stop import deferred_for_every_generation
+from hf_hybrid.layers.backbone_fusion import backbone_fusion_settings
+from hf_hybrid.compat import CACHE_NAME, cache_of
+from hf_hybrid.generation.deferred_stop import deferred_for_every_generation
 
 SHAPE = dict(
     hidden_size=2048, num_attention_heads=16, head_dim=128, intermediate_size=5632, vocab_size=32000,
@@ -97,7 +97,7 @@ def ms_per_token(model, ids: torch.Tensor, warmup: int, new: int, repeats: int, 
     best of ``repeats`` runs after a warm-up generate() of ``warmup`` tokens."""
     from transformers import LogitsProcessorList
 
-    from ..bench.models import TokenClock
+    from hf_hybrid.bench.models import TokenClock
 
     mask = torch.ones_like(ids)
     cache = generate_kwargs.pop("static_cache", None)
@@ -125,7 +125,7 @@ def decode_loop_ms(model, ids: torch.Tensor, steps: int, mode: str = "graph", me
     preparation, logits processing, a stop check that syncs) comes on top of it. ``measure(fn)``
     (default: the host clock around fn with synchronisation) returns seconds; the profiler passes
     its own to see the steps' kernels."""
-    from .graph_decode import DecodeGraphSession
+    from hf_hybrid.generation.graph_decode import DecodeGraphSession
 
     session = DecodeGraphSession(model, mode)
     session.max_length = ids.shape[1] + steps + 8

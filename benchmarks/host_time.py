@@ -1,7 +1,7 @@
 """Where a training step's host time goes, measured with the device out of the way.
 
-    python -m hf_hybrid.bench.host_time rat --seq 8192
-    python -m hf_hybrid.bench.host_time llama_liger --seq 8192
+    python -m benchmarks.host_time rat --seq 8192
+    python -m benchmarks.host_time llama_liger --seq 8192
 
 Before each timed step the GPU is given a long sleep kernel, so the host never waits for a kernel
 to finish: the forward's and the backward's wall times are then the host's own cost of issuing the

@@ -1,7 +1,7 @@
 """Tile sweep of RAT's one-kernel decode step (kernels/chunk_attention/rat_decode_triton.py) at
 generate()'s shapes.
 
-    python -m hf_hybrid.bench.rat_decode_sweep --json sweep.json
+    python -m benchmarks.rat_decode_sweep --json sweep.json
 
 One layer's step (16 heads x 128, q/k in 2 groups, chunk size 16, bf16; buffers as generate()
 preallocates them, 64 tokens past the prompt), for each (BLOCK_N, warps, programs per SM) of the
@@ -41,7 +41,7 @@ def step_inputs(batch: int, prompt: int):
 
 
 def set_config(block: int, warps: int, per_sm: int | None) -> None:
-    from ..kernels.chunk_attention import rat_decode_triton
+    from hf_hybrid.kernels.chunk_attention import rat_decode_triton
 
     rat_decode_triton.BLOCK_N, rat_decode_triton.WARPS, rat_decode_triton.PROGRAMS_PER_SM = block, warps, per_sm
 
@@ -54,7 +54,7 @@ def _fresh(inputs: dict) -> dict:
 def sweep() -> dict:
     import triton.testing
 
-    from ..kernels.chunk_attention import rat_decode_triton
+    from hf_hybrid.kernels.chunk_attention import rat_decode_triton
 
     shipped = (rat_decode_triton.BLOCK_N, rat_decode_triton.WARPS, rat_decode_triton.PROGRAMS_PER_SM)
     step = rat_decode_triton.rat_decode_step_triton

@@ -6,10 +6,10 @@ compilation, autotuning), replays the trace to find the moment of the peak, and 
 alive then by the innermost Python frame of this package, transformers, Liger or PyTorch's nn code
 that allocated them (blocks allocated by autograd's C++ backward carry no Python frame).
 
-    python3 -m hf_hybrid.bench.peak_memory rat --seq 32768
-    python3 -m hf_hybrid.bench.peak_memory rat --seq 32768 --rows 40 --json peak.json
+    python -m benchmarks.peak_memory rat --seq 32768
+    python -m benchmarks.peak_memory rat --seq 32768 --rows 40 --json peak.json
 
-Models: those of hf_hybrid.generation.benchmark (8 layers of the 1.3B shape, bf16, random weights).
+Models: those of benchmarks.generation (8 layers of the 1.3B shape, bf16, random weights).
 Memory allocated before the recorded step (weights, the allocator's cached gradients are dropped
 between steps) is reported as one line. CUDA only.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation.benchmark import MODELS, build_model
+from .generation import MODELS, build_model
 
 _OWN_CODE = ("hf_hybrid", "kernels", "transformers", "liger_kernel", "torch/nn/")
 

@@ -1,5 +1,5 @@
-"""The tile sweeps' choice of configuration (hf_hybrid/bench/sweeps.py)."""
-from hf_hybrid.bench.sweeps import lowest_total
+"""The tile sweeps' choice of configuration (benchmarks/sweeps.py)."""
+from benchmarks.sweeps import lowest_total
 
 
 def test_lowest_total_over_complete_configs_within_the_error_bound():

@@ -1,6 +1,6 @@
 """Tile sweep of FoX's split-K decode kernel against the SDPA decode it replaced, at generate()'s shapes.
 
-    python -m hf_hybrid.bench.split_decode_sweep --json sweep.json [--generate]
+    python -m benchmarks.split_decode_sweep --json sweep.json [--generate]
 
 One decode step of one layer (16 heads x 128, bf16, a buffer 64 columns longer than the filled part,
 as generate() leaves it): the SDPA path (the cached K/V as stored, bias c_q - c_k rounded to bf16,
@@ -8,7 +8,7 @@ the static decode step before the kernel) and the Triton kernel for each (tile, 
 SM). Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), so launch overhead counts as
 it does inside generate()'s graphed step. ``--generate`` then sets the configuration with the lowest
 summed time over the shapes (bf16 error <= 1e-2 against float32) and runs
-hf_hybrid.generation.benchmark for Llama (static cache), FoX and RAT
+benchmarks.generation for Llama (static cache), FoX and RAT
 at both shapes in this process.
 """
 from __future__ import annotations
@@ -52,8 +52,8 @@ def step_inputs(batch: int, filled: int, heads: int = 16, dim: int = 128):
 
 
 def set_config(block: int, warps: int, per_sm: int) -> None:
-    from ..kernels import _split_decode
-    from ..kernels.forgetting_attention import decode_triton
+    from hf_hybrid.kernels import _split_decode
+    from hf_hybrid.kernels.forgetting_attention import decode_triton
 
     decode_triton.BLOCK_N, decode_triton.WARPS, _split_decode.PROGRAMS_PER_SM = block, warps, per_sm
 
@@ -61,7 +61,7 @@ def set_config(block: int, warps: int, per_sm: int) -> None:
 def sweep() -> dict:
     import triton.testing
 
-    from ..kernels.forgetting_attention import decode_triton, forgetting_attention_decode_reference
+    from hf_hybrid.kernels.forgetting_attention import decode_triton, forgetting_attention_decode_reference
 
     rows = []
     for batch, filled in SHAPES:
@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     result = sweep()
     print("best (BLOCK_N, warps, programs per SM):", result["best"], flush=True)
     if args.generate:
-        from ..generation.benchmark import main as generate_benchmark
+        from .generation import main as generate_benchmark
 
         set_config(*result["best"])
         result["generate"] = []

@@ -2,7 +2,7 @@
 sdpa_ends.MIN_ENDS chunk ends on) against the Triton kernels, through the public op
 (bf16, 2 q groups, 16 heads of 128, with the output gate; L = 1 is RAT+'s dense training):
 
-    python3 -m hf_hybrid.bench.rat_ends_ab --out rat_ends_ab.json
+    python -m benchmarks.rat_ends_ab --out rat_ends_ab.json
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ CASES = ((16384, 16), (32768, 16), (65536, 16), (16384, 1))
 def measure(seq: int, chunk: int) -> dict:
     from triton.testing import do_bench
 
-    from ..kernels.chunk_attention import block_end_attention
+    from hf_hybrid.kernels.chunk_attention import block_end_attention
 
     torch.manual_seed(0)
     groups = 2 if chunk > 1 else 16

@@ -2,10 +2,10 @@
 trace, each gap charged to the Python frame that launched the kernel after it when that launch came
 after the previous kernel had ended (the host was late), else counted as a device-side gap.
 
-    python -m hf_hybrid.bench.train_gaps rat --seq 8192
-    python -m hf_hybrid.bench.train_gaps llama_liger --seq 8192
+    python -m benchmarks.train_gaps rat --seq 8192
+    python -m benchmarks.train_gaps llama_liger --seq 8192
 
-Models as hf_hybrid/generation/benchmark.py builds them (8 layers of the 1.3B shape, bf16);
+Models as benchmarks/generation.py builds them (8 layers of the 1.3B shape, bf16);
 ``llama_liger`` is transformers' Llama with Liger's kernels, the training baseline. The profiler
 (with Python stacks) slows the host, so the gaps are larger than in an unprofiled step: compare
 models with each other, not with wall times. Launches are matched through the runtime and driver
@@ -26,7 +26,7 @@ _PROJECT_FRAMES = ("hf_hybrid", "kernels/", "liger", "transformers")
 
 
 def _build(name: str, seq: int, device: torch.device):
-    from ..generation.benchmark import build_model
+    from .generation import build_model
 
     if name == "llama_liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama

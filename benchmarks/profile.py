@@ -1,17 +1,17 @@
 """Kernel-time tables (torch.profiler, CUDA activity) of one whole-model call, to see where a
 training step or a decode step spends its GPU time.
 
-    python3 -m hf_hybrid.bench.profile train se_hybrid --seq 32768
-    python3 -m hf_hybrid.bench.profile prefill rat_plus_d16 --seq 32768
-    python3 -m hf_hybrid.bench.profile decode rat_plus_d16 --batch 8 --prompt 16384
+    python -m benchmarks.profile train se_hybrid --seq 32768
+    python -m benchmarks.profile prefill rat_plus_d16 --seq 32768
+    python -m benchmarks.profile decode rat_plus_d16 --batch 8 --prompt 16384
 
-Models: those of hf_hybrid.generation.benchmark (8 layers of the 1.3B shape, bf16, random weights).
+Models: those of benchmarks.generation (8 layers of the 1.3B shape, bf16, random weights).
 ``train``: one ``model(ids, labels=ids).loss.backward()`` at B=1 after two warm-up steps.
 ``prefill``: one no-grad ``model(ids, logits_to_keep=1)`` at B=1 with the model's cache (the
 models suite's prefill cell) after two warm-up calls.
 ``decode``: the static decode step run without a CUDA graph (mode ``"eager"``), so its kernels
 show one by one, over ``--steps`` greedy tokens after the prefill and three warm-up steps
-(generation.benchmark.decode_loop_ms; the prefill is not in the table).
+(benchmarks.generation.decode_loop_ms; the prefill is not in the table).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..generation.benchmark import LLAMA_MODELS, MODELS, build_model, decode_loop_ms
+from .generation import LLAMA_MODELS, MODELS, build_model, decode_loop_ms
 
 
 def profiled(fn) -> profile:

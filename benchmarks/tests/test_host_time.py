@@ -1,8 +1,8 @@
-"""hf_hybrid/bench/host_time.py's charging of sampled stacks (the GPU measurement itself runs on the GPU only)."""
+"""benchmarks/host_time.py's charging of sampled stacks (the GPU measurement itself runs on the GPU only)."""
 import threading
 import time
 
-from hf_hybrid.bench import host_time
+from benchmarks import host_time
 
 
 def test_a_sample_is_charged_to_the_innermost_project_frame_with_its_leaf_kind():
@@ -43,8 +43,8 @@ def test_one_charge_per_tick_skips_idle_and_foreign_threads():
 
 
 def test_launch_cost_counts_the_outermost_of_nested_timed_calls():
-    """hf_hybrid/bench/launch_cost.py: a cached launch that falls back to Triton's run is one launch."""
-    from hf_hybrid.bench.launch_cost import LaunchTimes, timed_methods
+    """benchmarks/launch_cost.py: a cached launch that falls back to Triton's run is one launch."""
+    from benchmarks.launch_cost import LaunchTimes, timed_methods
 
     class Jit:
         def run(self):

@@ -1,9 +1,9 @@
 """How far a model's ratio to Llama can go: each model timed as is and with its token mixer at zero
 cost, in one process against transformers' Llama (as is and with Liger's kernels, which our models'
-backbone uses; the compiled static cache for generate()), at the models suite's shape (bench/models.py).
+backbone uses; the compiled static cache for generate()), at the models suite's shape (hf_hybrid/bench/models.py).
 
-    python -m hf_hybrid.bench.ceilings --cells train8k,train32k,prefill32k
-    python -m hf_hybrid.bench.ceilings --cells decode16k,decode2k
+    python -m benchmarks.ceilings --cells train8k,train32k,prefill32k
+    python -m benchmarks.ceilings --cells decode16k,decode2k
 
 A stand-in replaces the mixer's operators and keeps everything else of the model: its projections
 (their forward and backward GEMMs), o_proj, the MLPs, norms, embeddings and loss, and every layer it
@@ -32,10 +32,10 @@ import math
 import torch
 from torch.nn import functional as F
 
-from ..layers import forgetting_attention as fox_layer
-from ..layers import rat_attention as rat_layer
-from ..layers import residual_linear_attention as rattention_layer
-from ..layers.projections import project_shared_input
+from hf_hybrid.layers import forgetting_attention as fox_layer
+from hf_hybrid.layers import rat_attention as rat_layer
+from hf_hybrid.layers import residual_linear_attention as rattention_layer
+from hf_hybrid.layers.projections import project_shared_input
 
 
 class _FreeMixer(torch.autograd.Function):
@@ -118,7 +118,7 @@ FORWARD_ROWS = [
     ("FoX (llama)", "FoX (llama)", None), ("FoX (llama), cuDNN attention", "FoX (llama)", "cuDNN attention"),
     ("FoX (pro)", "FoX (pro)", None), ("FoX (pro), cuDNN attention", "FoX (pro)", "cuDNN attention"),
 ]
-# (row, generation/benchmark.py model name, stand-in)
+# (row, benchmarks/generation.py model name, stand-in)
 DECODE_ROWS = [
     ("Llama static", "llama", None),
     ("RAT", "rat", None), ("RAT, free decode mixer", "rat", "free decode mixer"), ("RAT+ D=16", "rat_plus_d16", None),
@@ -129,8 +129,8 @@ CELLS = {"train8k": ("train", 8192), "train32k": ("train", 32768), "prefill32k":
 
 
 def _forward_row(kind: str, seq: int, arch_name: str, stand: str | None, config, warmup: int, repeat: int) -> dict:
-    from .models import architectures, build_llama, build_ours, prefill_builder, train_step_builder
-    from .timing import time_fn
+    from hf_hybrid.bench.models import architectures, build_llama, build_ours, prefill_builder, train_step_builder
+    from hf_hybrid.bench.timing import time_fn
 
     if arch_name.startswith("Llama"):
         make = lambda: build_llama(config, liger=arch_name == "Llama + Liger")  # noqa: E731
@@ -147,7 +147,7 @@ def _forward_row(kind: str, seq: int, arch_name: str, stand: str | None, config,
 def _decode_row(shape, model_name: str, stand: str | None, device: torch.device) -> dict:
     from transformers import StaticCache
 
-    from ..generation.benchmark import build_model, ms_per_token
+    from .generation import build_model, ms_per_token
 
     batch, prompt, new = shape
     model = build_model(model_name, device, torch.bfloat16, prompt + new + 16)
@@ -168,10 +168,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeat", type=int, default=6)
     parser.add_argument("--json", default=None, help="append the rows to this JSON-lines file")
     args = parser.parse_args(argv)
-    from .cases import BenchConfig
+    from hf_hybrid.bench.cases import BenchConfig
 
     if not torch.cuda.is_available():
-        raise SystemExit("hf_hybrid.bench.ceilings: needs a CUDA device (the stand-ins are timed against Llama on it).")
+        raise SystemExit("benchmarks.ceilings: needs a CUDA device (the stand-ins are timed against Llama on it).")
     device = torch.device("cuda")
     config = BenchConfig(device=device)
     wanted = None if args.rows is None else set(args.rows.split(";"))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers.models.llama import modeling_llama
 
-from ..layers.projections import project_few_rows
+from hf_hybrid.layers.projections import project_few_rows
 
 # LlamaAttention.forward's body in transformers 5.17 (whitespace and comments do not count). 5.24
 # renames the cache argument to `cache` and passes `kwargs=kwargs` to its update: the placeholders.
@@ -86,7 +86,7 @@ def _unsupported(cls: type, what: str) -> RuntimeError:
 
     return RuntimeError(
         f"apply_few_row_projections_to_llama: transformers {transformers.__version__}'s {cls.__name__}.forward "
-        f"{what}; the replacement in hf_hybrid/generation/llama_projections.py follows transformers 5.17 to 5.24. "
+        f"{what}; the replacement in benchmarks/llama_projections.py follows transformers 5.17 to 5.24. "
         "Update it to the installed forward before timing a Llama baseline with it."
     )
 

@@ -1,11 +1,11 @@
-"""hf_hybrid.bench.ceilings: each stand-in replaces only its mixer (the real operators are never
+"""benchmarks.ceilings: each stand-in replaces only its mixer (the real operators are never
 called), keeps the projections in the backward, and is undone after its block."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_hybrid.bench import ceilings
+from benchmarks import ceilings
 from hf_hybrid.bench.cases import BenchConfig
 from hf_hybrid.bench.models import architectures, build_ours
 from hf_hybrid.layers import forgetting_attention as fox_layer

@@ -2,7 +2,7 @@
 block and num_warps per kernel, timed on the op's forward + backward at one shape, each
 configuration checked against the shipped one.
 
-    python3 -m hf_hybrid.bench.ssd_sweep --seq 32768 --heads 64 --json ssd_sweep.json
+    python -m benchmarks.ssd_sweep --seq 32768 --heads 64 --json ssd_sweep.json
 
 Shape: the SE hybrid's Mamba-2 mixer at hidden 2048 (64 heads x 64, d_state 128, one group), bf16.
 """
@@ -17,7 +17,7 @@ import torch
 from hf_hybrid.kernels.ssd_scan import ssd_scan
 from hf_hybrid.kernels.ssd_scan import triton as ssd_triton
 
-from .timing import time_fn
+from hf_hybrid.bench.timing import time_fn
 
 
 def _inputs(seq: int, heads: int, head_dim: int, state: int):

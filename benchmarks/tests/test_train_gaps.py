@@ -1,6 +1,6 @@
-"""hf_hybrid/bench/train_gaps.py's accounting on a hand-made trace: device-side gaps, host-late gaps
+"""benchmarks/train_gaps.py's accounting on a hand-made trace: device-side gaps, host-late gaps
 charged to the innermost project frame around the launch (runtime and driver launches)."""
-from hf_hybrid.bench.train_gaps import gap_report
+from benchmarks.train_gaps import gap_report
 
 
 def _kernel(ts, dur, corr):

@@ -2,7 +2,9 @@
 
 Triton ships ptxas and cuobjdump, so a kernel can be compiled ahead of time on any machine:
 registers per thread, local-memory stack (register spills) and shared memory per block tell
-whether a tile choice fits before any device time is spent on it.
+whether a tile choice fits before any device time is spent on it. The kernel tests check the
+shipped configurations with it (sm90_check.py); ``python -m benchmarks.sm90`` prints the reports
+and scans a GPU run's Triton cache.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def compile_for_sm90(fn, pointer_dtypes: dict, constexprs: dict, num_warps: int,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(fn, "jit_function", fn)  # a kernels._launch.launch_cached kernel: its JIT function
+    fn = getattr(fn, "jit_function", fn)  # a launch_cached kernel (hf_hybrid/_compat/triton_launch.py): its JIT function
     signature = {a: ("constexpr" if a in constexprs else pointer_dtypes.get(a, "i32")) for a in fn.arg_names}
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs),
@@ -102,7 +104,7 @@ def _compile_rows(kernels: dict) -> list[dict]:
 def rat_keys_values_report(warps=(2, 4, 8, 16)) -> list[dict]:
     """The fused RAT keys/values kernels at the RAT(L=16) layer shape (bf16, 16 heads x 128, 2 key
     groups; the forward with FWD_HEADS heads per program, the backward with all 16) for each warp count."""
-    from ..kernels.gated_recurrence import rat_keys_values_triton as kv
+    from hf_hybrid.kernels.gated_recurrence import rat_keys_values_triton as kv
 
     bf, f32 = "*bf16", "*fp32"
     inputs = dict(K=bf, V=bf, LOGIT=bf, BIAS=bf, COS=f32, SIN=f32)
@@ -126,7 +128,7 @@ def rat_keys_values_report(warps=(2, 4, 8, 16)) -> list[dict]:
 
 def fused_norm_report() -> list[dict]:
     """The fused norm kernels at RATTENTION's shape (bf16, head_dim 128) with the shipped tiles."""
-    from ..kernels.fused_norm import triton as fn
+    from hf_hybrid.kernels.fused_norm import triton as fn
 
     bf, f32 = "*bf16", "*fp32"
     block_t = fn.TILE_ELEMENTS // 128
@@ -156,8 +158,8 @@ def fused_norm_report() -> list[dict]:
 def rat_decode_report() -> list[dict]:
     """The split-K decode kernels at the RAT(L=16) layer shape (bf16, 16 heads x 128, 2 q/k groups) with
     the shipped warp count: the one-kernel RAT step, the chunk-end decode and the pass that merges splits."""
-    from ..kernels import _split_decode
-    from ..kernels.chunk_attention import decode, rat_decode_triton as rd
+    from hf_hybrid.kernels import _split_decode
+    from hf_hybrid.kernels.chunk_attention import decode, rat_decode_triton as rd
 
     bf, f32 = "*bf16", "*fp32"
     partials = dict(M_OUT=f32, L_OUT=f32, ACC_OUT=f32)
@@ -179,7 +181,7 @@ def rat_decode_report() -> list[dict]:
 def rat_plus_decode_report() -> list[dict]:
     """RAT+'s two decode-step kernels at the 1.3B shape (bf16, 16 query heads x 128, 16 kv heads,
     a dilated store with sinks) with the shipped warp counts."""
-    from ..kernels.chunk_attention import rat_plus_decode_triton as rp
+    from hf_hybrid.kernels.chunk_attention import rat_plus_decode_triton as rp
 
     bf, f32, i64 = "*bf16", "*fp32", "*i64"
     kernels = {
@@ -196,7 +198,7 @@ def rat_plus_decode_report() -> list[dict]:
 
 def fox_decode_report() -> list[dict]:
     """FoX's split-K decode kernel at the benchmark's shape (bf16, 16 heads x 128) with the shipped tile."""
-    from ..kernels.forgetting_attention import decode_triton as fd
+    from hf_hybrid.kernels.forgetting_attention import decode_triton as fd
 
     bf, f32 = "*bf16", "*fp32"
     types = dict(Q=bf, K=bf, V=bf, CQ=f32, CK=f32, LEN="*i64", MASK="*u8", M_OUT=f32, L_OUT=f32, ACC_OUT=f32, O=bf,
@@ -212,7 +214,7 @@ def fox_decode_report() -> list[dict]:
 
 def output_gate_report() -> list[dict]:
     """The sigmoid output gate's forward and backward (bf16)."""
-    from ..kernels.output_gate import triton as og
+    from hf_hybrid.kernels.output_gate import triton as og
 
     bf = "*bf16"
     kernels = {"_fwd_kernel": dict(Z=bf, Y=bf, O=bf), "_bwd_kernel": dict(Z=bf, Y=bf, DO=bf, DZ=bf, DY=bf)}
@@ -229,7 +231,7 @@ def output_gate_report() -> list[dict]:
 
 def kv_shift_report() -> list[dict]:
     """FoX's KV-shift, forward and backward (bf16, head_dim 128, previous token given)."""
-    from ..kernels.kv_shift import triton as ks
+    from hf_hybrid.kernels.kv_shift import triton as ks
 
     bf = "*bf16"
     constexprs = dict(BLOCK_T=ks.BLOCK_T, BLOCK_D=128, HAS_PREV=True)
@@ -244,7 +246,7 @@ def fox_hopper_report(head_dims=(64, 128)) -> list[dict]:
     tiles, stages and register budget (bf16, 16 heads, GQA off)."""
     import torch
 
-    from ..kernels.forgetting_attention import hopper
+    from hf_hybrid.kernels.forgetting_attention import hopper
 
     rows = []
     for d in head_dims:
@@ -268,7 +270,7 @@ def fox_hopper_backward_report(head_dims=(64, 128)) -> list[dict]:
     shipped tiles, stages and register budget (bf16, 16 heads, GQA off)."""
     import torch
 
-    from ..kernels.forgetting_attention import hopper, hopper_backward
+    from hf_hybrid.kernels.forgetting_attention import hopper, hopper_backward
 
     rows = []
     for d in head_dims:
@@ -306,14 +308,3 @@ def serialised_wgmma_in_cache(cache_dir: str) -> dict[str, bool]:
             found[os.path.relpath(path, cache_dir)] = _wgmma_serialized(ptx)
     return found
 
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) == 3 and sys.argv[1] == "--scan-cache":  # python -m hf_hybrid.bench.sm90 --scan-cache DIR
-        for name, serialised in serialised_wgmma_in_cache(sys.argv[2]).items():
-            print(f"{'SERIALISED' if serialised else 'ok':10} {name}")
-        raise SystemExit(0)
-    for row in (rat_keys_values_report() + fused_norm_report() + rat_decode_report() + fox_decode_report() + output_gate_report()
-                + kv_shift_report() + fox_hopper_report() + fox_hopper_backward_report()):
-        print(row)

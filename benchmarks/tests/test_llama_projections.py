@@ -1,4 +1,4 @@
-"""hf_hybrid/generation/llama_projections.py: transformers' Llama with its projections through
+"""benchmarks/llama_projections.py: transformers' Llama with its projections through
 project_few_rows (the generate() benchmark's ``llama_projections`` baseline), on the CPU: the
 few-row kernel in Triton's interpreter (float32), compared with the unpatched model."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
-from hf_hybrid.generation import llama_projections
-from hf_hybrid.generation.llama_projections import apply_few_row_projections_to_llama
+from benchmarks import llama_projections
+from benchmarks.llama_projections import apply_few_row_projections_to_llama
 from hf_hybrid.kernels._backend import triton_interpreting
 from hf_hybrid.layers import projections
 from hf_hybrid.compat import CACHE_NAME

@@ -1,6 +1,12 @@
 """Triton launches without Triton's per-call Python: the compiled kernel is looked up by a key of
 the arguments' specialisation and started through its own C launcher.
 
+Patch of Triton's behaviour (DESIGN.md, "Patches of other libraries"): it reads Triton internals
+(``CompiledKernel.run``'s argument order, ``function`` / ``packed_metadata``, the launch hooks in
+``triton.knobs``, ``JITFunction.params`` and ``device_caches``). Checked against Triton
+TRITON_VERSIONS (on the H100 / H200 with Triton 3.6); on any other version :func:`launch_cached`
+returns the JIT function unchanged, so every launch takes Triton's own path.
+
 Why: ``kernel[grid](...)`` binds and specialises every argument, builds a cache key string, checks
 the kernel's globals, builds launch metadata and calls empty launch hooks, all in Python, on every
 call: several times what the compiled kernel's own launcher takes, and enough to make a training
@@ -21,15 +27,17 @@ still hold the same values (kernels here read module constants only).
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..options import get as option
+from . import within
 
 try:
     from triton import knobs  # Triton >= 3.4: launch hooks and debug mode live here
 except ImportError:  # pragma: no cover - older Triton: every launch takes Triton's path
     knobs = None
 
+TRITON_VERSIONS = ((3, 4), (3, 6))  # first and last (major, minor) checked, inclusive
 MAX_KEYS = 256  # per kernel: past this, calls of new keys take Triton's path without being kept
 
 _SIMPLE = (bool, str, type(None), torch.dtype)
@@ -53,7 +61,16 @@ def _arg_key(arg):
 
 
 def _enabled() -> bool:
-    return os.environ.get("HF_HYBRID_TRITON_FAST_LAUNCH", "1") != "0"
+    return option("HF_HYBRID_TRITON_FAST_LAUNCH")
+
+
+def triton_checked(version: str | None = None) -> bool:
+    """Whether this Triton (or ``version``) is one the fast path was checked against."""
+    if version is None:
+        import triton
+
+        version = triton.__version__
+    return within(version, TRITON_VERSIONS)
 
 
 class CachedLaunchKernel:
@@ -117,10 +134,10 @@ def _fast_path_open(jit_function) -> bool:
 
 def launch_cached(jit_function):
     """Decorator over ``@triton.jit``: launches through :class:`CachedLaunchKernel` on a GPU; the
-    JIT function itself in Triton's CPU interpreter (no compiled kernels there) or when turned off
-    with ``HF_HYBRID_TRITON_FAST_LAUNCH=0``."""
+    JIT function itself in Triton's CPU interpreter (no compiled kernels there), on a Triton
+    version outside TRITON_VERSIONS, or when turned off with ``HF_HYBRID_TRITON_FAST_LAUNCH=0``."""
     from triton.runtime.jit import JITFunction
 
-    if not isinstance(jit_function, JITFunction) or not _enabled():
+    if not isinstance(jit_function, JITFunction) or not _enabled() or not triton_checked():
         return jit_function
     return CachedLaunchKernel(jit_function)

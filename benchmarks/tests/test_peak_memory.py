@@ -1,8 +1,8 @@
-"""The peak-memory report (hf_hybrid/bench/peak_memory.py) replays an allocator trace correctly:
+"""The peak-memory report (benchmarks/peak_memory.py) replays an allocator trace correctly:
 the peak is the largest sum of live blocks, and the blocks alive then are grouped by their site."""
 from __future__ import annotations
 
-from hf_hybrid.bench.peak_memory import peak_of_trace
+from benchmarks.peak_memory import peak_of_trace
 
 
 def _frames(file: str, line: int, name: str = "forward"):
