@@ -65,7 +65,7 @@ class SEHybridConfig(HybridBackboneConfig):
         partial_rotary_factor (`float`, defaults to 1.0): fraction of head_dim rotated by RoPE (Bamba: 0.5).
         attention_bias (`bool`, defaults to False): biases on q/k/v/o projections.
         mamba_n_heads, mamba_d_head, mamba_d_state, mamba_d_conv, mamba_expand, mamba_n_groups,
-        mamba_chunk_size, mamba_conv_bias, mamba_proj_bias, time_step_limit: the Mamba-2
+        mamba_chunk_size, mamba_conv_bias, mamba_proj_bias, time_step_limit, mamba_hidden_act: the Mamba-2
             mixer's settings, with Bamba's names; ``mamba_n_heads`` defaults to
             mamba_expand * hidden_size / mamba_d_head.
         kernel_backend (`str`, defaults to ``"auto"``): backend of the SE-Attn op.
@@ -99,6 +99,7 @@ class SEHybridConfig(HybridBackboneConfig):
         mamba_conv_bias: bool = True,
         mamba_proj_bias: bool = False,
         time_step_limit: tuple[float, float] | list[float] | None = (0.0, float("inf")),
+        mamba_hidden_act: str = "silu",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -110,6 +111,8 @@ class SEHybridConfig(HybridBackboneConfig):
         ):
             check_positive(name, value)
         check_positive("se_top_k", se_top_k, allow_zero=True)
+        if mamba_hidden_act not in ("silu", "swish"):
+            raise ValueError(f"mamba_hidden_act must be 'silu' (or 'swish'), the Mamba-2 conv's activation; got {mamba_hidden_act!r}.")
         if attention_mode not in SE_ATTENTION_MODES:
             raise ValueError(f"attention_mode={attention_mode!r} is not one of {list(SE_ATTENTION_MODES)}.")
         se_chunk_sizes = [int(m) for m in se_chunk_sizes]
@@ -171,4 +174,5 @@ class SEHybridConfig(HybridBackboneConfig):
         self.mamba_conv_bias = mamba_conv_bias
         self.mamba_proj_bias = mamba_proj_bias
         self.time_step_limit = tuple(time_step_limit) if time_step_limit is not None else None
+        self.mamba_hidden_act = mamba_hidden_act
         self.layer_types = [canonical_layer_type(t) for t in self.layer_types]  # undo transformers' renaming
