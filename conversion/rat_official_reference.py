@@ -97,7 +97,7 @@ def _rat_mixer(h, W, spec: OfficialSpec):
     chunk = torch.arange(seq) // L
     cos, sin = _rope_tables(chunk, spec.d_head, spec.rope_base)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    ends = torch.arange(L - 1, seq, L)  # the last token of every complete chunk
+    ends = torch.tensor(list(range(L - 1, seq, L)), dtype=torch.long)  # the last token of every complete chunk
     scale = spec.d_head**-0.5
     inter = q.matmul(k[:, :, ends].transpose(-1, -2)) * scale  # [B, H, T, chunks]
     inter = inter.masked_fill(~(chunk[:, None] > torch.arange(len(ends))[None, :]), float("-inf"))
