@@ -69,12 +69,13 @@ class Parity:
     layers: int
     total_layers: int
     pattern: str
+    weights_dtype: str = "float32"
 
     def describe(self) -> str:
         scope = "all" if self.layers == self.total_layers else f"the first {self.layers} of"
         return (f"max |logit difference| {self.max_abs:.3g} (relative {self.max_rel:.3g}) over {self.tokens} random tokens, "
-                f"{scope} {self.total_layers} layers, {self.pattern} attention; float32 converted model vs a float64 "
-                "restatement of the official forward")
+                f"{scope} {self.total_layers} layers, {self.pattern} attention; the converted model computing in float32 vs a "
+                f"float64 restatement of the official forward, both reading the weights as stored ({self.weights_dtype})")
 
 
 def read_spec(state: dict, config: dict | None, kind: str | None, preset: str | None, overrides: dict) -> OfficialSpec:
@@ -157,7 +158,9 @@ def _truncated_config(config, layers: int):
 
 def check_parity(dst: Path, config, spec: OfficialSpec, state: dict, tokens: int = 16, layers: int | None = 2,
                  seed: int = 0) -> Parity:
-    """The written weights (first ``layers`` layers, float32) against the float64 official forward."""
+    """The written weights (first ``layers`` layers, float32) against the float64 official forward
+    of the source weights rounded to the dtype they were written in (the check is of the mapping;
+    the rounding is the dtype's choice)."""
     from safetensors import safe_open
 
     layers = spec.num_layers if layers is None else min(layers, spec.num_layers)
@@ -172,7 +175,9 @@ def check_parity(dst: Path, config, spec: OfficialSpec, state: dict, tokens: int
         with safe_open(dst / file, framework="pt") as handle:
             for key in handle.keys():
                 if key in wanted:
-                    weights[key] = handle.get_tensor(key).float()
+                    weights[key] = handle.get_tensor(key)
+    weights_dtype = next(iter(weights.values())).dtype
+    weights = {key: value.float() for key, value in weights.items()}
     model.load_state_dict(weights, strict=not small.tie_word_embeddings)
     if small.tie_word_embeddings:
         model.tie_weights()
@@ -186,12 +191,13 @@ def check_parity(dst: Path, config, spec: OfficialSpec, state: dict, tokens: int
             per_layer[int(layer)] = (o["dilation"], o["local_window"], o["num_sink_tokens"])
         pattern, label = per_layer, f"dilated (D={per_layer[0][0]}, W={per_layer[0][1]}, I={per_layer[0][2]})"
     else:
-        pattern, label = (1, 0, 0), "dense causal" if spec.kind == RAT_PLUS else f"RAT (L={spec.chunk_size})"
-    reference = official_logits_float64(state, small_spec, ids, pattern)
+        pattern, label = (1, 0, 0), "dense causal" if spec.kind == RAT_PLUS else f"chunked RAT (L={spec.chunk_size})"
+    reference = official_logits_float64(state, small_spec, ids, pattern, weights_dtype)
     with torch.no_grad():
         ours = model(ids, use_cache=False).logits.double()
     diff = (ours - reference).abs().max().item()
-    return Parity(diff, diff / max(reference.abs().max().item(), 1e-30), tokens, layers, spec.num_layers, label)
+    return Parity(diff, diff / max(reference.abs().max().item(), 1e-30), tokens, layers, spec.num_layers, label,
+                  str(weights_dtype).replace("torch.", ""))
 
 
 def convert_official(src: str | Path, dst: str | Path, kind: str | None = None, preset: str | None = None,

@@ -109,10 +109,14 @@ def _rat_mixer(h, W, spec: OfficialSpec):
 
 
 class _Float64View(dict):
-    """The state dict read one tensor at a time in float64 (a 7B checkpoint is never copied whole)."""
+    """The state dict read one tensor at a time in float64 (a 7B checkpoint is never copied whole),
+    each first rounded to ``round_to`` when given (the dtype a conversion stored the weights in)."""
+
+    round_to: torch.dtype | None = None
 
     def __getitem__(self, key):
-        return super().__getitem__(key).double()
+        value = super().__getitem__(key)
+        return (value.to(self.round_to) if self.round_to is not None else value).double()
 
     def raw(self, key):
         return super().__getitem__(key)
@@ -122,12 +126,15 @@ class _Float64View(dict):
 
 
 def official_logits_float64(state: dict[str, torch.Tensor], spec: OfficialSpec, ids: torch.Tensor,
-                            pattern: tuple[int, int, int] | list[tuple[int, int, int]] = (1, 0, 0)) -> torch.Tensor:
+                            pattern: tuple[int, int, int] | list[tuple[int, int, int]] = (1, 0, 0),
+                            weights_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits [B, T, V] in float64 of the official model. ``pattern`` (RAT+): the (dilation,
-    local_size, initial_size) mask, one for all layers or one per layer; (1, 0, 0) is dense."""
+    local_size, initial_size) mask, one for all layers or one per layer; (1, 0, 0) is dense.
+    ``weights_dtype``: read the weights rounded to this dtype first (e.g. as converted to bfloat16)."""
     W = _Float64View({key.replace("_orig_mod.", ""): value for key, value in state.items()})
+    W.round_to = weights_dtype
     patterns = pattern if isinstance(pattern, list) else [tuple(pattern)] * spec.num_layers
-    x = W.raw("embedding.wte.weight")[ids].double()
+    x = W["embedding.wte.weight"][ids] if weights_dtype is None else W.raw("embedding.wte.weight")[ids].to(weights_dtype).double()
     for i in range(spec.num_layers):
         p = f"backbone.layers.{i}."
         mixer = {name: W[p + "seq_layer." + name] for name in ("in_proj.weight", "out_proj.weight", "gate_bias", "fgate_proj.weight")

@@ -248,8 +248,9 @@ def test_shards_stream_and_load(tmp_path):
         assert max_rel(model(ids).logits, reference(src, ids)) <= 1e-5
 
 
-def test_bfloat16_output(tmp_path):
+def test_bfloat16_output_and_its_parity(tmp_path):
     src = write(tmp_path, "rat")
-    convert_official(src, tmp_path / "hf", dtype="bfloat16", verify_tokens=0)
+    _, parity = convert_official(src, tmp_path / "hf", dtype="bfloat16", verify_tokens=12)
     state = load_state(tmp_path / "hf")
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    assert parity.weights_dtype == "bfloat16" and parity.max_rel <= 1e-5  # the reference reads the same rounded weights
