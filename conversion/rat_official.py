@@ -238,7 +238,7 @@ def _write_card_and_code(dst: Path, config, model_class, path: Path, spec: Offic
     lines.append(f"Parity at conversion: {parity.describe()}." if parity else "Parity was not checked at conversion (--verify-tokens 0).")
     lines += ["", "Run it:", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               f"model = AutoModelForCausalLM.from_pretrained(\"{dst.name}\", trust_remote_code=True)",
-              "tokenizer = AutoTokenizer.from_pretrained(\"meta-llama/Llama-2-7b-hf\")  # the official models' tokenizer",
+              "tokenizer = AutoTokenizer.from_pretrained(\"hf-internal-testing/llama-tokenizer\")  # Llama-2's, the official models'",
               "ids = tokenizer(\"The capital of France is\", return_tensors=\"pt\").input_ids",
               "print(tokenizer.decode(model.generate(ids, max_new_tokens=20)[0]))", "```"]
     with (dst / "README.md").open("a", encoding="utf-8") as handle:
