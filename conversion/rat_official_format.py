@@ -217,6 +217,9 @@ def spec_from_config(config: dict, kind: str) -> OfficialSpec:
         bias=bool(seq.get("bias", False)), rope_base=float(pe.get("base", 10000.0)), pe=str(pe.get("_name_", "rope")),
         seq_len=int(embedding.get("seq_len", 4096)), tie_embedding=bool((config.get("task") or {}).get("tie_embedding", False)),
     )
+    for name, value in (("model.backbone.seq_cell.k_channel", seq.get("k_channel")), ("model.embedding.pe.dim", pe.get("dim"))):
+        if value is not None and int(value) != d_head:
+            raise UnsupportedCheckpoint(f"{name} = {value} differs from d_head ({d_head}): hf-hybrid rotates whole heads.")
     if "num_head" in seq and d_model // int(seq["num_head"]) != d_head:
         raise UnsupportedCheckpoint(f"model.backbone.seq_cell.num_head ({seq['num_head']}) and d_head ({d_head}) disagree with "
                                     f"d_model ({d_model}): the official layer uses d_model // num_head.")

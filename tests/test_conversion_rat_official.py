@@ -254,3 +254,21 @@ def test_bfloat16_output_and_its_parity(tmp_path):
     state = load_state(tmp_path / "hf")
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
     assert parity.weights_dtype == "bfloat16" and parity.max_rel <= 1e-5  # the reference reads the same rounded weights
+
+
+def test_converted_folder_loads_from_its_bundled_code_alone(tmp_path):
+    """trust_remote_code=True in a process where `import hf_hybrid` fails gives the same logits and tokens."""
+    from models.model_checks import _REMOTE_CODE_SCRIPT, _load_elsewhere
+    from helper_process import remote_code_helper
+
+    convert_official(write(tmp_path, "rat_plus_adapted"), tmp_path / "ckpt", verify_tokens=0)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    model.generation_config.eos_token_id = None
+    ids = ids_of(10)[:1]
+    with torch.no_grad():
+        logits = model(ids).logits
+        generated = model.generate(ids, max_new_tokens=3, do_sample=False)
+    remote = _load_elsewhere(remote_code_helper(), _REMOTE_CODE_SCRIPT, tmp_path, ids, "remote.pt")
+    assert remote["module"].startswith("transformers_modules.")
+    assert torch.equal(remote["logits"], logits)
+    assert torch.equal(remote["generated"][:, :11], generated[:, :11])
