@@ -20,6 +20,7 @@ forward (``rat_official_reference.py``) on random tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -140,15 +141,16 @@ def _parse_size(text: str) -> int:
 
 
 def _truncated_config(config, layers: int):
+    """``config`` with its first ``layers`` layers (per-layer fields cut to match)."""
     values = config.to_dict()
     for key in ("transformers_version", "architectures", "auto_map", "model_type"):
         values.pop(key, None)
     values["num_hidden_layers"] = layers
     if "layer_types" in values:
         values["layer_types"] = values["layer_types"][:layers]
-    for key in ("sparse_config",):
-        if isinstance(values.get(key), dict) and values[key].get("layer_overrides"):
-            values[key] = dict(values[key], layer_overrides={k: v for k, v in values[key]["layer_overrides"].items() if int(k) < layers})
+    sparse = values.get("sparse_config")
+    if isinstance(sparse, dict) and sparse.get("layer_overrides"):
+        values["sparse_config"] = dict(sparse, layer_overrides={k: v for k, v in sparse["layer_overrides"].items() if int(k) < layers})
     if "training_dilations" in values:
         values["training_dilations"] = [
             dict(p, layer_overrides={k: v for k, v in p.get("layer_overrides", {}).items() if int(k) < layers}) if isinstance(p, dict) else p
@@ -182,7 +184,9 @@ def check_parity(dst: Path, config, spec: OfficialSpec, state: dict, tokens: int
     if small.tie_word_embeddings:
         model.tie_weights()
     ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
-    small_spec = OfficialSpec(**{**spec.__dict__, "num_layers": layers})
+    per_layer_fields = {name: getattr(spec, name)[:layers] for name in ("dilation_size", "local_size", "initial_size")
+                        if isinstance(getattr(spec, name), list)}
+    small_spec = dataclasses.replace(spec, num_layers=layers, **per_layer_fields)
     dilated = spec.kind == RAT_PLUS and (config.sparse_config.get("dilation", 1) != 1 or bool(config.sparse_config.get("layer_overrides")))
     if dilated:
         pattern_dict = official_pattern(small_spec)

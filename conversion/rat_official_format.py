@@ -16,9 +16,10 @@ eps 1e-6 in both codes.
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,28 +82,32 @@ class Opaque(dict):
         pass
 
 
+@functools.lru_cache(maxsize=1)
 def _allowed_globals() -> dict[str, object]:
-    """torch's own weights-only allowlist (tensor rebuilders, dtypes, OrderedDict, ...)."""
+    """torch's own weights-only allowlist (tensor rebuilders, storages, dtypes, OrderedDict, ...)."""
     from torch import _weights_only_unpickler
 
     return dict(_weights_only_unpickler._get_allowed_globals())
 
 
+CONFIG_CLASSES = {("easydict", "EasyDict"), ("omegaconf.dictconfig", "DictConfig")}
+
+
 class RestrictedUnpickler(pickle.Unpickler):
+    """Rebuilds only what torch's weights-only loader allows; config classes become ConfigDict,
+    everything else Opaque (nothing named by the file is imported or called)."""
+
     def find_class(self, module: str, name: str):
-        allowed = _allowed_globals()
-        if f"{module}.{name}" in allowed:
-            return allowed[f"{module}.{name}"]
-        if module == "easydict" and name == "EasyDict" or (module, name) in (("omegaconf.dictconfig", "DictConfig"),):
-            return ConfigDict
-        return Opaque
+        allowed = _allowed_globals().get(f"{module}.{name}")
+        if allowed is not None:
+            return allowed
+        return ConfigDict if (module, name) in CONFIG_CLASSES else Opaque
 
 
 # torch.load takes a pickle module: ours differs from pickle only in the Unpickler's find_class.
 restricted_pickle = types.ModuleType("restricted_pickle")
 restricted_pickle.Unpickler = RestrictedUnpickler
 restricted_pickle.load = lambda file, **kwargs: RestrictedUnpickler(file, **kwargs).load()
-restricted_pickle.__name__ = "restricted_pickle"
 
 
 def find_checkpoint_file(src: str | Path) -> Path:
@@ -181,7 +186,6 @@ class OfficialSpec:
     # RAT
     chunk_size: int = 16
     ngroups: int = 2
-    extra: dict = field(default_factory=dict)
 
 
 def detect_kind(state: dict[str, torch.Tensor]) -> str:

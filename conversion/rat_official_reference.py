@@ -137,12 +137,11 @@ def official_logits_float64(state: dict[str, torch.Tensor], spec: OfficialSpec, 
     x = W["embedding.wte.weight"][ids] if weights_dtype is None else W.raw("embedding.wte.weight")[ids].to(weights_dtype).double()
     for i in range(spec.num_layers):
         p = f"backbone.layers.{i}."
-        mixer = {name: W[p + "seq_layer." + name] for name in ("in_proj.weight", "out_proj.weight", "gate_bias", "fgate_proj.weight")
-                 if p + "seq_layer." + name in W}
-        mixer = {"in_proj": mixer["in_proj.weight"], "out_proj": mixer["out_proj.weight"], "gate_bias": mixer.get("gate_bias"),
-                 "fgate": mixer.get("fgate_proj.weight")}
-        if mixer["fgate"] is not None and mixer["in_proj"].shape[0] == 4 * spec.d_model:
-            mixer["in_proj"] = torch.cat([mixer["in_proj"], mixer["fgate"]])
+        mixer = {"in_proj": W[p + "seq_layer.in_proj.weight"], "out_proj": W[p + "seq_layer.out_proj.weight"],
+                 "gate_bias": W.get(p + "seq_layer.gate_bias")}
+        fgate = W.get(p + "seq_layer.fgate_proj.weight")  # older RAT+ files keep the gate rows apart
+        if fgate is not None and mixer["in_proj"].shape[0] == 4 * spec.d_model:
+            mixer["in_proj"] = torch.cat([mixer["in_proj"], fgate])
         h = _rms_norm(x, W[p + "seq_layer.input_norm.weight"])
         x = x + (_rat_plus_mixer(h, mixer, spec, patterns[i]) if spec.kind == RAT_PLUS else _rat_mixer(h, mixer, spec))
         h = _rms_norm(x, W[p + "hidden_layer.ln.weight"])

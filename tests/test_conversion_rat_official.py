@@ -272,3 +272,17 @@ def test_converted_folder_loads_from_its_bundled_code_alone(tmp_path):
     assert remote["module"].startswith("transformers_modules.")
     assert torch.equal(remote["logits"], logits)
     assert torch.equal(remote["generated"][:, :11], generated[:, :11])
+
+
+def test_per_layer_patterns_become_layer_overrides(tmp_path):
+    src = write_random_official_checkpoint(tmp_path / "c.pth", RAT_PLUS, num_layers=3, joint_train=False,
+                                           dilation_size=[4, 1, 4], local_size=[3, 0, 3], initial_size=2)
+    config, parity = convert_official(src, tmp_path / "hf", verify_tokens=13, verify_layers=2)
+    overrides = config.sparse_config["layer_overrides"]
+    assert list(overrides) == [1] and overrides[1]["dilation"] == 1
+    assert parity.max_rel <= 1e-5
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = ids_of(13)
+    with torch.no_grad():
+        ours = model(ids, use_cache=False).logits
+    assert max_rel(ours, reference(src, ids, [(4, 3, 2), (1, 0, 2), (4, 3, 2)])) <= 1e-5
