@@ -112,7 +112,8 @@ def _write_shards(tensors, dst: Path, dtype: torch.dtype | None, max_shard_bytes
             current, size = {}, 0
 
     for name, tensor in tensors:
-        tensor = (tensor.to(dtype) if dtype is not None else tensor).contiguous().clone()
+        # a new tensor either way: the source's row slices share memory, which safetensors refuses
+        tensor = (tensor.to(dtype) if dtype is not None and dtype != tensor.dtype else tensor.clone()).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > max_shard_bytes:
             flush()
