@@ -203,7 +203,9 @@ def spec_from_config(config: dict, kind: str) -> OfficialSpec:
         backbone, embedding = model["backbone"], model["embedding"]
         seq, ffn = backbone["seq_cell"], backbone["hidden_cell"]
     except (KeyError, TypeError) as error:
-        raise UnsupportedCheckpoint(f"the checkpoint's config has no model.backbone.seq_cell / hidden_cell / model.embedding ({error}).") from None
+        raise UnsupportedCheckpoint(
+            f"the checkpoint's config has no model.backbone.seq_cell / hidden_cell / model.embedding ({error})."
+        ) from None
     if backbone.get("_name_", "sequence") != "sequence":
         raise UnsupportedCheckpoint(f"model.backbone._name_ = {backbone.get('_name_')!r}: only the 'sequence' backbone (one mixer "
                                     "type in every layer) converts; interleaved RAT + local-attention stacks are not supported.")
@@ -275,7 +277,8 @@ def check_shapes(spec: OfficialSpec, state: dict[str, torch.Tensor]) -> Official
     for name, value in shapes.items():
         given = getattr(spec, name)
         if given and given != value:
-            raise UnsupportedCheckpoint(f"{name} = {given} (config / preset) but the weights say {value}; fix --{name.replace('_', '-')} or the preset.")
+            raise UnsupportedCheckpoint(f"{name} = {given} (config / preset) but the weights say {value}; "
+                                        f"fix --{name.replace('_', '-')} or the preset.")
         setattr(spec, name, int(value))
     rows = state["backbone.layers.0.seq_layer.in_proj.weight"].shape[0]
     if spec.kind == RAT_PLUS:

@@ -12,6 +12,9 @@ Official (per layer i, prefix ``backbone.layers.{i}.``)        hf-hybrid (prefix
   hidden_layer.fc2.{weight,bias}                                 mlp.down_proj
   embedding.wte.weight / backbone.ln.weight / head.lm_head.weight  model.embed_tokens / model.norm / lm_head
 
+RAT's ``gate_bias`` is copied as stored; at chunk size 1 the official code never initialises it
+(torch.empty), so the file holds whatever that memory held, and so does the converted model.
+
 Mapping functions yield (name, tensor) pairs lazily: the tensors are views of the (memory-mapped)
 source, so a writer can stream them shard by shard.
 """
@@ -52,7 +55,8 @@ def to_hf_tensors(state: dict[str, torch.Tensor], spec: OfficialSpec) -> Iterato
             in_proj = torch.cat([in_proj, take(src + "seq_layer.fgate_proj.weight")])  # older files: gate rows kept apart
         sizes = _row_sizes(spec.kind, spec.d_model, qk_rows, spec.apply_re)
         if in_proj.shape != (sum(sizes), spec.d_model):
-            raise UnsupportedCheckpoint(f"{src}seq_layer.in_proj.weight has shape {tuple(in_proj.shape)}, expected {(sum(sizes), spec.d_model)}.")
+            raise UnsupportedCheckpoint(f"{src}seq_layer.in_proj.weight has shape {tuple(in_proj.shape)}, "
+                                        f"expected {(sum(sizes), spec.d_model)}.")
         for name, rows in zip(_SPLITS[spec.kind], in_proj.split(sizes)):
             yield dst + f"self_attn.{name}.weight", rows
         if spec.kind == RAT:

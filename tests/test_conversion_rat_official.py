@@ -26,6 +26,7 @@ from hf_hybrid.conversion.rat_official_format import (
     UnsupportedCheckpoint,
     check_shapes,
     load_official,
+    restricted_pickle,
     spec_from_config,
 )
 from hf_hybrid.conversion.rat_official_random import random_official_config, random_official_state, write_random_official_checkpoint
@@ -173,7 +174,7 @@ def test_pickled_code_never_runs(tmp_path):
 
 def test_easydict_config_and_orig_mod_prefixes_are_read(tmp_path):
     src = write(tmp_path, "rat_plus_pretrained")
-    raw = torch.load(src, weights_only=False, pickle_module=__import__("hf_hybrid.conversion.rat_official_format", fromlist=["x"]).restricted_pickle)
+    raw = torch.load(src, weights_only=False, pickle_module=restricted_pickle)
     assert type(raw["config"]).__name__ == "ConfigDict" and all(k.startswith("_orig_mod.") for k in raw["task"])
     state, config, _ = load_official(src)
     assert not any("_orig_mod" in k for k in state) and isinstance(config["model"], dict)
@@ -286,3 +287,32 @@ def test_per_layer_patterns_become_layer_overrides(tmp_path):
     with torch.no_grad():
         ours = model(ids, use_cache=False).logits
     assert max_rel(ours, reference(src, ids, [(4, 3, 2), (1, 0, 2), (4, 3, 2)])) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", [RAT_PLUS, RAT])
+def test_hf_hybrid_model_round_trips_through_the_official_format_bit_exact(kind, tmp_path):
+    from hf_hybrid.models.rat import RatConfig
+    from hf_hybrid.models.rat_plus import RatPlusConfig
+
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    if kind == RAT_PLUS:  # the official backbone's MLP; adapted pattern as the default
+        pattern = {"dilation": 8, "local_window": 2, "num_sink_tokens": 1}
+        config = RatPlusConfig(**shape, mlp_type="plain", hidden_act="gelu", training_dilations=[pattern], sparse_config=pattern)
+    else:  # SwiGLU (the official "swiglu" FFN), untied head
+        config = RatConfig(**shape, chunk_size=4, num_qk_groups=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "ours")
+    official = convert_to_official(tmp_path / "ours", tmp_path / "official.pth", kind)
+    convert_official(official, tmp_path / "back", verify_tokens=0)
+    before, after = load_state(tmp_path / "ours"), load_state(tmp_path / "back")
+    before = {k: v for k, v in before.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    for field in ("mlp_type", "hidden_act", "intermediate_size", "head_dim", "rope_theta", "tie_word_embeddings", "sparse_config",
+                  "training_dilations", "chunk_size", "num_qk_groups"):
+        assert getattr(back.config, field, None) == getattr(model.config, field, None), field
+    ids = ids_of(11)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
