@@ -316,3 +316,10 @@ def test_hf_hybrid_model_round_trips_through_the_official_format_bit_exact(kind,
     ids = ids_of(11)
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+def test_legacy_serialisation_is_read_too(tmp_path):
+    config = random_official_config(RAT_PLUS)
+    torch.save({"task": random_official_state(config), "config": config}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    state, read_config, _ = load_official(tmp_path / "legacy.pth")
+    assert read_config == config and state["embedding.wte.weight"].shape == (VOCAB, 64)
