@@ -100,7 +100,9 @@ def _write_shards(tensors, dst: Path, dtype: torch.dtype | None, max_shard_bytes
     """Stream (name, tensor) pairs into safetensors shards; returns the weight map."""
     from safetensors.torch import save_file
 
-    shards, current, size = [], {}, 0
+    for stale in list(dst.glob("model*.safetensors")) + list(dst.glob("model.safetensors.index.json")):
+        stale.unlink()  # a folder converted into before: its weight files would mix with these
+    shards, current, size, total = [], {}, 0, 0
 
     def flush():
         nonlocal current, size
@@ -117,7 +119,7 @@ def _write_shards(tensors, dst: Path, dtype: torch.dtype | None, max_shard_bytes
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > max_shard_bytes:
             flush()
-        current[name], size = tensor, size + nbytes
+        current[name], size, total = tensor, size + nbytes, total + nbytes
     flush()
     weight_map = {key: file for shard in shards for key, file in shard.items()}
     files = sorted(set(weight_map.values()))
@@ -128,7 +130,6 @@ def _write_shards(tensors, dst: Path, dtype: torch.dtype | None, max_shard_bytes
     for old, new in renamed.items():
         (dst / old).rename(dst / new)
     weight_map = {key: renamed[file] for key, file in weight_map.items()}
-    total = sum((dst / f).stat().st_size for f in renamed.values())
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return weight_map
 
