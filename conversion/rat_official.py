@@ -279,7 +279,8 @@ def _parser(kind: str) -> argparse.ArgumentParser:
     parser.add_argument("--act-fn", default=None, help="the official FFN activation (gelu, fastgelu, relu, silu, swiglu)")
     parser.add_argument("--tie-embedding", default=None, type=lambda s: s.lower() in ("1", "true", "yes"), help="true/false")
     if kind == RAT_PLUS:
-        parser.add_argument("--dilation", type=int, default=None, help="dilation_size of the training / adapted pattern")
+        parser.add_argument("--dilation-size", "--dilation", dest="dilation", type=int, default=None,
+                            help="dilation_size of the training / adapted pattern")
         parser.add_argument("--local-size", type=int, default=None, help="local_size (W)")
         parser.add_argument("--initial-size", type=int, default=None, help="initial_size (sink tokens)")
         parser.add_argument("--joint-train", default=None, type=lambda s: s.lower() in ("1", "true", "yes"),
