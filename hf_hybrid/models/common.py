@@ -164,7 +164,8 @@ class HybridModel(HybridPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(
-            DecoderLayer(config.hidden_size, config.intermediate_size, self.build_mixer(config, i), config.rms_norm_eps)
+            DecoderLayer(config.hidden_size, config.intermediate_size, self.build_mixer(config, i), config.rms_norm_eps,
+                         config.mlp_type, config.hidden_act, config.mlp_bias)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
