@@ -73,13 +73,15 @@ def block_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_siz
     batch, _, heads, dim = q.shape
     num_blocks = q.shape[1] // block_size
     used = num_blocks * block_size
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if num_blocks == 0:  # shorter than a block (a one-token document): no summary (CUDA SDPA returns nothing for an empty batch)
+        return q.new_zeros(batch, 0, heads, dim, dtype=acc)
 
     def blocks(x):  # [b, used, h, d] -> [b * blocks, h, S, d]
         x = expand_kv_heads(x[:, :used], heads)
         return x.reshape(batch * num_blocks, block_size, heads, dim).transpose(1, 2)
 
     attended = torch.nn.functional.scaled_dot_product_attention(blocks(q), blocks(k), blocks(v), scale=scale)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return attended.mean(dim=2, dtype=acc).view(batch, num_blocks, heads, dim)
 
 
