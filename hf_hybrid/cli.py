@@ -1,4 +1,9 @@
-"""The `hf-hybrid` console script: `hf-hybrid <command> [options]`."""
+"""The `hf-hybrid` console script: `hf-hybrid <command> [options]`.
+
+Standard library imports only: the console script's launcher (hf_hybrid_cli.py) runs this file without
+importing the package, so the command table and `--help` answer at once; a command's module is imported
+when that command runs. Register a command with one line in COMMANDS.
+"""
 from __future__ import annotations
 
 import ast
