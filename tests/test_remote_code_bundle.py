@@ -92,3 +92,34 @@ def test_the_bundle_runs_the_package_modules_under_their_own_names(tmp_path):
         sys.path.remove(str(tmp_path))
         for name in [name for name in sys.modules if name == "pkg" or name.startswith("pkg.")]:
             del sys.modules[name]
+
+
+_RESAVE_SCRIPT = """
+import json, sys, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+
+source, copy, ids_path = sys.argv[1:4]
+ids = torch.load(ids_path)
+model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).eval()
+model.save_pretrained(copy)  # transformers copies the remote code: the entry files and what they import
+again = AutoModelForCausalLM.from_pretrained(copy, trust_remote_code=True).eval()
+with torch.no_grad():
+    same = torch.equal(model(ids).logits, again(ids).logits)
+assert not any(name.split(".")[0] == "hf_hybrid" for name in sys.modules)
+print(json.dumps({"same": same, "files": sorted(p.name for p in Path(copy).glob("*.py"))}))
+"""
+
+
+def test_a_remote_code_model_saves_and_reloads_without_hf_hybrid(tmp_path):
+    """Saved again where hf-hybrid is not installed, a checkpoint keeps the same three files and reloads."""
+    import json
+
+    from helper_process import remote_code_helper
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("rattention")).save_pretrained(tmp_path / "ckpt")
+    torch.save(torch.randint(1, 60, (1, 9)), tmp_path / "ids.pt")
+    printed = remote_code_helper().run(_RESAVE_SCRIPT, tmp_path / "ckpt", tmp_path / "copy", tmp_path / "ids.pt")
+    result = json.loads(printed.strip().splitlines()[-1])
+    assert result == {"same": True, "files": ["configuration_rattention.py", "hf_hybrid_bundle.py", "modeling_rattention.py"]}
