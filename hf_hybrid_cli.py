@@ -2,29 +2,34 @@
 
 ``import hf_hybrid`` registers every architecture with transformers' Auto classes, which imports torch
 and transformers: seconds before anything prints. The command table and ``--help`` need neither, so
-this launcher reads hf_hybrid/cli.py on its own, without running the package's ``__init__``; the module
-of the command that runs imports the package (and so registers the architectures) as usual.
+this launcher runs hf_hybrid/cli.py without the package's ``__init__``: as a module of a private
+package whose folder is hf_hybrid/, so that cli.py's relative imports of the package's
+standard-library-only modules (the architecture table) work. The module of the command that runs
+imports the package (and so registers the architectures) as usual.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
-from pathlib import Path
+import types
+
+_PRIVATE_PACKAGE = "_hf_hybrid_cli_package"
 
 
 def _command_table():
-    """hf_hybrid/cli.py (standard library imports only): the loaded module if the package is imported,
-    else the file executed alone."""
+    """hf_hybrid/cli.py: the package's own module if the package is imported already, else the
+    file run under the private package (nothing of hf_hybrid's __init__ runs)."""
     if "hf_hybrid.cli" in sys.modules:
         return sys.modules["hf_hybrid.cli"]
     package = importlib.util.find_spec("hf_hybrid")  # locates the package without importing it
     if package is None or not package.submodule_search_locations:
         raise SystemExit("hf-hybrid: the hf_hybrid package is not installed in this Python environment.")
-    path = Path(next(iter(package.submodule_search_locations))) / "cli.py"
-    spec = importlib.util.spec_from_file_location("hf_hybrid_cli.commands", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if _PRIVATE_PACKAGE not in sys.modules:
+        private = types.ModuleType(_PRIVATE_PACKAGE, "hf_hybrid's folder, without its __init__ (hf_hybrid_cli.py)")
+        private.__path__ = list(package.submodule_search_locations)
+        sys.modules[_PRIVATE_PACKAGE] = private
+    return importlib.import_module(f"{_PRIVATE_PACKAGE}.cli")
 
 
 def main(argv: list[str] | None = None) -> int:
