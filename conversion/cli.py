@@ -8,6 +8,10 @@ import sys
 CONVERSIONS = {
     "dense-to-rat-plus": ("hf_hybrid.conversion.dense_to_rat_plus", "main_convert", "SRC DST: Llama checkpoint -> RAT+"),
     "fox": ("hf_hybrid.conversion.fox", "main", "SRC DST [--to fla|official]: FoX checkpoints (official code, FLA) <-> hf-hybrid"),
+    "rat-plus-official": ("hf_hybrid.conversion.rat_official", "main_rat_plus",
+                          "SRC DST [--preset 1b|3b|7b] [--to official]: the RAT+ authors' checkpoints <-> hf-hybrid"),
+    "rat-official": ("hf_hybrid.conversion.rat_official", "main_rat",
+                     "SRC DST [--preset 1b] [--to official]: the RAT authors' checkpoints <-> hf-hybrid"),
 }
 
 

@@ -32,21 +32,18 @@ import os
 import tempfile
 from urllib.parse import urlsplit
 
-# Tiny configs: about 40k parameters, a push of well under a megabyte. Shared sizes + per-architecture fields.
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0)
-TINY_EXTRA = {
-    "rat": dict(chunk_size=4, sliding_window=8),
-    "rat_plus": dict(training_dilations=[1, 4]),
-    "fox": dict(),
-    "rattention": dict(window_size=8, layer_types=["local", "global"]),
-    "se_hybrid": dict(se_chunk_sizes=[16], se_select_every=8, se_block_size=4, se_top_k=2, mamba_d_head=16,
-                      mamba_d_state=16, mamba_chunk_size=16),
-}
+
+def tiny_config_kwargs(model_type: str) -> dict:
+    """The architecture's tiny test configuration (hf_hybrid/architectures.py): about 40k parameters,
+    a push of well under a megabyte."""
+    from hf_hybrid.architectures import architecture
+
+    return architecture(model_type).tiny_config_kwargs()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-type", default="rat", help=f"one of {sorted(TINY_EXTRA)} (ignored with --model-path)")
+    parser.add_argument("--model-type", default="rat", help="an hf-hybrid model_type, e.g. rat or se_hybrid (ignored with --model-path)")
     parser.add_argument("--model-path", help="push this checkpoint instead of a new tiny model")
     parser.add_argument("--repo-id", help="owner/name; a bare name goes to the token's namespace (default tiny-<model-type>)")
     parser.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co)")
@@ -88,9 +85,11 @@ def build_model(args):
 
     if args.model_path:
         return AutoModelForCausalLM.from_pretrained(args.model_path)
-    if args.model_type not in TINY_EXTRA:
-        raise SystemExit(f"--model-type must be one of {sorted(TINY_EXTRA)}, got {args.model_type!r}")
-    config = AutoConfig.for_model(args.model_type, **{**TINY, **TINY_EXTRA[args.model_type], **parse_overrides(args.set)})
+    from hf_hybrid.architectures import MODEL_TYPES
+
+    if args.model_type not in MODEL_TYPES:
+        raise SystemExit(f"--model-type must be one of {list(MODEL_TYPES)}, got {args.model_type!r}")
+    config = AutoConfig.for_model(args.model_type, **{**tiny_config_kwargs(args.model_type), **parse_overrides(args.set)})
     torch.manual_seed(args.seed)
     return AutoModelForCausalLM.from_config(config)
 

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_hybrid  # noqa: F401  (registers rat_plus)
 from hf_hybrid.adapt import adapt, evaluate_patterns, lm_dataset, synthetic_language
-from hf_hybrid.models.compat import cache_of
+from hf_hybrid.compat import cache_of
 from hf_hybrid.sparse import SparseInferenceConfig
 
 PATTERNS = {

@@ -1,7 +1,7 @@
 """Sharing checkpoints: filled model cards, self-contained remote code, push_to_hub.
 
-``save_pretrained`` of every hf-hybrid model writes, next to the weights, the flattened model code
-(see remote_code.py; loadable with trust_remote_code=True where hf-hybrid is not installed) and a
+``save_pretrained`` of every hf-hybrid model writes, next to the weights, the model's code
+(see remote_code.py: three files; loadable with trust_remote_code=True where hf-hybrid is not installed) and a
 README.md model card from ``model_cards/<model_type>.md`` unless the folder already has one.
 ``push_to_hub`` uploads exactly that folder, so the Hub shows our card instead of a generic one.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
+from .models.common import register_sharing as _register_with_models
 from .models.registry import architecture_classes
 from .remote_code import write_remote_code
 
@@ -161,3 +162,9 @@ def push_model_to_hub(
             return api.upload_folder(
                 repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision, create_pr=create_pr
             )
+
+
+def register_sharing() -> None:
+    """Make every hf-hybrid model's save_pretrained write the sharing files and its push_to_hub use
+    :func:`push_model_to_hub` (run by ``import hf_hybrid``; the models do not import this module)."""
+    _register_with_models(save_sharing_files, push_model_to_hub)

@@ -38,27 +38,16 @@ from dataclasses import dataclass, field
 
 from peft import LoraConfig
 
-from .models.fox import FoxConfig
-from .models.rat import RatConfig
-from .models.rat_plus import RatPlusConfig
-from .models.rattention import RattentionConfig
-from .models.se_hybrid import SEHybridConfig
+from .architectures import ARCHITECTURES
 
 HYLORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 HYLORA_MODULES_TO_SAVE = ("embed_tokens", "norm", "conv1d")
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-# Default adapter targets per model_type: the attention projections plus each mixer's own
-# full-width projections. Left out on purpose: per-head scalar gates (FoX's f_proj, KV-shift's
-# k_shift.proj / v_shift.proj: [hidden -> heads], where a rank-8 adapter would be larger than the
-# weight) and the SwiGLU MLP (as peft's defaults for Llama).
-PEFT_TARGET_MODULES: dict[str, tuple[str, ...]] = {
-    RatConfig.model_type: _ATTENTION + ("g_proj", "z_proj"),  # recurrence gate, output gate
-    RatPlusConfig.model_type: _ATTENTION + ("g_proj", "z_proj"),  # recurrence gate, output gate
-    FoxConfig.model_type: _ATTENTION + ("g_proj",),  # Pro block's output gate
-    RattentionConfig.model_type: _ATTENTION,  # the RLA branch reuses q/k/v: no projection of its own
-    SEHybridConfig.model_type: _ATTENTION + ("in_proj", "out_proj"),  # Mamba-2 mixer in/out projections
-}
+# Default adapter targets per model_type (hf_hybrid/architectures.py): the attention projections plus
+# each mixer's own full-width projections. Left out on purpose: per-head scalar gates (FoX's f_proj,
+# KV-shift's k_shift.proj / v_shift.proj: [hidden -> heads], where a rank-8 adapter would be larger
+# than the weight) and the SwiGLU MLP (as peft's defaults for Llama).
+PEFT_TARGET_MODULES: dict[str, tuple[str, ...]] = {arch.model_type: arch.peft_targets for arch in ARCHITECTURES}
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 # peft tables whose entries mean something else than "the linear layers that get a weight adapter",

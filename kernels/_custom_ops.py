@@ -2,7 +2,7 @@
 
 Why: ``torch.compile(model, fullgraph=True)`` must not trace into a Triton launch or into an
 ``autograd.Function`` full of host-side launch logic (Inductor then recompiles the user kernels
-itself, and that failed on the H200). A custom op is one opaque node: Dynamo records it, the fake
+itself, and that failed on sm_90). A custom op is one opaque node: Dynamo records it, the fake
 ("meta") function gives its output shapes without running it, and the autograd formula is a second
 custom op (the backward kernels), so the compiled backward graph holds it as one node too.
 
@@ -29,11 +29,11 @@ for the smallest complete example):
 Existing ``autograd.Function`` classes keep their launch code: :class:`KernelContext` stands in for
 autograd's ctx so their ``forward`` / ``backward`` static methods can be the bodies of the ops.
 
-Eager calls skip the dispatcher (:class:`EagerKernelOp`): outside torch.compile and tracing, an op
+Eager calls skip the dispatcher (``EagerKernelOp``, hf_hybrid/_compat/torch_custom_ops.py): outside torch.compile and tracing, an op
 runs its body directly, through a plain ``autograd.Function`` built from the same setup / backward
-when gradients are needed. Through ``torch.library`` each call cost ~0.4 ms of host time (the
-dispatcher, default filling and the output-aliasing check): 18 of the ~64 ms a RAT training step
-at T=8K spent enqueueing work on the H100 (cProfile), while the GPU needed ~49 ms.
+when gradients are needed. Through ``torch.library`` each call pays the dispatcher, default
+filling and the output-aliasing check on the host, enough to make an eager training step wait on
+the host (`python -m benchmarks.host_time MODEL`).
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ from typing import Callable, Iterable
 
 import torch
 from torch._library.custom_ops import CustomOpDef
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from .._compat.torch_custom_ops import with_eager_fast_path
 
 NAMESPACE = "hf_hybrid"
 
@@ -54,53 +55,9 @@ def kernel_op(name: str, *, mutates_args: Iterable[str] = ()) -> Callable:
     register = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates_args))
 
     def decorate(fn: Callable) -> CustomOpDef:
-        op = register(fn)
-        op.__class__ = EagerKernelOp  # the same object, plus the eager fast path
-        op._eager_arity = len(inspect.signature(fn).parameters)
-        op._eager_function = None
-        return op
+        return with_eager_fast_path(register(fn), len(inspect.signature(fn).parameters))
 
     return decorate
-
-
-def _traced(args: tuple) -> bool:
-    """Whether a call must go through the dispatcher: torch.compile, a dispatch mode (fake tensors,
-    make_fx, opcheck's checks), functorch transforms, or tensor subclasses other than Parameter."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return True
-    if torch._C._are_functorch_transforms_active():
-        return True
-    return any(isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
-
-
-class EagerKernelOp(CustomOpDef):
-    """A kernel_op whose eager calls run the body directly (see the module docstring): the same
-    function, setup and backward as the registered op, without the dispatcher's per-call cost.
-    Calls with keywords, missing defaults or under tracing take the registered op."""
-
-    def __call__(self, *args, **kwargs):
-        if kwargs or len(args) != self._eager_arity or _traced(args):
-            return super().__call__(*args, **kwargs)
-        if self._eager_function is not None and torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args
-        ):
-            return self._eager_function.apply(*args)
-        return self._init_fn(*args)
-
-    def register_autograd(self, backward: Callable, /, *, setup_context: Callable | None = None) -> None:
-        super().register_autograd(backward, setup_context=setup_context)
-        body = self._init_fn
-
-        def forward(ctx, *args):
-            output = body(*args)
-            if setup_context is not None:
-                setup_context(ctx, args, output)
-            return output
-
-        self._eager_function = type(
-            f"Eager_{self._name}", (torch.autograd.Function,),
-            {"forward": staticmethod(forward), "backward": staticmethod(backward)},
-        )
 
 
 def placeholder(like: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,11 @@ All tensors here are [n, heads, len, head_dim] (any strides with a unit last str
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..options import get as option
 
 aten = torch.ops.aten
 
@@ -158,12 +159,10 @@ def _kind(q: torch.Tensor) -> str:
 
 
 def path_switch(variable: str) -> str:
-    """An op's A/B switch between its Triton kernels and its path on these kernels: the environment
-    variable's value, "" (the automatic choice), "triton" or "sdpa"; anything else raises."""
-    value = os.environ.get(variable, "")
-    if value not in ("", "triton", "sdpa"):
-        raise ValueError(f"{variable}={value!r}: set it to 'triton' or 'sdpa', or leave it unset (the automatic choice).")
-    return value
+    """An op's switch between its Triton kernels and its path on these kernels (hf_hybrid/options.py):
+    "" (the automatic choice), "triton" or "sdpa"; any other value raises."""
+    value = option(variable)
+    return "" if value == "auto" else value
 
 
 def rebuilt_saved(kind: str, q: torch.Tensor, k: torch.Tensor) -> Saved:

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from ._common import multiprocessors
 
-# splits are chosen so that about this many programs share each SM: the H100 sweep of FoX's decode
-# (hf_hybrid/bench/split_decode_sweep.py) found 16 best at both generate() shapes, 4 up to 1.9x slower.
+# splits are chosen so that about this many programs share each SM: a streaming decode step is
+# occupancy-bound (`python -m benchmarks.split_decode_sweep` times the choices).
 PROGRAMS_PER_SM = 16
 
 def plan_splits(rows_heads: int, keys: int, block: int, dim: int, device: torch.device, programs_per_sm: int | None = None):

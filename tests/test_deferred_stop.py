@@ -10,10 +10,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import utils as generation_utils
 
+from hf_hybrid._compat.transformers_stop_check import deferred_stop_check_class, transformers_checked
 from hf_hybrid.generation import deferred_stop
 from test_generation_speed_path import MODELS
 
-pytestmark = pytest.mark.skipif(deferred_stop._deferred_stop_check_class() is None,
+pytestmark = pytest.mark.skipif(deferred_stop_check_class() is None,
                                 reason="this transformers has no DeferredStopCheck")
 
 
@@ -132,3 +133,10 @@ def test_transformers_models_keep_their_own_decision(defer_on_cpu):
         with deferred_stop.deferred_for_every_generation():  # the benchmark's row of Llama with the same loop
             llama.generate(ids, max_new_tokens=3, do_sample=False)
     assert defer_on_cpu == [0]
+
+
+def test_other_transformers_versions_keep_transformers_decision():
+    """The wrapper replaces a method on transformers' class: only checked versions get it."""
+    assert transformers_checked("5.17.0") and transformers_checked("5.24.1")
+    assert not transformers_checked("5.25.0") and not transformers_checked("4.57.0")
+    assert not transformers_checked("main")

@@ -72,6 +72,17 @@ def test_convert_and_adapt_example():
     assert result["loss_after"]["D=16"] < result["loss_before"]["D=16"] - 0.3
 
 
+def test_convert_rat_plus_official_example(tmp_path):
+    import re
+
+    result = load_example("convert_rat_plus_official").main(["--out", str(tmp_path)])
+    sparse = result["sparse_config"]
+    assert (sparse["dilation"], sparse["local_window"], sparse["num_sink_tokens"]) == (16, 256, 4)
+    assert result["new_tokens"] == 8
+    relative = float(re.search(r"relative ([0-9.e+-]+)", result["parity"]).group(1))
+    assert relative <= 1e-5 and "320 random tokens" in result["parity"]
+
+
 @pytest.mark.slow  # ~40 s on a 2-core runner (HF_HYBRID_SLOW=1); sparse generation has its own tests
 def test_sparse_generation_example():
     result = load_example("sparse_generation").main([])
@@ -119,7 +130,7 @@ def test_push_to_hub_example_through_a_loopback_hub(tmp_path, monkeypatch, model
             monkeypatch.setattr(hub_constants, "HF_HUB_DISABLE_TELEMETRY", True)
             monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
             if how == "model_path":
-                config = AutoConfig.for_model(model_type, **example.TINY, **example.TINY_EXTRA[model_type])
+                config = AutoConfig.for_model(model_type, **example.tiny_config_kwargs(model_type))
                 torch.manual_seed(1)
                 AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "checkpoint")
                 argv = ["--model-path", str(tmp_path / "checkpoint"), "--repo-id", "me/checkpoint",

@@ -339,7 +339,7 @@ def test_static_decode_step_is_marked_for_the_fused_backbone():
 def test_se_hybrid_static_step_is_full_mode_only():
     """The SE hybrid's static step covers `full` mode (by default); after it the cache keeps
     decoding in `full` mode exactly, and refuses a retrieval mode with the fix instead of a wrong result."""
-    from hf_hybrid.models.compat import cache_of
+    from hf_hybrid.compat import cache_of
 
     model = se_hybrid_model()
     assert model.static_decode_reason({}) is None
@@ -369,7 +369,7 @@ def test_prompt_goes_straight_into_the_static_buffers(name, monkeypatch):
     attention layers' caches put the prompt's K/V straight into buffers of that capacity (the first
     decode step then copies nothing); without the static path, or with beams, nothing is reserved."""
     from hf_hybrid.models.cache_layer import ReservedColumnsMixin, StaticColumns
-    from hf_hybrid.models.compat import cache_of
+    from hf_hybrid.compat import cache_of
 
     model = MODELS[name]()
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -392,24 +392,6 @@ def test_prompt_goes_straight_into_the_static_buffers(name, monkeypatch):
     generate(model, ids, False, max_new_tokens=5, do_sample=False)
     generate(model, ids, "eager", max_new_tokens=5, do_sample=False, num_beams=2)
     assert built == []
-
-
-def test_bare_decode_loop_runs_every_step_on_the_static_path():
-    """generation.benchmark.decode_loop_ms (the benchmark's floor and the decode profiler's loop):
-    prefill, three warm-up steps, then the measured steps, all through the static step."""
-    from hf_hybrid.generation.benchmark import decode_loop_ms
-
-    model = rat_model()
-    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    measured = []
-
-    def measure(fn):
-        fn()
-        measured.append(True)
-        return 0.004
-
-    assert decode_loop_ms(model, ids, 5, mode="eager", measure=measure) == pytest.approx(0.8)
-    assert measured == [True] and model._decode_graph_session is None
 
 
 FEW_ROW_MODELS = ("rat", "fox_pro", "rattention", "rat_plus_d4_w2_i2", "se_hybrid_full")

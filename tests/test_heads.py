@@ -16,29 +16,22 @@ from transformers import (
 )
 
 import hf_hybrid
+from hf_hybrid.architectures import ARCHITECTURES, TINY_SHAPE, architecture
 from helper_process import remote_code_helper
 
-VOCAB = 61
-PAD = 0
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=PAD)
-_ARCHITECTURES = {
-    "rat": (hf_hybrid.RatConfig, dict(chunk_size=4, sliding_window=6, layer_types=["rat", "sliding_attention"])),
-    "rat_plus": (hf_hybrid.RatPlusConfig, dict(num_key_value_heads=2, max_position_embeddings=256, training_dilations=[1, 8])),
-    "fox": (hf_hybrid.FoxConfig, dict(num_key_value_heads=2, kernel_backend="reference")),
-    "rattention": (hf_hybrid.RattentionConfig, dict(num_key_value_heads=2, window_size=3, layer_types=["local", "global"])),
-    "se_hybrid": (hf_hybrid.SEHybridConfig, dict(
-        num_key_value_heads=2, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8, layer_types=["mamba", "attention"],
-        se_chunk_sizes=[4, 8], se_eval_chunk_size=8, se_block_size=2, se_top_k=2, se_select_every=4, sliding_window=6)),
-}
-MODEL_TYPES = list(_ARCHITECTURES)
+# Every registered architecture's tiny fixture (hf_hybrid/architectures.py), two layers; RAT's
+# fixture is all RAT layers, mixed here with sliding-window attention so the heads see both kinds.
+_OVERRIDES = {"rat": dict(layer_types=["rat", "sliding_attention"])}
+MODEL_TYPES = [arch.model_type for arch in ARCHITECTURES]
+PAD = TINY_SHAPE["pad_token_id"]
 
 
 def tiny_config(model_type: str, **overrides):
-    config_class, settings = _ARCHITECTURES[model_type]
-    return config_class(**(_COMMON | settings | overrides))
+    arch = architecture(model_type)
+    return arch.load(arch.config_class_name)(**(arch.tiny_config_kwargs(2) | _OVERRIDES.get(model_type, {}) | overrides))
 
 
-PREFIX = {"rat": "Rat", "rat_plus": "RatPlus", "fox": "Fox", "rattention": "Rattention", "se_hybrid": "SEHybrid"}
+PREFIX = {arch.model_type: arch.class_prefix for arch in ARCHITECTURES}
 HEADS = {
     "SequenceClassification": AutoModelForSequenceClassification,
     "TokenClassification": AutoModelForTokenClassification,

@@ -1,8 +1,8 @@
-"""What a RAT training forward keeps for its backward (issue 16: peak memory at 32K).
+"""What a RAT training forward keeps for its backward (peak memory at 32K).
 
 The fused training path rebuilds k_rot, v~, the rotated q, the gate logits and z in the backward
 instead of keeping them (hf_hybrid/layers/rat_attention.py, ``_train_fused``): the saved bytes per token drop by
-exactly those tensors (hf_hybrid/bench/saved_tensors.py counts them), and every gradient is
+exactly those tensors (benchmarks/saved_tensors.py counts them), and every gradient is
 bit-equal to the path that keeps them. Tiny shapes in Triton's interpreter on CPU.
 """
 from __future__ import annotations
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import hf_hybrid.layers.rat_attention as rat_module
-from hf_hybrid.bench.saved_tensors import saved_tensor_report
+from benchmark_modules import load
 from hf_hybrid.kernels._backend import triton_interpreting
+
+saved_tensor_report = load("saved_tensors").saved_tensor_report  # counts what a forward saves
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpreting()), reason="needs CUDA or TRITON_INTERPRET=1"

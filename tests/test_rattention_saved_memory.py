@@ -1,11 +1,11 @@
-"""What a RATTENTION training forward keeps for its backward (issue 16: peak memory at 32K).
+"""What a RATTENTION training forward keeps for its backward (peak memory at 32K).
 
 The local layer rebuilds the QK-normed, rotated q~ and k~ (kept by the SWA op) in the backward from
 the raw q and k (kept by the norm and the RLA op), and o_proj's input (the sum of the branch norms,
 kept by o_proj) from the two branch outputs (kept by the norms' backward); the global layer rebuilds
 its QK-normed q and k (kept by the attention) from the raw ones (kept by the norm).
 hf_hybrid/layers/residual_linear_attention.py, layers/recompute.py. The saved bytes per token drop by
-exactly those tensors (hf_hybrid/bench/saved_tensors.py counts them) and every gradient is bit-equal
+exactly those tensors (benchmarks/saved_tensors.py counts them) and every gradient is bit-equal
 to the path that keeps them. Tiny shapes in Triton's interpreter on CPU; there the SWA runs through
 SDPA with its band mask (flex_attention has no CPU backward), which saves q~ and k~ as flex does.
 """
@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import hf_hybrid.layers.residual_linear_attention as rattention_module
-from hf_hybrid.bench.saved_tensors import saved_tensor_report
+from benchmark_modules import load
 from hf_hybrid.kernels._backend import triton_interpreting
+
+saved_tensor_report = load("saved_tensors").saved_tensor_report  # counts what a forward saves
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpreting()), reason="needs CUDA or TRITON_INTERPRET=1"
@@ -52,7 +54,7 @@ def _model(dtype: torch.dtype):
 # On CUDA, SDPA's float32 kernels for a masked (band or causal) attention save contiguous copies of
 # q~ / k~, not the tensors the layers register, so nothing is rebuilt there (nor wrongly kept: the
 # registration is unused). The models' own CUDA window path is flex_attention; the bench's bf16
-# training step measures the drop (docs/benchmarks.md).
+# training step measures the drop (`hf-hybrid bench --suites models --only "train T=32K"`).
 _NOT_ON_CUDA = pytest.mark.skipif(DEVICE == "cuda", reason="SDPA's fp32 CUDA kernels save copies of q~ / k~: no rebuild to test")
 
 

@@ -1,5 +1,5 @@
-"""The `rat_plus` (RAT+ Table 3) reproduction's cpu preset runs end to end and writes its report; the old
-``hf_hybrid.models.rat_plus.table3`` entry point still works (the effect itself is not asserted)."""
+"""The `rat_plus` (RAT+ Table 3) reproduction's cpu preset runs end to end and writes its report; its
+one-seed CLI (``python -m hf_hybrid.reproduce.rat_plus``) still works (the effect itself is not asserted)."""
 import json
 
 import pytest
@@ -23,9 +23,9 @@ def test_rat_plus_cpu_preset_writes_report(tmp_path):
     assert len(report["outcome"]) == 4 and all(isinstance(v, bool) for v in report["outcome"].values())
 
 
-def test_table3_alias_runs_one_seed(tmp_path):
-    from hf_hybrid.models.rat_plus import table3
+def test_one_seed_cli_runs(tmp_path):
+    from hf_hybrid.reproduce.rat_plus import main as one_seed_main
 
-    table3.main(["--preset", "cpu", "--steps", "2", "--eval-sequences", "2", "--models", "rat_plus", "--out", str(tmp_path)])
+    one_seed_main(["--preset", "cpu", "--steps", "2", "--eval-sequences", "2", "--models", "rat_plus", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["models"]) == {"rat_plus"} and (tmp_path / "table.md").exists()

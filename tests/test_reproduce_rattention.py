@@ -1,4 +1,4 @@
-"""`hf-hybrid reproduce rattention --preset cpu` writes its table, figure and raw numbers (issue 20).
+"""`hf-hybrid reproduce rattention --preset cpu` writes its table, figure and raw numbers.
 
 Runs the toy preset end to end; asserts the outputs and their structure, not that the paper's effect
 holds at this size."""

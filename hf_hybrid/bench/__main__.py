@@ -5,6 +5,9 @@ Examples::
     hf-hybrid bench                                   # every suite, paper shapes, needs a GPU
     hf-hybrid bench --suites ops,layers --seqs 32768  # some suites, one sequence length
     hf-hybrid bench --quick --device cpu              # tiny smoke run of the harness itself
+
+Development diagnostics and tile sweeps are not suites: they are scripts of the repository
+(``python -m benchmarks.<name>`` from a checkout, listed in benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=None,
                    help="time only variants whose label contains this text (comma-separated: any of them); "
                         "each case's first variant, its baseline, always runs")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="cap the models suite's wall-clock time: each case gets a share, later variants are reported as skipped")
     p.add_argument("--out", default="bench_results", help="folder for bench.json and bench.png")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -65,6 +70,7 @@ def main(argv=None) -> int:
     config = BenchConfig(
         device=device, dtype=DTYPES[args.dtype], quick=args.quick, flex=args.flex, warmup=args.warmup,
         repeat=args.repeat, seqs=tuple(int(s) for s in args.seqs.split(",")) if args.seqs else None,
+        budget_s=args.budget,
     )
     results, skipped, delegated = [], [], []
     out = Path(args.out)

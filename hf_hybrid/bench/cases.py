@@ -27,6 +27,7 @@ class BenchConfig:
     warmup: int = 3
     repeat: int = 10
     seqs: tuple[int, ...] | None = None  # override a module's default sequence lengths
+    budget_s: float | None = None  # wall-clock cap of a time-budgeted suite (the models suite), seconds
 
     @property
     def on_cuda(self) -> bool:

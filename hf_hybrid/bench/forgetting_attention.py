@@ -4,21 +4,20 @@
     python -m hf_hybrid.bench.forgetting_attention --seq 4096 --json out.json
     python -m hf_hybrid.bench.forgetting_attention --sweep-forward --seq 4096 65536 --json sweep.json
 
-Shapes follow the FoX issue: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
+Shapes: 16 heads x head dim 128, bf16, 65,536 tokens per batch (batch =
 tokens // T). Compared in one process: ``torch.nn.functional.scaled_dot_product_attention``
 restricted to its cuDNN backend and to its flash backend with ``is_causal=True`` (plain softmax
 attention: cuDNN is the speed floor on Hopper), flash-linear-attention's
 ``parallel_forgetting_attn`` when ``fla`` imports, ours as shipped ("ours": on Hopper its forward is
 the warp-specialised Gluon kernels, kernels/forgetting_attention/hopper.py and hopper_backward.py),
-on Hopper ours with the portable kernels ("ours_portable": HF_HYBRID_FOX_HOPPER=0 and
-HF_HYBRID_FOX_HOPPER_BWD=0) and ours with the Hopper forward but the portable backward
-("ours_portable_bwd": HF_HYBRID_FOX_HOPPER_BWD=0),
+on Hopper ours with the portable kernels ("ours_portable": the Hopper dispatch predicates held
+off) and ours with the Hopper forward but the portable backward ("ours_portable_bwd"),
 and ours on cuDNN with the forget bias as extra head dimensions ("ours_sdpa", what "auto" runs
 without gradients in bf16 on GPUs other than Hopper). Ratios are time / cuDNN's.
 Forward = one call; forward+backward = one call plus ``autograd.grad`` of q, k, v (and log f for
 the forget-gate ops). Timing: CUDA events, warm-up first (includes autotuning), then each op runs
-for ``--warm-ms`` (250 ms) untimed so that the clocks settle at its own level (the H200 timed a
-kernel up to 10% off its steady speed within ~100 ms of another), then the median of ``--repeat``
+for ``--warm-ms`` (250 ms) untimed so that the clocks settle at its own level (a kernel timed
+right after a different one can run up to 10% off its steady speed), then the median of ``--repeat``
 calls; inputs are random (never zeros); log f = logsigmoid(N(4, 1)) per head.
 """
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import sys
 from unittest import mock
@@ -75,10 +73,24 @@ def _ops():
     return ops
 
 
-# Rows timed with environment switches held over the whole call, backward included.
+def portable_kernels(forward: bool = True):
+    """The portable kernels in place of the Hopper ones: the backward always, the forward too when
+    asked (the Triton wrapper and the SDPA route both ask the forward's predicate)."""
+    from hf_hybrid.kernels.forgetting_attention import sdpa as fa_sdpa
+    from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(fa_triton, "hopper_backward_applies", lambda *args: False))
+    if forward:
+        for module in (fa_triton, fa_sdpa):
+            stack.enter_context(mock.patch.object(module, "hopper_forward_applies", lambda *args: False))
+    return stack
+
+
+# Rows timed with the Hopper kernels held off over the whole call, backward included.
 CONTEXTS = {
-    "ours_portable": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER="0", HF_HYBRID_FOX_HOPPER_BWD="0"),
-    "ours_portable_bwd": lambda: mock.patch.dict(os.environ, HF_HYBRID_FOX_HOPPER_BWD="0"),
+    "ours_portable": lambda: portable_kernels(forward=True),
+    "ours_portable_bwd": lambda: portable_kernels(forward=False),
 }
 
 
@@ -136,7 +148,7 @@ def _line(row):
 
 
 def markdown(rows):
-    """The table for docs/benchmarks: times in ms, ratios to SDPA's cuDNN backend (time / cuDNN's)."""
+    """The table for docs/benchmarks/fox.md: times in ms, ratios to SDPA's cuDNN backend (time / cuDNN's)."""
     names = [n for n in rows[0] if isinstance(rows[0][n], dict)]
     head = "| T | batch | " + " | ".join(f"{n} fwd" for n in names) + " | " + " | ".join(f"{n} fwd+bwd" for n in names) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]

@@ -180,8 +180,7 @@ def rat_plus_layer_builder(config: BenchConfig, batch: int, seq: int, dilation: 
 
 
 def rat_plus_train_builder(config: BenchConfig, batch: int, seq: int):
-    """RAT+'s dense training step (D = 1, the recurrence active): issue 21 asks it within 1.2x of
-    the SDPA layer."""
+    """RAT+'s dense training step (D = 1, the recurrence active), to compare with the SDPA layer."""
     def build():
         layer = _rat_plus_layer(config)
         x = torch.randn(batch, seq, HIDDEN, device=config.device, dtype=config.dtype, requires_grad=True)

@@ -8,12 +8,7 @@ causal_conv1d) on the same parameters, same process.
 Rows: the mixer forward, forward+backward, one decode token (cache), and the SSD op alone
 (ssd_scan vs Bamba's mamba2_chunk_scan), each with the allocator's peak. Timing: CUDA events after
 warm-up, median of ``--repeat`` calls; random inputs. A variant that runs out of memory says OOM.
-
-Measured (H100, bf16, hidden 2560 = 80 heads x 64, d_state 128, batch 1, --repeat 5;
-docs/device_runs/mamba_mixer_h100.json), ours vs Bamba torch_forward, ms (peak GiB):
-  T=2048   mixer fwd+bwd 6.3 (0.55) vs 173 (41.0); fwd 1.3 vs 64; SSD op fwd+bwd 2.5 vs 145
-  T=8192   mixer fwd+bwd 14.6 (2.3) vs OOM;   T=16384  29.0 (4.7) vs OOM
-  decode token (eager, launch-bound): 0.71 vs 0.83 ms at T=2048.
+Current figures: docs/benchmarks/se_hybrid.md.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ architecture's defaults. Cells (one Case each, every model a variant):
   ``min_new_tokens = max_new_tokens`` and otherwise default arguments; Llama with its default
   (dynamic) cache, with Liger, and with ``cache_implementation="static"`` (generate() then compiles
   the decode step: its fastest; Liger adds nothing under Inductor, which fuses the same ops).
-  Liger slows eager decode steps down (launch-bound: Llama+Liger 0.76x at B=32 on the H100), so
-  our models keep PyTorch's norm and SwiGLU below backbone_fusion.FUSED_MIN_TOKENS tokens.
+  Liger slows eager decode steps down (they are launch-bound), so our models keep PyTorch's norm
+  and SwiGLU below backbone_fusion.FUSED_MIN_TOKENS tokens.
   A logits processor records a CUDA event after the prefill and after every token, so the cell
   reports decode throughput, B x (new - 1) / (time from the first to the last token), and keeps
   the prefill and whole-call times in its info. The warm-up is a short generate() (a whole one
@@ -27,10 +27,9 @@ architecture's defaults. Cells (one Case each, every model a variant):
 Every cell catches OOM (reported as OOM) and errors (reported, the suite goes on). The big shapes
 run 1 warm-up (compilation, autotuning) and one or two timed calls (a call is a whole training
 step or a whole generate(), itself an average over its tokens). A cold run is dominated by
-compiling and autotuning every model's Triton kernels: on an H100 the first 14 of the 52 cells
-took about 3.5 minutes, so run it in pieces (``--only train``, ``--only prefill,decode B=8``,
+compiling and autotuning every model's Triton kernels (minutes for the first cells), so run it in pieces (``--only train``, ``--only prefill,decode B=8``,
 ``--only "decode B=32"``, and ``--variants "Llama,FoX"`` for chosen rows: each case's baseline
-always runs) where one command is time-limited; bench.json is rewritten after every case. ``HF_HYBRID_BENCH_BUDGET=<seconds>``
+always runs) where one command is time-limited; bench.json is rewritten after every case. ``--budget <seconds>``
 caps a run: each case gets a share of the budget and the variants past it are reported as skipped
 (see TimeBudget), so the JSON is always written. ``python -m hf_hybrid.bench.models A.json
 [B.json ...]`` turns bench.json files into the per-model Markdown summary (ratios against the
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -63,8 +61,8 @@ class SkipVariant(Exception):
 
 
 class TimeBudget:
-    """Optional wall-clock budget for the suite (``HF_HYBRID_BENCH_BUDGET`` seconds, e.g. to fit a
-    time-limited GPU session): case i may run until its cumulative share of the budget is spent
+    """Optional wall-clock budget for the suite (``hf-hybrid bench --budget`` seconds, e.g. to fit a
+    time-limited GPU job): case i may run until its cumulative share of the budget is spent
     (unused time carries over); variants that would start later are reported as skipped.
     ``keep(names)`` (the harness's --only) shares the budget among the cases that will run."""
 
@@ -86,7 +84,7 @@ class TimeBudget:
                 now = time.perf_counter()
                 self.start = now if self.start is None else self.start
                 if now - self.start > self.ends.get(case_name, 1.0) * self.seconds:
-                    raise SkipVariant(f"time budget spent (HF_HYBRID_BENCH_BUDGET={self.seconds:g} s)")
+                    raise SkipVariant(f"time budget spent (--budget {self.seconds:g} s)")
             return builder()
         return build
 
@@ -102,24 +100,33 @@ class Arch:
 
 
 def architectures(quick: bool) -> list[Arch]:
+    """The rows of every architecture of hf_hybrid/architectures.py, in its order."""
+    from ..architectures import ARCHITECTURES
     from ..sparse import SparseInferenceConfig
 
     layers = (QUICK_SHAPE if quick else FULL_SHAPE)["num_hidden_layers"]
     alternate = lambda a, b: [a if i % 2 == 0 else b for i in range(layers)]  # noqa: E731
     tiny = {"mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16, "se_chunk_sizes": [32, 64],
             "se_block_size": 8, "se_top_k": 2, "se_select_every": 16} if quick else {}
-    return [
-        Arch("RAT", "rat", {"chunk_size": 16} if not quick else {"chunk_size": 8}),
-        Arch("RAT-SWA", "rat", {"layer_types": alternate("rat", "sliding_attention"),
-                                **({"chunk_size": 8, "sliding_window": 16} if quick else {})}),
-        Arch("RAT+", "rat_plus", {"training_dilations": [1, 4]} if quick else {}),
-        Arch("RAT+ D=16", "rat_plus", {"sparse_config": SparseInferenceConfig(dilation=4 if quick else 16).to_dict(),
-                                       **({"training_dilations": [1, 4]} if quick else {})}, trains=False),
-        Arch("FoX (llama)", "fox", {"block_type": "llama"}),
-        Arch("FoX (pro)", "fox", {"block_type": "pro"}),
-        Arch("RATTENTION", "rattention", {"window_size": 16} if quick else {}),
-        Arch("SE hybrid", "se_hybrid", tiny),
-    ]
+    rows = {
+        "rat": [
+            Arch("RAT", "rat", {"chunk_size": 16} if not quick else {"chunk_size": 8}),
+            Arch("RAT-SWA", "rat", {"layer_types": alternate("rat", "sliding_attention"),
+                                    **({"chunk_size": 8, "sliding_window": 16} if quick else {})}),
+        ],
+        "rat_plus": [
+            Arch("RAT+", "rat_plus", {"training_dilations": [1, 4]} if quick else {}),
+            Arch("RAT+ D=16", "rat_plus", {"sparse_config": SparseInferenceConfig(dilation=4 if quick else 16).to_dict(),
+                                           **({"training_dilations": [1, 4]} if quick else {})}, trains=False),
+        ],
+        "fox": [Arch("FoX (llama)", "fox", {"block_type": "llama"}), Arch("FoX (pro)", "fox", {"block_type": "pro"})],
+        "rattention": [Arch("RATTENTION", "rattention", {"window_size": 16} if quick else {})],
+        "se_hybrid": [Arch("SE hybrid", "se_hybrid", tiny)],
+    }
+    missing = [arch.model_type for arch in ARCHITECTURES if arch.model_type not in rows]
+    if missing:
+        raise KeyError(f"the model bench has no row for architecture(s) {missing}: add them to architectures().")
+    return [row for arch in ARCHITECTURES for row in rows[arch.model_type]]
 
 
 def _shape(config: BenchConfig) -> dict:
@@ -343,15 +350,14 @@ def _variants(config: BenchConfig, make_builder, llama_static=None, unfused: boo
 
 def cases(config: BenchConfig) -> list[Case]:
     out = _cases(config)
-    budget = os.environ.get("HF_HYBRID_BENCH_BUDGET")
-    schedule = TimeBudget(float(budget) if budget else None, {c.name: CASE_SHARES.get(c.name.split(" ")[0], 1.0) for c in out})
+    schedule = TimeBudget(config.budget_s, {c.name: CASE_SHARES.get(c.name.split(" ")[0], 1.0) for c in out})
     for case in out:
         case.variants = {name: schedule.guard(case.name, builder) for name, builder in case.variants.items()}
         case.schedule = schedule
     return out
 
 
-CASE_SHARES = {"train": 0.2, "prefill": 0.12, "decode": 0.24}  # of HF_HYBRID_BENCH_BUDGET, per case
+CASE_SHARES = {"train": 0.2, "prefill": 0.12, "decode": 0.24}  # of --budget, per case
 
 
 def _cases(config: BenchConfig) -> list[Case]:

@@ -3,9 +3,9 @@ SWA-only layer (w=4096), all in one process, plus the decode step at a long cont
 
     python -m hf_hybrid.bench.rattention                        # T = 4K, 8K; decode at 32K, batch 64
     python -m hf_hybrid.bench.rattention --json out.json
-    python -m hf_hybrid.bench.rattention --compile-report   # no GPU needed: sm_90 registers / spills
+    python -m benchmarks.sm90 --rla                             # from a checkout, no GPU: sm_90 registers / spills
 
-Shapes follow the RATTENTION issue (paper Fig. 3, 3B model): hidden 2048, 16 query heads x 128,
+Shapes follow the RATTENTION paper (Fig. 3, 3B model): hidden 2048, 16 query heads x 128,
 4 key/value heads, bf16. Layers (projections, QK-norm, RoPE and branch norms included):
 
 * ``full``       RattentionGlobalAttention: causal SDPA (flash) over all tokens.
@@ -237,46 +237,6 @@ def kernel_report():
     return report
 
 
-def compile_report(variants=None):
-    """Compile every RLA kernel for sm_90 ahead of time (no GPU needed, see sm90.py) and report
-    registers, local-memory stack (spills) and shared memory per thread block. bf16, head_dim
-    128, 16 query / 4 key-value heads, the bench's kernel variants."""
-    from ..kernels.residual_linear_attention import triton as rla_triton
-    from .sm90 import compile_for_sm90
-
-    bf, f32 = "*bf16", "*fp32"
-    specs = {  # kernel -> (pointer dtypes, extra constexprs, takes NH, used when fused)
-        "_state_pass_kernel": (dict(K=bf, V=bf, S0=f32, STATES=f32), dict(HAS_S0=False), True, None),
-        "_fwd_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=f32, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), True, False),
-        "_fwd_fused_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=bf, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), False, True),
-        "_dq_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), True, False),
-        "_dq_fused_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), False, True),
-        "_adjoint_pass_kernel": (dict(Q=bf, DO=bf, DSF=f32, GSTATES=f32), dict(HAS_DSF=False), True, None),
-        "_dkv_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, G_IN=f32, DK=f32, DV=f32, DS0=f32), dict(G_IN_MODE=2, STORE_DS0=False), True, None),
-    }
-    rows = []
-    for chunk, block_v, _, fuse in variants or RLA_VARIANTS:
-        warps = 4 if block_v * HEAD_DIM * (2 if fuse else 1) < 64 * 128 else 8
-        for name, (ptrs, extra, takes_nh, fused_only) in specs.items():
-            if fused_only is not None and fused_only != bool(fuse):
-                continue
-            consts = dict(extra, D=HEAD_DIM, BV=block_v, C=chunk, FEATURE=0, DOT_PREC="tf32")
-            fn = getattr(rla_triton, name)
-            if "H" in fn.arg_names:
-                consts["H"] = HEADS
-            consts["HKV"] = KV_HEADS
-            if takes_nh:
-                consts["NH"] = 2
-            row = {"variant": f"C={chunk} BV={block_v} fuse={bool(fuse)} warps={warps}", "kernel": name}
-            try:
-                row.update(compile_for_sm90(fn, ptrs, consts, warps))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            print(f"[compile] {row}", flush=True)
-            rows.append(row)
-    return rows
-
-
 def _ms(cell, key):
     return cell.get(key) if isinstance(cell, dict) else None
 
@@ -322,14 +282,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--no-sweep", action="store_true", help="skip the RLA kernel-variant sweep (use defaults)")
     parser.add_argument("--json", type=str, default=None, help="write the raw numbers here")
-    parser.add_argument("--compile-report", action="store_true", help="only compile the RLA kernels for sm_90 and report registers / spills")
     args = parser.parse_args(argv)
-    if args.compile_report:
-        rows = compile_report()
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(rows, fh, indent=2)
-        return 0 if all("error" not in r for r in rows) else 1
     if not torch.cuda.is_available():
         print("the rattention bench needs a CUDA device", file=sys.stderr)
         return 1

@@ -29,9 +29,9 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, rep
     """Median wall time of ``fn()`` in milliseconds (repeat is raised to at least MIN_REPEAT).
 
     ``warm_ms``: after the warm-up calls, keep calling ``fn`` until this much time has passed, so that
-    the GPU's clocks settle at this workload's own level before timing. On the H200 a kernel timed
-    within ~100 ms of a different one ran up to 10% off its steady speed, in either direction
-    (docs/benchmarks_fox.md), which a few warm-up calls of a 2 ms kernel do not cover."""
+    the GPU's clocks settle at this workload's own level before timing: a kernel timed within ~100 ms
+    of a different one can run up to 10% off its steady speed, in either direction, which a few
+    warm-up calls of a 2 ms kernel do not cover."""
     repeat = max(repeat, MIN_REPEAT)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

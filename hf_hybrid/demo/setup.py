@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
+from ..architectures import ARCHITECTURES
 from ..data.language import LANGUAGE_PRESETS, SyntheticLanguage, make_language_dataset
 from ..data.recall import IGNORE_INDEX, RecallVocab, make_mqar_dataset
 from ..layers.forgetting_attention import forget_bias_init
@@ -111,31 +112,51 @@ def open_forget_gates(model) -> None:
         attn.f_proj.bias.copy_(forget_bias_init(attn.num_heads, attn.t_min, attn.t_max))
 
 
-def default_contestants(size: DemoSize) -> list[Contestant]:
+def _architecture_contestants(size: DemoSize) -> dict[str, list[Contestant]]:
+    """model_type -> its contestants (the first one's key is the architecture's ``demo_key``)."""
     w = size.window
     se_chunk = size.document_length // 2  # two SE chunks (several memory blocks) per language document
     dilations = (1, 2, 4)
-    return [
-        Contestant("llama", "Llama", "llama"),  # transformers' own model: the dense-attention baseline
-        Contestant("rat", "RAT(L=4)", "rat", {"chunk_size": 4}),
-        Contestant("rat_swa", f"RAT-SWA(L=4,W={w})", "rat",
-                   {"chunk_size": 4, "layer_types": "rat+sliding_attention", "sliding_window": w}),
+    return {
+        "rat": [
+            Contestant("rat", "RAT(L=4)", "rat", {"chunk_size": 4}),
+            Contestant("rat_swa", f"RAT-SWA(L=4,W={w})", "rat",
+                       {"chunk_size": 4, "layer_types": "rat+sliding_attention", "sliding_window": w}),
+        ],
         # One dense-trained RAT+ (joint objective D=1 and D=4), evaluated at several dilations per call.
         # D=2 is not in the training objective: its row shows a pattern between the trained ones.
-        Contestant("rat_plus", "RAT+", "rat_plus", {"training_dilations": [1, 4]},
-                   tuple(Variant(f"RAT+ D={d}", {"sparse_config": SparseInferenceConfig(dilation=d)}) for d in dilations)),
-        Contestant("fox", "FoX (llama)", "fox", {"block_type": "llama"}, prepare=open_forget_gates),
-        Contestant("fox_pro", "FoX (pro)", "fox", {"block_type": "pro"}, prepare=open_forget_gates),
-        Contestant("rattention", f"RATTENTION(W={w})", "rattention", {"window_size": w, "layer_types": "local+global"}),
+        "rat_plus": [
+            Contestant("rat_plus", "RAT+", "rat_plus", {"training_dilations": [1, 4]},
+                       tuple(Variant(f"RAT+ D={d}", {"sparse_config": SparseInferenceConfig(dilation=d)}) for d in dilations)),
+        ],
+        "fox": [
+            Contestant("fox", "FoX (llama)", "fox", {"block_type": "llama"}, prepare=open_forget_gates),
+            Contestant("fox_pro", "FoX (pro)", "fox", {"block_type": "pro"}, prepare=open_forget_gates),
+        ],
+        "rattention": [
+            Contestant("rattention", f"RATTENTION(W={w})", "rattention", {"window_size": w, "layer_types": "local+global"}),
+        ],
         # Trained with full attention (how the paper's Mamba-2 hybrids are pre-trained; SE-Attn is its
         # long-context fine-tuning recipe) and evaluated both ways: `se` (chunks + top-k memory blocks)
         # and `full`. Trained with `se` from scratch, both rows come out lower at this budget.
-        Contestant("se_hybrid", "SE-hybrid", "se_hybrid",
-                   {"layer_types": "mamba+attention", "attention_mode": "full", "se_chunk_sizes": [se_chunk // 2, se_chunk],
-                    "se_block_size": 4, "se_top_k": 2, "se_select_every": se_chunk // 4,
-                    "mamba_d_head": size.hidden_size // 4, "mamba_d_state": 16, "mamba_chunk_size": 16},
-                   (Variant("SE-hybrid (se)", {"attention_mode": "se"}), Variant("SE-hybrid (full)", {"attention_mode": "full"}))),
-    ]
+        "se_hybrid": [
+            Contestant("se_hybrid", "SE-hybrid", "se_hybrid",
+                       {"layer_types": "mamba+attention", "attention_mode": "full", "se_chunk_sizes": [se_chunk // 2, se_chunk],
+                        "se_block_size": 4, "se_top_k": 2, "se_select_every": se_chunk // 4,
+                        "mamba_d_head": size.hidden_size // 4, "mamba_d_state": 16, "mamba_chunk_size": 16},
+                       (Variant("SE-hybrid (se)", {"attention_mode": "se"}), Variant("SE-hybrid (full)", {"attention_mode": "full"}))),
+        ],
+    }
+
+
+def default_contestants(size: DemoSize) -> list[Contestant]:
+    """transformers' Llama (the dense-attention baseline), then every architecture of
+    hf_hybrid/architectures.py in its order."""
+    by_type = _architecture_contestants(size)
+    missing = [arch.model_type for arch in ARCHITECTURES if arch.model_type not in by_type]
+    if missing:
+        raise KeyError(f"the demo has no contestant for architecture(s) {missing}: add them to _architecture_contestants.")
+    return [Contestant("llama", "Llama", "llama")] + [c for arch in ARCHITECTURES for c in by_type[arch.model_type]]
 
 
 def select(contestants: list[Contestant], only: str | None) -> list[Contestant]:

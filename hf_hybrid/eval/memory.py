@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.compat import cache_of
+from ..compat import cache_of
 
 
 def cache_nbytes(cache) -> int:

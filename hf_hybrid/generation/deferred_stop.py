@@ -3,8 +3,8 @@
 transformers' sampling loop reads ``unfinished_sequences.max() == 0`` on the host after every
 token (``StopCheck``): the host waits for the device each step, so the next step's Python
 (input preparation, this package's step dispatch, the graph launch) runs while the GPU idles.
-With a replayed CUDA graph that wait is a large share of a token: on the H100 at B=8 / 16K, RAT's
-graphed step takes 1.13 ms in a loop without the wait and 1.81 ms per token inside generate().
+With a replayed CUDA graph that wait is a large share of a token (compare ``--floor``, the graphed
+steps in a bare loop, with generate() in `python -m benchmarks.generation`).
 
 transformers ships the fix, ``DeferredStopCheck``: it copies the flag to the host asynchronously,
 reads it one step later, and at the end undoes the one extra step it ran (tokens, scores and
@@ -21,8 +21,10 @@ Opt out with ``HF_HYBRID_DEFERRED_STOP=0`` (read per generate()) or ``decode_cud
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
+
+from ..options import get as option
+from .._compat.transformers_stop_check import wrap_is_supported
 
 DEVICE_TYPES = ("cuda",)  # where a registered cache defers (tests add "cpu" with a stand-in event)
 
@@ -32,39 +34,24 @@ _defer_everything = False  # the benchmark's transparency row (Llama with the sa
 
 
 def enabled() -> bool:
-    return os.environ.get("HF_HYBRID_DEFERRED_STOP", "1") != "0"
+    return option("HF_HYBRID_DEFERRED_STOP")
 
 
-def _deferred_stop_check_class():
-    try:
-        from transformers.generation.utils import DeferredStopCheck
-    except ImportError:  # a transformers without it: the stop check stays synchronous
-        return None
-    return DeferredStopCheck if hasattr(DeferredStopCheck, "is_supported") else None
+def _defers(device, cache, cache_is_returned, is_assistant) -> bool:
+    """This package's part of the decision (the module docstring); False leaves it to transformers."""
+    if not (is_assistant or cache_is_returned) and device.type in DEVICE_TYPES:
+        if _is_registered(cache):
+            _deferred.add(cache)
+            return True
+        if _defer_everything:
+            return True
+    return False
 
 
 def install() -> bool:
-    """Wrap ``DeferredStopCheck.is_supported`` once (idempotent); False when transformers has none."""
-    cls = _deferred_stop_check_class()
-    if cls is None:
-        return False
-    transformers_decision = cls.__dict__["is_supported"].__func__
-    if getattr(transformers_decision, "_hf_hybrid", False):
-        return True
-
-    def is_supported(device, cache, cache_is_returned, is_assistant):
-        if not (is_assistant or cache_is_returned) and device.type in DEVICE_TYPES:
-            if _is_registered(cache):
-                _deferred.add(cache)
-                return True
-            if _defer_everything:
-                return True
-        return transformers_decision(device, cache, cache_is_returned, is_assistant)
-
-    is_supported._hf_hybrid = True
-    is_supported.__doc__ = transformers_decision.__doc__
-    cls.is_supported = staticmethod(is_supported)
-    return True
+    """Put :func:`_defers` in front of ``DeferredStopCheck.is_supported`` once (idempotent,
+    hf_hybrid/_compat/transformers_stop_check.py); False when transformers has none to wrap."""
+    return wrap_is_supported(_defers)
 
 
 def _is_registered(cache) -> bool:

@@ -46,13 +46,8 @@ and the host bookkeeping this design keeps outside the graph).
 Around the graph, generate()'s stop check runs one step late on CUDA (deferred_stop.py), and a
 step of a shape that already ran in the process is captured at once (StaticDecodeStep.prewarmed).
 
-Measured (hf_hybrid/generation/benchmark.py, H100, 8 layers of the 1.3B shape, bf16; ms per new
-token through generate(), first to last new token; transformers' Llama with a compiled static
-cache as the baseline; docs/benchmarks.md has every run), 2026-11-25, B=8 / 16K prompt / 64 new:
-Llama 4.97, RAT 1.44, RAT+ D=16 2.92, RATTENTION 2.41, FoX 5.08, SE hybrid 1.97; B=32 / 2K / 128
-new: Llama 3.61, RAT 1.23, RAT+ D=16 2.62, RATTENTION 2.30, FoX 3.63, SE 1.73. The same graphed
-steps in a bare loop (``decode_loop_ms``) at B=8 / 16K: RAT 1.12, RAT+ 2.29, RATTENTION 1.88, FoX
-4.56, SE 1.65: the rest is generate()'s own per-step work.
+Timed by `python -m benchmarks.generation` against transformers' Llama with a compiled
+static cache; current figures: docs/benchmarks/models.md.
 """
 from __future__ import annotations
 
@@ -62,8 +57,8 @@ import time
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..compat import CACHE_NAME, cache_field, rename_cache_kwarg
 from ..layers.backbone_fusion import static_decode_step
-from ..models.compat import CACHE_NAME, cache_field, rename_cache_kwarg
 from .deferred_stop import allow_deferred_stop, stop_was_deferred, withdraw_deferred_stop
 
 DECODE_GRAPH_MODES = (None, True, False, "eager")
@@ -112,7 +107,7 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn):
     the next prefill to allocate again, and without its ``torch.cuda.synchronize()``: a capture
     launches nothing, so it can be recorded while the prefill still runs on the device (the side
     stream waits for the current one; replays run on the current stream after both). With the sync,
-    the device sat idle through every generate()'s capture (0.1-0.3 ms per token at 64 new tokens)."""
+    the device would sit idle through every generate()'s capture."""
     device = torch.cuda.current_device()
     stream = _capture_streams.setdefault(device, torch.cuda.Stream(device))
     stream.wait_stream(torch.cuda.current_stream())

@@ -1,8 +1,9 @@
 """The pre-norm decoder block every architecture shares:
 
-    h = x + mixer(RMSNorm(x));  out = h + SwiGLU(RMSNorm(h))
+    h = x + mixer(RMSNorm(x));  out = h + MLP(RMSNorm(h))
 
-Only the token mixer differs between architectures; parameter names follow Llama
+Only the token mixer differs between architectures (the MLP is SwiGLU or the plain two-layer block,
+``mlp.build_mlp``); parameter names follow Llama
 (input_layernorm, self_attn, post_attention_layernorm, mlp) so dense checkpoints map directly.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..kernels._backend import resolve_backend
 from ..kernels.residual_norm import add_rms_norm, add_rms_norm_supported
 from .backbone_fusion import fused_decode_active
 from .context import SequenceContext
-from .mlp import SwiGLUMLP
+from .mlp import build_mlp
 from .norm import RMSNorm
 
 # The residual add + RMSNorm kernel of generate()'s static decode step (kernels/residual_norm):
@@ -46,12 +47,13 @@ def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tupl
 
 
 class DecoderLayer(GradientCheckpointingLayer):
-    def __init__(self, hidden_size: int, intermediate_size: int, mixer: nn.Module, rms_norm_eps: float):
+    def __init__(self, hidden_size: int, intermediate_size: int, mixer: nn.Module, rms_norm_eps: float,
+                 mlp_type: str = "gated", hidden_act: str = "silu", mlp_bias: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
         self.self_attn = mixer
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
-        self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
+        self.mlp = build_mlp(hidden_size, intermediate_size, mlp_type, hidden_act, mlp_bias)
 
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None, **mixer_kwargs) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, cache_layer, **mixer_kwargs)

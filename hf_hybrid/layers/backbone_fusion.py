@@ -2,9 +2,9 @@
 
 In eager PyTorch an RMSNorm is six kernels, SwiGLU's product two, and the loss materialises the
 float32 logits of the whole sequence (T x 32K x 4 bytes: 4 GiB at T = 32K, again for the gradient).
-Liger (``pip install hf-hybrid[fast]`` or ``liger-kernel``) fuses each into one Triton kernel. On an
-H100, 8 layers of the 1.3B shape, a T=8K training step of transformers' Llama went from 82.9 ms and
-9.9 GB peak to 60.1 ms and 5.4 GB with Liger; RAT with this module took 61.2 ms and 6.5 GB.
+Liger (``pip install hf-hybrid[fast]`` or ``liger-kernel``) fuses each into one Triton kernel, which
+takes a long training step's time and peak memory down by about a quarter and a half
+(`hf-hybrid bench --suites models --only train`; docs/benchmarks/models.md).
 
 When it applies: automatically on CUDA tensors when ``liger_kernel`` is installed (the norm and
 SwiGLU kernels from FUSED_MIN_TOKENS tokens per call: training and prefill). It is off on the CPU,
@@ -22,25 +22,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import os
 
 import torch
 
-_enabled = os.environ.get("HF_HYBRID_LIGER", "1").strip().lower() not in ("0", "false", "off", "no")
+from ..options import get as option
+
+_enabled = option("HF_HYBRID_LIGER")
 _allow_cpu = False
 # The norm and SwiGLU kernels are used from this many tokens per call: a decode step (a few tokens)
-# is launch-bound, and there Liger's Python-side launch costs more than the PyTorch ops. On the H100
-# (8 layers of the 1.3B shape, generate() eager) Llama with Liger decoded at 0.76x the tokens/s of
-# Llama without (B=32, 2K prompt) and 0.97x (B=8, 16K prompt), while training and prefill gained.
+# is launch-bound, and there Liger's Python-side launch costs more than the PyTorch ops (an eager
+# Llama with Liger decodes slower than without), while training and prefill gain.
 FUSED_MIN_TOKENS = 1024
 _min_tokens = FUSED_MIN_TOKENS
 # Inside generate()'s static decode step (hf_hybrid/generation: captured in a CUDA graph on the GPU)
 # there is no launch cost to amortise, only each kernel's own time: an RMSNorm as one kernel
 # instead of six saves ~25 kernels per FoX Pro layer per token (and layers/fused_norms.py's
-# per-head norm kernels apply there too). Measured on the H100 (B=8, 16K prompt, ms per token through
-# generate(), same run): RATTENTION 3.22 -> 2.04, FoX 5.96 -> 5.01, RAT+ D=16 3.55 -> 2.87. On by
-# default; HF_HYBRID_FUSED_DECODE=0 or set_backbone_fusion(..., fused_decode=False) switches it off.
-_fused_decode = os.environ.get("HF_HYBRID_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "off", "no")
+# per-head norm kernels apply there too; `python -m benchmarks.generation --unfused-decode`
+# times it off). On by default; HF_HYBRID_FUSED_DECODE=0 or set_backbone_fusion(..., fused_decode=False)
+# switches it off.
+_fused_decode = option("HF_HYBRID_FUSED_DECODE")
 _static_decode_depth = 0
 
 

@@ -24,8 +24,8 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 # Below this many tokens (decode steps) launching the fused kernels costs more host time than
-# the PyTorch ops take in all: on the H100 the eager RATTENTION decode step (batch 64) took 2.0 ms
-# with them and 1.2 ms without. Training and prefill shapes are far above it.
+# the PyTorch ops take in all (an eager RATTENTION decode step is slower with them,
+# `python -m hf_hybrid.bench.rattention`). Training and prefill shapes are far above it.
 FUSED_MIN_TOKENS = 1024
 
 

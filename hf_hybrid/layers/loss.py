@@ -5,7 +5,10 @@ In training the logits are usually not wanted, only the loss: there, on CUDA wit
 logits of the whole sequence ([T, vocab] x 4 bytes, plus their gradient) never exist. The loss is
 transformers' ForCausalLMLoss: labels shifted left by one (the last position predicts nothing),
 ``ignore_index`` (-100) skipped, mean over the counted tokens, or a sum divided by
-``num_items_in_batch`` when the Trainer passes it (gradient accumulation).
+``num_items_in_batch`` when the Trainer passes it (gradient accumulation). ``shift_labels``, when
+given, are the targets as they are (already shifted: context-parallel and sequence-parallel
+trainers split them with the tokens, so the target of a shard's last token comes from the next
+shard); ``labels`` may then be None.
 
 Which path runs (``skip_logits``, Liger's name for the same switch):
 - ``skip_logits=None`` (default): fused when training with labels, the fusion applies and the
@@ -22,7 +25,8 @@ from torch.nn import functional as F
 
 from .backbone_fusion import fused_backbone_applies, fused_linear_cross_entropy
 
-LOSS_KWARGS = ("num_items_in_batch", "ignore_index")
+# The loss keywords of transformers' causal LMs (ForCausalLMLoss), taken from forward()'s kwargs.
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
 
 def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -33,13 +37,17 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
 def causal_lm_loss_from_hidden(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
+    labels: torch.Tensor | None,
     num_items_in_batch: int | torch.Tensor | None = None,
     ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ForCausalLMLoss(hidden_states @ lm_head_weight.T, labels) computed from the hidden states:
-    fused (Liger) where the fusion applies, else through float32 logits as transformers does."""
-    targets = shifted_labels(labels, ignore_index).reshape(-1).to(hidden_states.device)
+    fused (Liger) where the fusion applies, else through float32 logits as transformers does.
+    ``shift_labels`` (already shifted targets) replace ``labels`` when given."""
+    if shift_labels is None:
+        shift_labels = shifted_labels(labels, ignore_index)
+    targets = shift_labels.reshape(-1).to(hidden_states.device)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     reduction = "sum" if num_items_in_batch is not None else "mean"
     if fused_backbone_applies(hidden):
@@ -54,8 +62,8 @@ def causal_lm_loss_from_hidden(
     return loss
 
 
-def _fuse_loss(model, hidden_states, labels, logits_to_keep, skip_logits) -> bool:
-    if labels is None or skip_logits is False:
+def _fuse_loss(model, hidden_states, has_targets, logits_to_keep, skip_logits) -> bool:
+    if not has_targets or skip_logits is False:
         return False
     if skip_logits:
         return True
@@ -69,16 +77,18 @@ def _fuse_loss(model, hidden_states, labels, logits_to_keep, skip_logits) -> boo
 def lm_head_and_loss(model, hidden_states, labels, logits_to_keep, kwargs: dict):
     """(logits, loss) of a causal LM with ``model.lm_head`` and ``model.loss_function``; logits is
     None when the fused loss ran (see the module docstring). ``kwargs``: the forward's extra keywords
-    (num_items_in_batch, ignore_index and skip_logits are read from it)."""
+    (the loss keywords LOSS_KWARGS and skip_logits are read from it). The loss is computed when
+    ``labels`` or ``shift_labels`` is given."""
     skip_logits = kwargs.get("skip_logits")
-    loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
+    loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS and v is not None}
+    has_targets = labels is not None or "shift_labels" in loss_kwargs
     # logits_to_keep: an int keeps the last N positions (0 = all), a tensor selects indices.
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
-    if plain_head and _fuse_loss(model, hidden_states, labels, logits_to_keep, skip_logits):
+    if plain_head and _fuse_loss(model, hidden_states, has_targets, logits_to_keep, skip_logits):
         return None, causal_lm_loss_from_hidden(hidden_states[:, keep, :], model.lm_head.weight, labels, **loss_kwargs)
     logits = model.lm_head(hidden_states[:, keep, :])
     loss = None
-    if labels is not None:
+    if has_targets:
         loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
-    return (None if skip_logits and labels is not None else logits), loss
+    return (None if skip_logits and has_targets else logits), loss

@@ -2,8 +2,7 @@
 
 Called as separate ``nn.Linear`` modules, n projections of x give autograd n input gradients
 g_i W_i, which it sums with n - 1 element-wise adds (each reads two [tokens, hidden] tensors and
-writes one: 1.0 ms of the RAT layer's 32K x 2 training step on the H100,
-docs/device_runs/profiles/rat_layer_fwdbwd_32k_b2_start_h100.txt). Here the backward computes
+writes one; `python -m benchmarks.profile train rat` shows them). Here the backward computes
 dx = g_0 W_0 and then dx += g_i W_i with ``addmm_`` (beta = 1), so the sums ride on the GEMMs.
 Forward outputs and weight gradients are the modules' own (x W_i^T, g_i^T x).
 """
@@ -77,7 +76,7 @@ def project_few_rows(x: torch.Tensor, projections: tuple[nn.Module, ...]) -> tup
     """(proj(x) for proj in projections): for a decode step's few rows (no gradient, two or more
     plain bias-free nn.Linear modules, the Triton backend) one few-row kernel launch for all of them
     (kernels/few_row_linear: cuBLAS streams such skinny products over few thread blocks, one launch
-    per weight; H200, 8 rows: RAT's five projections 8.9 us against 25.8); otherwise each module is
+    per weight; `python -m benchmarks.few_row_sweep`); otherwise each module is
     called as usual (a single weight too: there cuBLAS is as fast or faster)."""
     weights = tuple(getattr(p, "weight", None) for p in projections)
     if (len(projections) > 1 and all(w is not None for w in weights) and all(_plain_linear(p) for p in projections)

@@ -37,8 +37,8 @@ from .rotary import build_rotary, rotary_tables
 
 # The gate logits and z are rebuilt in the backward (_rebuilt_gates) only from this many tokens per
 # forward (batch x length): the rebuild saves 8 KB per token and layer for two more GEMMs per layer.
-# At T = 32K that is 2 GB of the step's peak for ~4% of its time; at 8K, 0.5 GB for ~3%
-# (docs/benchmarks.md, "Whole models, ninth run").
+# That pays at 32K (GBs off the step's peak) but not at 8K, where the GEMMs cost more than the memory
+# is worth (`hf-hybrid bench --suites models --only train --variants RAT`).
 GATE_REBUILD_MIN_TOKENS = 16384
 
 
@@ -90,8 +90,8 @@ class RatAttention(nn.Module):
         self.num_heads, self.head_dim, self.chunk_size = num_heads, head_dim, chunk_size
         self.num_qk_groups, self.backend = num_qk_groups, backend
         # Whole sequences (training, cache-less prefill) through one kernel for the gate, both
-        # recurrences and the RoPE of k~ (kernels/gated_recurrence/rat_keys_values.py): on the H100
-        # 1.19x faster fwd+bwd at 32K and 1.54x faster prefill than op by op (docs/benchmarks_rat.md).
+        # recurrences and the RoPE of k~ (kernels/gated_recurrence/rat_keys_values.py): faster than op
+        # by op (`hf-hybrid bench --suites layers`, rows rat_layer against rat_layer_unfused).
         self.fused_gates = fused_gates
         inner = num_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, num_qk_groups * head_dim, bias=False)

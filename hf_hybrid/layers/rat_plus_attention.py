@@ -230,8 +230,8 @@ class RatPlusAttention(nn.Module):
         q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv, dim), v.view(batch, seq, kv, dim)
         k_tilde, v_tilde = self.recurrence(hidden_states, k, v, context, cache_layer)
         cos_sin = rotary_tables(self.rotary, context)
-        # One Triton pass per tensor on CUDA (the PyTorch statement makes ~7 float32 passes: at a 32K
-        # prefill ~1.5 ms per layer for q and k~); the same float32 math and single rounding.
+        # One Triton pass per tensor on CUDA (the PyTorch statement makes ~7 float32 passes); the same
+        # float32 math and single rounding.
         rope_backend = self.backend if self.backend in ("reference", "triton") else "auto"
         q = rotary(q, cos_sin, backend=rope_backend)
         k_rot = rotary(k_tilde.to(q.dtype), cos_sin, backend=rope_backend)

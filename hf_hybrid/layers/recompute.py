@@ -15,16 +15,17 @@ register it. Other saves pass through untouched. It steps aside (:func:`recomput
 False) under torch.compile, which plans its own recomputation, and when other saved-tensor hooks are
 already active (activation checkpointing, CPU offload), which manage these tensors themselves;
 hooks that only observe (their pack function has ``observes_only = True``: the saved-bytes
-accounting, hf_hybrid/bench/saved_tensors.py) stay below it and get every save it passes through.
+accounting, benchmarks/saved_tensors.py) stay below it and get every save it passes through.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from ..options import get as option
 
 
 def _observer_hooks():
@@ -37,7 +38,7 @@ def _observer_hooks():
 def recompute_applies() -> bool:
     """Whether a forward running now may use RecomputedActivations (see the module docstring).
     ``HF_HYBRID_RECOMPUTE=0`` turns it off (memory / time A/B runs)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or os.environ.get("HF_HYBRID_RECOMPUTE") == "0":
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not option("HF_HYBRID_RECOMPUTE"):
         return False
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top_hooks is not None and (top_hooks(False) is None or _observer_hooks() is not None)

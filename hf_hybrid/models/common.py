@@ -25,13 +25,14 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import ModelOutput, logging
 
+from ..compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
 from ..generation.graph_decode import DecodeGraphMixin
 from ..layers.backbone import DecoderLayer, add_norm, deferred_adds_apply
 from ..layers.context import SequenceContext
 from ..layers.loss import lm_head_and_loss
 from ..layers.norm import RMSNorm
 from .cache_layer import DEFAULT_CROP_WINDOW
-from .compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
+from .packed_sequences import find_packed_documents
 
 logger = logging.get_logger(__name__)
 
@@ -97,6 +98,19 @@ def check_input_shapes(input_ids: torch.Tensor | None, inputs_embeds: torch.Tens
         )
 
 
+# What save_pretrained writes besides weights and config (self-contained code, a filled model card)
+# and how push_to_hub uploads: hf_hybrid/hub.py, a layer above the models, plugs both in on
+# `import hf_hybrid` (register_sharing). In a checkpoint's bundled code, where transformers copies
+# the code itself, neither is plugged in and both stay transformers' own.
+_SHARING: dict = {}
+
+
+def register_sharing(save_files, push) -> None:
+    """``save_files(model, directory, repo_id, training_data)`` runs after every save_pretrained;
+    ``push(model, repo_id, training_data=..., **kwargs)`` replaces push_to_hub."""
+    _SHARING.update(save_files=save_files, push=push)
+
+
 class HybridPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -120,17 +134,15 @@ class HybridPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, card_repo_id=None, card_training_data=None, **kwargs):
         """transformers' save_pretrained, plus self-contained remote code and a filled model card (hub.py)."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            from ..hub import save_sharing_files
-
-            save_sharing_files(self, save_directory, card_repo_id, card_training_data)
+        if kwargs.get("is_main_process", True) and "save_files" in _SHARING:
+            _SHARING["save_files"](self, save_directory, card_repo_id, card_training_data)
         return result
 
     def push_to_hub(self, repo_id: str, *, training_data: str | None = None, **kwargs):
         """Upload weights, config, remote code and the filled model card (not transformers' generic card)."""
-        from ..hub import push_model_to_hub
-
-        return push_model_to_hub(self, repo_id, training_data=training_data, **kwargs)
+        if "push" not in _SHARING:  # a checkpoint's bundled code: transformers uploads it with the weights
+            return super().push_to_hub(repo_id, **kwargs)
+        return _SHARING["push"](self, repo_id, training_data=training_data, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -152,7 +164,8 @@ class HybridModel(HybridPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(
-            DecoderLayer(config.hidden_size, config.intermediate_size, self.build_mixer(config, i), config.rms_norm_eps)
+            DecoderLayer(config.hidden_size, config.intermediate_size, self.build_mixer(config, i), config.rms_norm_eps,
+                         config.mlp_type, config.hidden_act, config.mlp_bias)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -204,24 +217,29 @@ class HybridModel(HybridPreTrainedModel):
             )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        explicit_use_cache = use_cache
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False  # recomputation would write the cache twice
+        batch, seq = inputs_embeds.shape[:2]
+        mixer_kwargs = {name: kwargs[name] for name in self.mixer_forward_kwargs if kwargs.get(name) is not None}
+        packed = find_packed_documents(batch, seq, position_ids, attention_mask, kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"))
+        if packed is not None:
+            return self._forward_packed(
+                packed, inputs_embeds, mixer_kwargs, explicit_use_cache or past_key_values is not None,
+                bool(output_attentions), bool(output_hidden_states),
+            )
         if use_cache and past_key_values is None:
             past_key_values = self.cache_class(self.config)
         if past_key_values is not None:
             self._check_cache(past_key_values)
-        batch, seq = inputs_embeds.shape[:2]
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         context = SequenceContext.build(
             batch, seq, past_length, attention_mask, position_ids, inputs_embeds.device,
             output_attentions=bool(output_attentions),
         )
-        mixer_kwargs = {name: kwargs[name] for name in self.mixer_forward_kwargs if kwargs.get(name) is not None}
 
         hidden_states = inputs_embeds
-        all_hidden_states = [] if output_hidden_states else None
-        all_attentions = [] if output_attentions else None
         if not (output_hidden_states or output_attentions) and deferred_adds_apply(hidden_states, self.layers, self.norm):
             # generate()'s static decode step: every residual add fused into the norm after it.
             residual, delta = hidden_states, None
@@ -232,6 +250,21 @@ class HybridModel(HybridPreTrainedModel):
                 last_hidden_state=add_norm(residual, delta, self.norm)[1],
                 **cache_field(past_key_values if use_cache else None),
             )
+        hidden_states, all_hidden_states, all_attentions = self._run_layers(
+            hidden_states, context, past_key_values, mixer_kwargs, output_hidden_states, output_attentions
+        )
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            **cache_field(past_key_values if use_cache else None),
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+
+    def _run_layers(self, hidden_states, context, past_key_values, mixer_kwargs, output_hidden_states, output_attentions):
+        """The decoder stack and the final norm: (last hidden state, every layer's hidden states or
+        None, every layer's attention probabilities or None)."""
+        all_hidden_states = [] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
         for layer_idx, layer in enumerate(self.layers):
             if all_hidden_states is not None:
                 all_hidden_states.append(hidden_states)
@@ -242,12 +275,40 @@ class HybridModel(HybridPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if all_hidden_states is not None:
             all_hidden_states.append(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **cache_field(past_key_values if use_cache else None),
-            hidden_states=None if all_hidden_states is None else tuple(all_hidden_states),
-            attentions=None if all_attentions is None else tuple(all_attentions),
+        return (
+            hidden_states,
+            None if all_hidden_states is None else tuple(all_hidden_states),
+            None if all_attentions is None else tuple(all_attentions),
         )
+
+    def _forward_packed(self, packed, inputs_embeds, mixer_kwargs, use_cache, output_attentions, output_hidden_states):
+        """Packed rows (hf_hybrid/models/packed_sequences.py): the stack runs on each group of whole
+        documents as an unpadded batch, and the outputs return to the packed layout."""
+        if use_cache:
+            raise ValueError(
+                "use_cache=True or past_key_values with packed rows (position_ids / cu_seq_lens_q / seq_idx mark several "
+                "documents in one row): a cache continues one sequence per row. Pass use_cache=False and no "
+                "past_key_values, or give each document its own row."
+            )
+        if output_attentions:
+            raise ValueError(
+                "output_attentions=True with packed rows: attention probabilities are per document. Run the "
+                "documents as rows of a padded batch to get them."
+            )
+        last, per_layer = [], []
+        for group in packed.groups:
+            context = SequenceContext.build(
+                group.num_docs, group.length, 0, None, group.positions, inputs_embeds.device,
+            )
+            hidden, all_hidden, _ = self._run_layers(
+                packed.unpack(inputs_embeds, group), context, None, mixer_kwargs, output_hidden_states, False
+            )
+            last.append(hidden)
+            per_layer.append(all_hidden)
+        all_hidden_states = None
+        if output_hidden_states:
+            all_hidden_states = tuple(packed.repack([group[i] for group in per_layer]) for i in range(len(per_layer[0])))
+        return BaseModelOutputWithPast(last_hidden_state=packed.repack(last), hidden_states=all_hidden_states)
 
 
 class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin):

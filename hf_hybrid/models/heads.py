@@ -20,7 +20,7 @@ Two differences from the generic classes, both needed by our models:
   its fused no-cache kernels.
 
 The generic heads take the cache under the installed transformers' name (``cache`` from 5.24,
-hf_hybrid/models/compat.py); ours take either, like every hf-hybrid forward.
+hf_hybrid/compat.py); ours take either, like every hf-hybrid forward.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
 )
 
-from .compat import cache_field
+from ..compat import cache_field
 
 
 def _use_cache(use_cache: bool | None, past_key_values: Cache | None) -> bool:

@@ -1,4 +1,8 @@
-"""Registration of hf-hybrid architectures with transformers (Auto classes, layer-type names).
+"""Registration of hf-hybrid architectures with transformers' Auto classes.
+
+Nothing here changes what transformers accepts for its own models: layer-type names are checked by
+each config itself (validation.ArchitectureLayerTypes) and cache layers are not registered under
+layer-type names, so a Llama config carrying "local" or "rat" behaves as without hf_hybrid.
 
 One table per architecture says which Auto class loads which model class; the Auto registration
 and the ``config.auto_map`` of saved checkpoints (remote_code.py) both read it.
@@ -12,7 +16,6 @@ from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
-    configuration_utils,
 )
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -31,19 +34,6 @@ _HEAD_AUTO_CLASSES = (
 _ARCHITECTURE_CLASSES: dict[str, dict[str, type]] = {}
 
 
-def register_layer_types(*names: str) -> None:
-    """Let PretrainedConfig's strict validation accept our ``layer_types`` values.
-
-    transformers validates ``config.layer_types`` (at init and at save time) against the module-level
-    tuple ALLOWED_ATTN_LAYER_TYPES, read at call time; a plug-in's own layer kinds ("rat", "local",
-    "mamba", ...) must be added there or every config with them is rejected.
-    """
-    missing = tuple(n for n in names if n not in configuration_utils.ALLOWED_ATTN_LAYER_TYPES)
-    if missing:
-        configuration_utils.ALLOWED_ATTN_LAYER_TYPES = configuration_utils.ALLOWED_ATTN_LAYER_TYPES + missing
-        configuration_utils.ALLOWED_LAYER_TYPES = configuration_utils.ALLOWED_LAYER_TYPES + missing
-
-
 def _head_auto_class(head_class: type):
     for generic, auto_class in _HEAD_AUTO_CLASSES:
         if issubclass(head_class, generic):
@@ -55,11 +45,10 @@ def _head_auto_class(head_class: type):
 
 
 def register_architecture(
-    config_class, model_class, causal_lm_class, layer_types: tuple[str, ...] = (), task_heads: tuple[type, ...] = ()
+    config_class, model_class, causal_lm_class, task_heads: tuple[type, ...] = ()
 ) -> None:
     """AutoConfig, AutoModel, AutoModelForCausalLM and, for each task head, its Auto class learn
     ``config_class.model_type`` (idempotent)."""
-    register_layer_types(*layer_types)
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     classes = {AutoModel: model_class, AutoModelForCausalLM: causal_lm_class}
     classes.update({_head_auto_class(head): head for head in task_heads})

@@ -43,3 +43,34 @@ def check_layer_types(layer_types: Sequence[str], allowed: Sequence[str], num_hi
             f"layer_types has {len(layer_types)} entries but num_hidden_layers is {num_hidden_layers}; give one per layer."
         )
     return layer_types
+
+
+class ArchitectureLayerTypes:
+    """Config mixin: ``layer_types`` are checked against the architecture's own kinds
+    (``allowed_layer_types``), not against transformers' module-level list, which names only
+    transformers' own kinds. Extending that list would change what every other model accepts (a
+    Llama config with "rat" or "local" would pass), so hf-hybrid leaves it alone; transformers'
+    other validators still run."""
+
+    allowed_layer_types: tuple[str, ...] = ()
+
+    def __init__(self, **kwargs):
+        # transformers validates at the end of its __init__ (its own validate, not this class's):
+        # the config's own __init__ has checked layer_types already, so they stay out of sight there.
+        layer_types = self.__dict__.pop("layer_types", None)
+        try:
+            super().__init__(**kwargs)
+        finally:
+            if layer_types is not None:
+                self.layer_types = layer_types
+
+    def validate(self) -> None:
+        layer_types = getattr(self, "layer_types", None)
+        if layer_types is None:
+            return super().validate()
+        check_layer_types(layer_types, self.allowed_layer_types, self.num_hidden_layers)
+        self.layer_types = None  # transformers' own layer-type validator skips a config without them
+        try:
+            super().validate()
+        finally:
+            self.layer_types = layer_types

@@ -13,4 +13,7 @@ One module per reproduction (``hf_hybrid/reproduce/<name>.py``). Each defines
 """
 from __future__ import annotations
 
-REPRODUCTIONS = ("rat", "rat_plus", "fox", "rattention", "se")
+from ..architectures import ARCHITECTURES
+
+# One per architecture (its entry's ``reproduction``), in the table's order.
+REPRODUCTIONS = tuple(arch.reproduction for arch in ARCHITECTURES)

@@ -37,7 +37,7 @@ PRESETS = {
     "cpu": dict(hidden=32, layers=2, heads=2, seq_len=64, batch=8, steps=100, lr=3e-3, vocab=16,
                 chunk_sizes=[1, 4, 16], swa_window=16, mqar_pairs=4, mqar_fraction=0.25,
                 eval_sequences=16, eval_mqar=32, buckets=4),
-    # 14 runs (7 models x 2 seeds); the first sizing (T = 1024, 600 steps) outran 9 minutes on an H100
+    # 14 trainings (7 models x 2 seeds) within 9 minutes on one GPU; T = 1024 and 600 steps would not fit
     "gpu": dict(hidden=256, layers=4, heads=4, seq_len=512, batch=16, steps=400, lr=1e-3, vocab=64,
                 chunk_sizes=[1, 4, 16, 64], swa_window=128, mqar_pairs=16, mqar_fraction=0.25,
                 eval_sequences=64, eval_mqar=256, buckets=8),

@@ -13,8 +13,8 @@ then reports held-out loss (nats/token) with dilation D in {1, 2, 4, 8, 16, 32, 
 collapses once dilated. Every seed trains all four models on its own data and initialisation.
 
     hf-hybrid reproduce rat_plus --preset cpu --out DIR   # toy size, CI
-    hf-hybrid reproduce rat_plus --preset gpu --out DIR   # the docs/reproductions.md run
-    python -m hf_hybrid.reproduce.rat_plus --preset gpu --time-budget 200 --out DIR  # the original script's CLI
+    hf-hybrid reproduce rat_plus --preset gpu --out DIR   # the docs/reproductions.md preset
+    python -m hf_hybrid.reproduce.rat_plus --preset gpu --time-budget 200 --out DIR  # one seed, results.json + table.md
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ PRESETS = {
     "cpu": dict(hidden=32, layers=2, heads=2, seq_len=128, batch=8, steps=80, lr=3e-3, vocab=16, eval_sequences=8,
                 time_budget=None),
     # time_budget: seconds of training per seed for all four models (steps are lowered to fit after timing a few);
-    # one seed took ~200 s on an H100 at 1,117 steps (docs/reproductions.md), so two seeds fit 9 minutes
+    # one seed takes ~200 s on one GPU at ~1,100 steps (docs/reproductions.md), so two seeds fit 9 minutes
     "gpu": dict(hidden=256, layers=4, heads=4, seq_len=1024, batch=16, steps=1200, lr=1e-3, vocab=64, eval_sequences=64,
                 time_budget=180),
 }
@@ -88,8 +88,8 @@ def check_fast_paths(device: torch.device) -> str:
     PyTorch references once; "auto" if they agree, else "scan" (PyTorch scan + SDPA, no Triton)."""
     if device.type != "cuda":
         return "auto"
-    from ...kernels.chunk_attention import block_end_attention
-    from ...kernels.gated_recurrence import gated_recurrence
+    from ..kernels.chunk_attention import block_end_attention
+    from ..kernels.gated_recurrence import gated_recurrence
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(2, 1000, 4, 64, generator=gen).to(device)
@@ -251,7 +251,7 @@ def run(settings: dict, out: Path, seeds: tuple[int, ...], models: list[str] | N
 
 
 def main(argv=None) -> None:
-    """The original ``table3`` CLI: one seed, results.json + table.md (kept for docs/reproductions.md)."""
+    """The one-seed ``table3`` CLI: results.json + table.md (the docs/reproductions.md GPU table)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     for key in ("hidden", "layers", "heads", "seq_len", "batch", "steps", "vocab", "eval_sequences"):

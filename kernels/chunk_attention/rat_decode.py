@@ -9,8 +9,8 @@ For every row at the same absolute position p (chunk c = p // L), with the cache
     state  <- k~, v~;  key_buffer[:, c] <- k_rot;  value_buffer[:, c] <- v~     (in place)
     y      = softmax over {q_rot . key_buffer[:, i] for i < c} + {q_rot . k_rot}, applied to v
 
-Op by op that is ~50 small launches around the chunk-end stream (an H100 profile of the 512-row
-step: 0.16 ms of 0.60 ms outside the stream and the projections); here it is one launch, and the
+Op by op that is ~50 small launches around the chunk-end stream, a large share of the step's
+time (`python -m benchmarks.profile decode rat`); here it is one launch, and the
 open chunk's slot is written in the same pass because no query of this step reads it (a query of
 chunk c reads slots < c). The position is read on the device, so the step can be captured in a
 CUDA graph and replayed at every position. The kernel: rat_decode_triton.py.

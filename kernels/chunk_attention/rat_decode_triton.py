@@ -9,7 +9,7 @@ from .._split_decode import combine, empty_state, plan_splits, store_partial
 from .decode import DECODE_BLOCK_N, DECODE_WARPS, LOG2E, _attend_ends
 from .rat_decode import CosSin, rat_decode_supported
 
-# The streaming tile, warps and programs per SM of the chunk-end loop (hf_hybrid/bench/rat_decode_sweep.py
+# The streaming tile, warps and programs per SM of the chunk-end loop (benchmarks/rat_decode_sweep.py
 # times the alternatives at generate()'s shapes).
 BLOCK_N, WARPS, PROGRAMS_PER_SM = DECODE_BLOCK_N, DECODE_WARPS, None
 

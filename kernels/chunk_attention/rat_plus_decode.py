@@ -20,8 +20,8 @@ p (every row at the same p), with the recurrence state (k~, v~ of token p - 1, f
     y      = softmax_j(scale q_rot . keys_j) values_j over the columns with stored_j >= 0
 
 Without a recurrence (``use_recurrence=False``: the paper's attention baseline) k~, v~ = k, v.
-Op by op that is ~30 small launches per layer (docs/device_runs/profiles/
-rat_plus_d16_decode_b8_16k_s28_h200.txt); the Triton path (rat_plus_decode_triton.py) is two: the
+Op by op that is ~30 small launches per layer (`python -m benchmarks.profile decode rat_plus_d16`);
+the Triton path (rat_plus_decode_triton.py) is two: the
 element-wise part with the writes, then a split-K pass over the store (kernels/_split_decode.py).
 Everything moving per token is read on the device, so a CUDA graph replays the step at any p.
 """

@@ -16,8 +16,8 @@ from .decode import LOG2E
 from .rat_decode_triton import _rotate
 from .rat_plus_decode import CosSin, StoreLayout
 
-# The streaming tile of the store: 16 columns x 2 warps, as the chunk-end decode kernels (FoX's
-# H100 sweep had it within 1% of 64 x 4, which on sm_90 with Triton 3.6 needs 255 registers and spills).
+# The streaming tile of the store: 16 columns x 2 warps, as the chunk-end decode kernels (64 x 4 is
+# no faster and needs 255 registers on sm_90 with Triton 3.6, where it spills).
 BLOCK_N, WARPS = 16, 2
 
 

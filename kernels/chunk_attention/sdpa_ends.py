@@ -13,9 +13,8 @@ grouped-query attention with H * L query heads (head h * L + r reads key head h)
 The backward calls the dense kernel's backward with the *merged* output and log-sum-exp, which
 gives exactly the ends' share of the gradient (kernels/_lse_attention.py); row kernels add the own
 pair's share and the output gate's. cuDNN's causal attention runs at about twice the speed of
-the generic Triton kernels in triton.py here (H200, T = 32K, 16 heads: forward 0.50 against
-0.88 ms, forward + backward 2.2 against 3.9 ms); with the row kernels around it, the whole op
-forward + backward 3.04 against 3.93 ms (`python3 -m hf_hybrid.bench.rat_ends_ab`).
+the generic Triton kernels in triton.py here, row kernels included the op is faster from 1024 chunk
+ends (`python -m benchmarks.rat_ends_ab`; docs/benchmarks/rat.md).
 
 Used for fp16 / bf16 on CUDA when the dense kernel passed its self-check; fp32 and the other
 geometries (RAT+ windows and sinks) keep the Triton kernels. Off CUDA the same path runs on
@@ -33,9 +32,8 @@ from .._common import leading_strides as _strides
 # "triton": RAT's ends always on the Triton kernels; "sdpa": on this path from any length (A/B timings)
 ENV_SWITCH = "HF_HYBRID_BLOCK_ENDS"
 _HEAD_DIMS = (64, 128)
-# Fewer chunk ends than this stay on the Triton kernels under "auto": at T = 8K (511 ends, L = 16)
-# the dense call and its row kernels took 1.23 ms forward + backward against Triton's 0.86 (H200,
-# python3 -m hf_hybrid.bench.rat_ends_ab); at 32K (2047 ends) 3.04 against 3.93.
+# Fewer chunk ends than this stay on the Triton kernels under "auto": below it the dense call and
+# its row kernels cost more than they save (`python -m benchmarks.rat_ends_ab`).
 MIN_ENDS = 1024
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 BLOCK_T, WARPS = 32, 4
 

@@ -38,21 +38,19 @@ import triton
 import triton.language as tl
 
 from .._common import leading_strides as _strides
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 
 LOG2E = 1.4426950408889634
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; chosen on an H100 for head_dim 128.
-# The forward's best tile depends on the length (RAT L=16 prefill sweep, docs/device_runs/
-# rat_sweeps_h100.log): 32K x 4 rows 64x64/4 warps 3.06 ms vs 128x64/8 3.27, 256K x 1 row
-# 128x128/8 38.9 ms vs 128x64/8 40.0 and 64x64/4 41.7.
+# The forward's best tile depends on the length: 64x64 / 4 warps below LONG_SEQ, 128x128 / 8 from
+# there (`python -m benchmarks.tune --seq T` times the tiles).
 FWD_CONFIG = (64, 64, 4, 3)
 FWD_CONFIG_LONG = (128, 128, 8, 3)
 LONG_SEQ = 131072
-# Backward tiles (RAT L=16 fwd+bwd sweep, docs/device_runs/rat_bwd_sweep_h100.json): at 131K x 1,
-# dQ 128x64/8 warps/3 stages + dK dV 64x128/8/3 40.5 ms vs 45.4 with 2 stages each; at 32K x 2
-# dK dV 64x128/8/3 7.14 ms vs 7.72 (64x64/4/2 7.05, but 42.6 ms at 131K).
+# Backward tiles: the fastest pair over 32K and 131K in the RAT L=16 fwd+bwd sweep
+# (`python -m benchmarks.tune`); three stages beat two at both lengths.
 DQ_CONFIG = (128, 64, 8, 3)
 DKV_CONFIG = (64, 128, 8, 3)  # (queries per step, keys per program, warps, stages)
 INTERPRET_CONFIG = (16, 16, 4, 1)
@@ -63,7 +61,8 @@ DKV_CONFIG_FP32 = (64, 64, 8, 1)
 ROWS_BLOCK, ROWS_WARPS = 32, 8  # rows per program and warps of the row-wise backward kernel
 # RAT's geometry (block ends + own pair, no window or sinks) can take dQ from the dK/dV kernel, as
 # float32 atomic adds of dS k, instead of recomputing P and dP in a dQ kernel (5 matmul passes in
-# the backward instead of 7). Off until timed on the H100 (python -m hf_hybrid.bench.tune).
+# the backward instead of 7). Off: it gains ~1% and makes dQ's summation order run-dependent
+# (`python -m benchmarks.tune`).
 ATOMIC_DQ = False
 
 

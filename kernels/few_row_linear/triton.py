@@ -3,8 +3,8 @@ with few rows, in one launch.
 
 A decode step multiplies a handful of rows (the batch) by each weight: a weight-streaming problem.
 cuBLAS tiles such a product 64 outputs wide (``nvjet_..._64x8``), so a 2048 x 2048 weight gets 32
-thread blocks on 132 SMs and streams at ~1.3 TB/s (H200 profile of RAT's decode step, 6.4 us per
-projection), and each weight is its own launch. Here every (weight, BLOCK_N outputs) pair is one
+thread blocks on 132 SMs and streams well below the memory's bandwidth, and each weight is its
+own launch. Here every (weight, BLOCK_N outputs) pair is one
 program: the program's rows of the weight stream through a pipelined K loop into a tensor-core dot
 with the (zero-padded) rows of x, which every program reads from L2.
 """
@@ -17,10 +17,8 @@ import triton.language as tl
 from .._triton_dot import dot
 
 MAX_WEIGHTS = 6  # pointer slots of the kernel
-# H200 sweep (hf_hybrid/bench/few_row_sweep.py, docs/device_runs/few_row_sweep_s28_h200.json; CUDA-graph
-# replays, bf16, 8 / 32 rows): RAT's five projections 8.9 / 11.1 us against cuBLAS's 25.8 / 26.1, q/k/v
-# 6.9 / 8.5 against 15.2 / 15.6, gate+up 10.0 / 11.9 against 13.3 / 13.7. A single weight gains
-# nothing (o_proj 5.5 against 5.1 us; down_proj 11.0 against cuBLAS's split-K 8.4): callers keep cuBLAS there.
+# Tiles from `python -m benchmarks.few_row_sweep`: grouped weights gain 1.3-2.9x over one cuBLAS
+# launch each; a single weight gains nothing, so callers keep cuBLAS there.
 BLOCK_N, BLOCK_K, WARPS, STAGES = 32, 256, 2, 3
 
 

@@ -9,10 +9,9 @@ The forward reads log f where it lies ([tokens, heads], any float dtype) and wri
 log f's layout and dtype.
 
 Why: through torch the forward is a transposing copy and a scan, the backward two flips, a scan and a
-copy: ~90 us of GPU time per forward + backward at 64K tokens x 16 heads on the H200, ~1% of FoX's
-whole attention at 4K (the scan kernel alone 37 us each way); this scan took 12.6 us per call on an
-H100 (docs/benchmarks_fox.md). Its host cost per call is a little higher than torch's (the autograd
-Function's Python), which only shows where nothing else keeps the GPU busy.
+copy, each a full pass over [tokens, heads]; one scan kernel each way does the same work in a
+fraction of the GPU time (`python -m benchmarks.profile`). Its host cost per call is a little higher
+than torch's (the autograd Function's Python), which only shows where nothing else keeps the GPU busy.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 from .reference import row_boundaries
 
 BLOCK = 2048  # tokens per scan step

@@ -19,9 +19,8 @@ import triton.language as tl
 from .._split_decode import combine, empty_state, online_update, plan_splits, store_partial
 from .triton import LOG2E  # a constexpr: the kernel may read it
 
-# H100 sweep (hf_hybrid/bench/split_decode_sweep.py, docs/device_runs/split_decode_sweep_h100.json): 64 x 4 warps
-# with 16 programs per SM had the lowest time summed over B=8 / 16K and B=32 / 2K (0.362 + 0.192 ms
-# per layer step, SDPA 0.390 + 0.214); 16 x 2 was within 1%, 16 x 8 took 3.5x longer.
+# 64 keys x 4 warps with 16 programs per SM: the fastest tile summed over B=8 / 16K and B=32 / 2K
+# in `python -m benchmarks.split_decode_sweep` (as fast as SDPA's decode; docs/benchmarks/fox.md).
 BLOCK_N, WARPS = 64, 4
 
 

@@ -3,7 +3,7 @@
 The same function and outputs (o, and the log2-sum-exp the backward reads) as
 ``triton._fwd_kernel``, whose design notes apply (log2 units, the per-block reference c_ref so
 that the bias stays small). What the portable kernel leaves to Triton's compiler is written out
-here, because Triton 3.6's automatic warp specialisation of the same loop deadlocked on the H100:
+here, because Triton 3.6's automatic warp specialisation of the same loop deadlocks on sm_90:
 
 * **persistent**: one program per multiprocessor. A work item is 128 query rows of one head; the
   loader takes items from a global counter in the order the hardware's block scheduler used
@@ -27,17 +27,14 @@ here, because Triton 3.6's automatic warp specialisation of the same loop deadlo
   next item while it drains (the slot is handed back to the loader one score product later);
   blocks that run past their sequence's end use masked pointer stores instead.
 
-Measured on the H200 (docs/benchmarks_fox.md, steady clocks): persistence and the TMA epilogue took
-the per-item cost between two items from ~5 us (a block's end, the next block's launch, its first
-Q and K loads) to ~1.6 us, 1.13x -> 1.06x cuDNN's causal forward at 4K and 1.11x -> 1.07x at 8K,
-unchanged from 32K (1.04-1.07x). A static (non-counter) persistent grid and FlashAttention-3's
-ping-pong between the warpgroups were slower (same page).
+Persistence and the TMA epilogue cut the fixed cost between two items (a block's end, the next
+block's launch, its first Q and K loads), which matters most at short sequences; a static
+(non-counter) persistent grid and FlashAttention-3's ping-pong between the warpgroups were slower
+(`python -m hf_hybrid.bench.forgetting_attention`; docs/benchmarks/fox.md).
 Causal attention without a window only; 16-bit inputs, head_dim 64 or 128. Everything else
 takes the portable kernel.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -320,11 +317,10 @@ else:  # pragma: no cover
 
 def hopper_forward_applies(q: torch.Tensor, window_size) -> bool:
     """Whether the forward takes this path: a Hopper GPU, 16-bit inputs, head_dim 64 or 128,
-    causal without a window, Gluon available. ``HF_HYBRID_FOX_HOPPER=0`` keeps the portable kernel
-    (A/B runs); everything else takes it anyway."""
+    causal without a window, Gluon available; everything else takes the portable kernel."""
     if gluon is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[-1] not in HEAD_DIMS or os.environ.get("HF_HYBRID_FOX_HOPPER", "1") == "0":
+    if q.shape[-1] not in HEAD_DIMS:
         return False
     return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
 

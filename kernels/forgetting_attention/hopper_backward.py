@@ -8,10 +8,9 @@ FlashAttention-3 does, so each tile costs the five products of the dense backwar
 
 Schedule: a program takes a block of 128 keys of one KV head and then the mirror block from its
 sequence's end (block n - 1 - p after block p), so programs carry about equal work and half as many
-start and end (each start and end cost ~8 us against ~3 us between the two blocks of a program); the
+start and end (a program's start and end cost more than the step between its two blocks); the
 last (KV head, sequence) pairs of the grid run one block per program, heaviest first, so the last
-wave of equal programs does not leave most multiprocessors idle (``SINGLE_WAVES``). 2-3% off the
-kernel from 4K to 32K against one block per program (docs/benchmarks_fox.md).
+wave of equal programs does not leave most multiprocessors idle (``SINGLE_WAVES``).
 
 Per key block (128 keys of one KV head), warp-specialised:
 
@@ -24,20 +23,19 @@ Per key block (128 keys of one KV head), warp-specialised:
   (both warpgroups' dS in place) dQ = dS K, each warpgroup taking half of dQ's columns, staged in
   shared memory and added to global memory by TMA reduce-add (double-buffered);
 * dK and dV leave through the dQ staging buffers (free once the last reduce-add has read them) and TMA
-  stores, not 4-byte stores from the accumulators' registers: 2% off the kernel at 4K and 8K, where a
+  stores, not 4-byte stores from the accumulators' registers, which matters at short sequences, where a
   program's end is a larger share (blocks that run past their sequence's end keep masked stores);
 * a one-warp **row-sum** partition adds up each query's dS over the program's keys (the queries'
   share of the forget gate's gradient, which cancels the rounding of the bf16 output in delta) and
   adds it into a float32 buffer with atomics, off the compute warpgroups' path: in the compute
-  warpgroups that sum runs across warps (keys are rows) and made the kernel 1.4x slower.
+  warpgroups that sum runs across warps (keys are rows) and slows the whole kernel.
 
 dQ's summation order depends on the run (float atomics); ``torch.use_deterministic_algorithms(True)``
 keeps the portable two-kernel backward. Causal attention without a window only; 16-bit inputs,
 head_dim 64 or 128 (shared memory: 226 KB at 128).
 
-The default on sm_90 (``HF_HYBRID_FOX_HOPPER_BWD=0`` keeps the portable pair): on the H200,
-1.13x cuDNN's causal forward + backward from 16K to 64K and 1.25x at 4K, against the portable
-kernels' 1.50-1.64x, and 5-8% off a whole FoX-LLaMA training step at 8K (docs/benchmarks_fox.md).
+The default on sm_90 (deterministic algorithms keep the portable pair), being clearly faster than
+the portable pair (`python -m hf_hybrid.bench.forgetting_attention`; docs/benchmarks/fox.md).
 Registers decide its speed: with fewer than 240 per compute thread ptxas serialises the wgmma
 (``PARTITION_REGISTERS``), and with more live accumulators (the next block's S^T and dP^T issued
 early) it spills. Both sides of d log f add up the same bf16-rounded dS (the queries' row sums read
@@ -46,14 +44,13 @@ kernels; the GPU tests hold every gradient to 1e-2 of float64.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .._common import multiprocessors
-from .._launch import launch_cached
+from ..._compat.gluon_tma import tma_reduce_add
+from ..._compat.triton_launch import launch_cached
 from .hopper import HEAD_DIMS, _descriptor, gluon
 
 # The one-warp partitions' registers. setmaxnreg works per warpgroup, so the loader, the row-sum warp
@@ -65,7 +62,6 @@ PARTITION_REGISTERS = 24
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -84,17 +80,7 @@ if gluon is not None:
     LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
     _PARTITION_REGS: gl.constexpr = gl.constexpr(PARTITION_REGISTERS)
 
-    if hasattr(tma, "async_atomic_add"):  # Triton >= 3.7
-        _tma_reduce_add = tma.async_atomic_add
-    else:  # Triton 3.6 has the operation in its builder but no Python wrapper yet
-
-        @builtin
-        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-            from triton._C.libtriton import ir
-
-            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                      src.handle)
+    _tma_reduce_add = tma_reduce_add()  # None on a Triton without it: the portable backward runs
 
     @gluon.jit
     def _opaque_zero(x):
@@ -334,8 +320,8 @@ if gluon is not None:
                     BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         HALF: gl.constexpr = desc_k.block_type.shape[0]
         # Most programs take a key block and then its mirror from the sequence's end: about the same work
-        # each (a heavy block and a light one), and half as many program starts and ends (~8 us each on
-        # the H200). Equal programs leave a ragged last wave, so the last `single_heads` (KV head,
+        # each (a heavy block and a light one), and half as many program starts and ends. Equal
+        # programs leave a ragged last wave, so the last `single_heads` (KV head,
         # sequence) pairs come after them as one block per program, heaviest first.
         pid = gl.program_id(0)
         n_pairs = gl.cdiv(n_n, 2)
@@ -401,7 +387,7 @@ if gluon is not None:
                                       GROUP, HALF, BLOCK_Q)),
             ], [4, 1, 1], [240, _PARTITION_REGS, _PARTITION_REGS])
 else:  # pragma: no cover
-    _bwd_kernel = None
+    _bwd_kernel = _tma_reduce_add = None
 
 BLOCK_Q = 64  # queries per step
 KEYS = 128  # keys per program: two warpgroups of 64
@@ -414,8 +400,7 @@ MAX_REGISTERS = 168  # per thread at launch (384 threads: 3 warpgroups, the one-
 @triton.jit
 def _scale_to_output_kernel(ACC, OUT, n, scale, BLOCK: tl.constexpr):
     """OUT = (ACC * scale) in OUT's dtype over n flat elements: dQ's float32 sum to the model's dtype
-    in one pass (torch.mul(acc, scale, out=bf16) runs an unvectorised mixed-dtype loop: 286 against
-    267 us for 64K tokens x 16 heads x 128 on the H100)."""
+    in one vectorised pass (torch.mul(acc, scale, out=bf16) runs an unvectorised mixed-dtype loop)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     tl.store(OUT + offs, (tl.load(ACC + offs, mask=ok) * scale).to(OUT.dtype.element_ty), mask=ok)
@@ -430,11 +415,11 @@ def _scale_to_output(acc: torch.Tensor, scale: float, like: torch.Tensor) -> tor
 
 def hopper_backward_applies(q: torch.Tensor, window_size) -> bool:
     """Whether the backward takes this kernel: a Hopper GPU, 16-bit inputs, head_dim 64 or
-    128, causal without a window, Gluon available and deterministic algorithms off, and not switched
-    off with ``HF_HYBRID_FOX_HOPPER_BWD=0``; everything else takes the portable kernels."""
-    if gluon is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
+    128, causal without a window, Gluon available and deterministic algorithms off; everything else
+    takes the portable kernels."""
+    if gluon is None or _tma_reduce_add is None or window_size is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[-1] not in HEAD_DIMS or os.environ.get("HF_HYBRID_FOX_HOPPER_BWD") == "0":
+    if q.shape[-1] not in HEAD_DIMS:
         return False
     if torch.are_deterministic_algorithms_enabled():
         return False

@@ -18,12 +18,10 @@ bf16 and d log f_l = sum_{t >= l} dc_t adds T such roundings: measured at T = 4K
 float32 reference, 6% relative error with mild forgetting and 35% with strong (the Triton
 backward accumulates it in float32). Training keeps the Triton kernels.
 
-On the H200 (bf16, 16 heads of 128, 65,536 tokens per call) the forward takes 1.30-1.54x cuDNN's
-own causal time at head size 128, against the portable Triton kernel's 1.41-1.64x (T = 32K-4K;
-``python3 -m hf_hybrid.bench.forgetting_attention``, row ``ours_sdpa``). Used for bf16 on CUDA
-without gradients, a window or packed sequences, from MIN_LEN tokens, on GPUs other than Hopper:
-there the Gluon forward (hopper.py) is faster (H100: 1.03-1.18x cuDNN against this route's
-1.14-1.74x; FoX's whole 32K prefill as fast or faster). fp16 stays on Triton (-c / scale can pass
+The forward is faster than the portable Triton kernel (``python -m hf_hybrid.bench.forgetting_attention``,
+row ``ours_sdpa``; docs/benchmarks/fox.md). Used for bf16 on CUDA without gradients, a window or
+packed sequences, from MIN_LEN tokens, on GPUs other than Hopper: there the Gluon forward
+(hopper.py) is faster still. fp16 stays on Triton (-c / scale can pass
 fp16's range) and so does fp32. ``HF_HYBRID_FOX_ATTENTION=sdpa`` forces this route.
 """
 from __future__ import annotations

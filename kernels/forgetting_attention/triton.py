@@ -18,7 +18,7 @@ Same function as ``reference.forgetting_attention_reference`` on the cumulative 
   (dropping them left a 3e-2 relative error in bf16 against the float32 reference).
 * Backward = dK/dV/dc kernel (one key block, loops over query blocks and over the query heads of
   its GQA group) + dQ kernel (one query block, loops over key blocks); no atomics, deterministic.
-  On Hopper (unless HF_HYBRID_FOX_HOPPER_BWD=0), one Gluon kernel does both with dQ added by
+  On Hopper (unless deterministic algorithms are on), one Gluon kernel does both with dQ added by
   TMA reduce-add (hopper_backward.py).
 * Key blocks are split into three phases per query block: window edge (masked), interior
   (no mask), diagonal (masked), so the hot loop carries no mask arithmetic.
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
 from .hopper import forward as hopper_forward
 from .hopper import hopper_forward_applies
@@ -50,7 +50,8 @@ def _configs(kind: str):
         # (BLOCK_M, BLOCK_N, warps, stages); forward and dQ need BLOCK_M % BLOCK_N == 0,
         # dK/dV needs BLOCK_N % BLOCK_M == 0 (diagonal blocks line up with the other side).
         # Float32 accumulators of 128 x 128 tiles need 8 warps to stay in registers.
-        # Forward: the four fastest of a 30-config sweep on the H100 at T = 4K and 64K.
+        # Forward: the four fastest of a 30-config sweep at T = 4K and 64K
+        # (python -m hf_hybrid.bench.forgetting_attention --sweep-forward).
         "fwd": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 128, 8, 3)],
         "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
         "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
@@ -71,8 +72,8 @@ def _prune(configs, named_args, **kwargs):
 
 
 _PRUNE = {"early_config_prune": _prune}
-# The best tiles depend on the sequence length (measured on the H100: 4 warps x 32-key tiles win at
-# 4K, 8 warps x 64 at 64K), so each power-of-two length bucket is tuned once.
+# The best tiles depend on the sequence length (4 warps x 32-key tiles win at 4K, 8 warps x 64 at
+# 64K), so each power-of-two length bucket is tuned once.
 _TUNE_KEY = ["HEAD_DIM", "GROUP", "HAS_WINDOW", "len_bucket"]
 
 

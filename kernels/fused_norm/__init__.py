@@ -152,8 +152,7 @@ def rms_norm_rotary(
 def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, *, backend: str = "auto") -> torch.Tensor:
     """Rotate-half RoPE of x [B, T, H, D] with (cos, sin) broadcastable to [B, T, 1, D] (None:
     x itself). Float32 math, one rounding (= rotary_reference); differentiable in x. On CUDA one
-    Triton pass instead of PyTorch's float32 temporaries (a 128-dim q at 131K tokens: ~0.7 ms of
-    element-wise kernels in the RAT layer's prefill profile)."""
+    Triton pass instead of PyTorch's chain of float32 element-wise kernels."""
     op = "rotary"
     _check_rows(op, "x", x)
     _check_cos_sin(op, cos_sin, x)

@@ -31,18 +31,16 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 MAX_HEAD_DIM = 1024  # a [BLOCK_T, D] float32 tile per operand must fit in registers
-# Elements per operand tile: 8 tokens x 128 at 4 warps. An H100 sweep of (tokens, warps) in
-# {8, 16, 32} x {4, 8} at RATTENTION's shape (device_runs/fused_norm_h100.json) had 8 x 4 fastest
-# for both kernels: forward+backward 0.66 ms (QK-norm + RoPE) and 0.51 ms (branch norms) against
-# 0.90 and 0.64 ms for the first default, 16 x 4.
+# Elements per operand tile: 8 tokens x 128 at 4 warps, the fastest of (tokens, warps) in
+# {8, 16, 32} x {4, 8} for both kernels at RATTENTION's shape (`python -m hf_hybrid.bench.rattention`).
 TILE_ELEMENTS = 1024
 MAX_BLOCK_T = 64
 NUM_WARPS = 4
 # Backward: programs per head ~ TARGET_PROGRAMS / heads, each looping over its range of tokens
-# (enough programs to fill an H100 twice over; few enough that the partial sums stay ~1 MB).
+# (enough programs to fill a 132-SM GPU twice over; few enough that the partial sums stay ~1 MB).
 TARGET_PROGRAMS = 2048
 # The CPU interpreter runs tiny shapes: small tiles and few programs make the tests cover several
 # token blocks per program, ragged ends and more than one partial sum per head.

@@ -69,10 +69,9 @@ def _check(op, k_groups, v, gate_logits, gate_bias, chunk_size, cos_sin) -> None
                 raise ValueError(f"{op}: cos_sin's {name} must be [batch or 1, seq, 1, head_dim]; got {tuple(t.shape)}.")
 
 
-# Both kernels unroll a chunk's L token steps in full. Up to 16 steps that is what was measured
-# (docs/benchmarks_rat.md); at L = 64 the backward's TritonGPU passes run for minutes (an H100
-# training run made no progress in 4.5 minutes; an sm_90 compile on CPU, hf_hybrid/bench/sm90.py,
-# was still in make_ttgir after 8), so longer chunks take the op-by-op Triton path instead.
+# Both kernels unroll a chunk's L token steps in full. At L = 64 the backward's TritonGPU passes
+# run for many minutes (`python -m benchmarks.sm90` shows it without a GPU), so chunks longer than
+# 16 take the op-by-op Triton path instead.
 MAX_FUSED_CHUNK = 16
 
 

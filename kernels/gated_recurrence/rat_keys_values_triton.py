@@ -17,9 +17,8 @@ chunk's end with the adjoint c_t = dL/dh_t in total:
 The previous states h_{t-1} are the forward's outputs (v~, and k_rot rotated back), which the
 attention keeps alive anyway; in 16-bit they carry the outputs' rounding (within the tests'
 bf16 tolerance), in float32 they are exact. dk of a group sums its heads in registers; the gate
-bias gets one partial sum per program (no atomics), added up by torch. (The scan-based backward
-this replaces recomputed h_{t-1} with associative scans and read the gates three times: 4.9 ms
-vs the forward's 0.45 ms at 32K x 2 on the H100.)
+bias gets one partial sum per program (no atomics), added up by torch. (A scan-based backward
+would recompute h_{t-1} with associative scans and read the gates three times, ~10x the forward.)
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 
 @triton.jit
@@ -197,8 +196,8 @@ def _bwd_kernel(
 
 
 # Both kernels walk the L tokens of a chunk. The forward takes FWD_HEADS heads x D/2 columns per
-# program; H100 sweep at 32K x 4 rows (docs/device_runs/rat_sweeps_h100.log): 8 heads x 4 warps
-# 0.90 ms, 16 x 8 0.90, 4 x 4 1.01, 2 x 2 1.48 (the scan-per-group forward before it: 2.28 ms).
+# program: 8 heads x 4 warps is as fast as 16 x 8 and faster than smaller tiles
+# (`python -m benchmarks.tune`).
 # The backward takes every head (a group's dk sums in registers) x BWD_BLOCK_D columns.
 FWD_HEADS, FWD_WARPS = 8, 4
 BWD_BLOCK_D, BWD_WARPS = 16, 4

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 MAX_DIRECT_CHUNK = 128  # longer chunks go through the three-pass path (bounded unrolled loops)
 GENERAL_SEGMENT = 64

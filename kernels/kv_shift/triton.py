@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 BLOCK_T = 32  # tokens per program: [32, 128] float32 tiles
 NUM_WARPS = 8  # the backward holds four such tiles: 4 warps spill on sm_90

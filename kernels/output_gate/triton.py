@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 
 BLOCK = 2048  # elements per program: a memory-bound pass, 8 bf16 per thread at 8 warps
 

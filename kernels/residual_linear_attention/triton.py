@@ -30,11 +30,9 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
   kv head); smaller m buys parallelism with one extra pass over K, V. The backward dk / dv pass
   runs in reverse with the adjoint state G = sum_{later i} phi(q_i)^T do_i, formed the same way
   at segment ends (per-segment sums over Q, dO, then a prefix sum from the end, dS_final first).
-  Default m on CUDA: 16 chunks, the fastest measured (H100, bf16, B = 8, T = 4096, 16 / 4 heads
-  x 128, w = 512, C = 32, BV = 128, forward + backward with these parallel passes: m = 16
-  3.80 ms, m = 8 3.87, m = 4 4.07; the sequential passes before them took 4.97 ms at m = 8 and
-  5.43 ms under the former "two programs per SM" rule, whose 26-chunk segments nearly doubled
-  the dq kernel's time; docs/benchmarks_rattention.md).
+  Default m on CUDA: 16 chunks, the fastest of 4, 8 and 16 with these parallel passes (longer
+  segments lengthen the dq kernel's sequential part; `python -m hf_hybrid.bench.rattention`
+  times the variants).
 * GQA: k, v have H_kv heads; query head h reads head h // (H / H_kv). phi(k) v^T does not depend
   on the query head, so programs run per key/value head and loop over the query heads of the
   group: the state is updated once per chunk, kept per key/value head ([B, H_kv, F, D]), and the
@@ -49,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
-from .._launch import launch_cached
+from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
 
 FEATURE_IDS = {"softmax": 0, "relu": 1, "identity": 2}
@@ -489,18 +487,17 @@ def _default_tiling(dim: int) -> tuple[int, int]:
     several chunks, and BV = D / 2 so the value-block partial sums are exercised."""
     if triton_interpreting():
         return 16, max(16, dim // 2)
-    # H100, head_dim 128 (docs/device_runs/rattention_h100.json): BV = 128 (whole value rows, two
-    # feature-half partials) was the fastest fwd+bwd at T = 4K and 8K (5.40 / 6.56 ms against
-    # 7.15 / 8.86 at BV = 64), despite a few spilled registers in the forward / dq kernels.
+    # BV = 128 (whole value rows, two feature-half partials) is the fastest fwd+bwd at head_dim 128
+    # (`python -m hf_hybrid.bench.rattention`), despite a few spilled registers in the forward / dq kernels.
     return 32, min(dim, 128)
 
 
-# Chunks per stored state on CUDA when state_every is None (the fastest measured, module docstring).
+# Chunks per stored state on CUDA when state_every is None (the fastest, module docstring).
 DEFAULT_STATE_EVERY = 16
 
 # From this many tokens per sequence the CUDA default keeps both feature halves in one program
-# (fuse_halves): H200, B=1, 16 heads x 128, w=512, forward + backward 4.45 against 5.13 ms at 32K,
-# 1.51 against 1.44 ms at 8K (docs/benchmarks.md, tenth run).
+# (fuse_halves): faster forward + backward at 32K, slower at 8K
+# (`hf-hybrid bench --suites models --only "train T=32K" --variants RATTENTION`).
 FUSE_HALVES_MIN_TOKENS = 16384
 
 

@@ -27,7 +27,7 @@ import triton.language as tl
 # Elements of one operand tile per program: half of a 32 x 128 block (the paper's S and head_dim),
 # two 16-byte vectors per thread and operand at 4 warps. Compiled for sm_90 with the launch's
 # alignment specialisation (16-byte pointers and strides): gather 28 registers, add 64 (a whole
-# block per program: 48 and 127); without it (scalar loads, bench.sm90.compile_for_sm90) 94 and
+# block per program: 48 and 127); without it (scalar loads, tests/kernels/sm90_resources.py) 94 and
 # 168; never a spill. Both kernels are memory-bound: small resident programs hide the latency of
 # the dependent index -> tile loads.
 TILE_ELEMENTS = 2048

@@ -31,8 +31,8 @@ per-head dB / dC parts exist for one slice of about 16 heads at a time.
 Dot products run in IEEE float32 for float32 inputs. For 16-bit inputs every dot runs on 16-bit
 tensor cores, its float32 operands (decay-weighted scores, dt x, the forward's states, ...) rounded
 to the inputs' dtype first, as mamba_ssm's and FLA's kernels do; products of two 16-bit inputs
-(C B^T) are exact. NATIVE_16BIT_DOTS = False: TF32 instead (op forward + backward at T = 32K on
-the H100: 6.75 ms native, 10.1 ms TF32).
+(C B^T) are exact. NATIVE_16BIT_DOTS = False: TF32 instead, about 1.5x slower
+(`python -m hf_hybrid.bench.mamba`).
 """
 from __future__ import annotations
 
@@ -43,14 +43,12 @@ import triton.language as tl
 from .._backend import triton_interpreting
 
 # Chunk length and the P / N block of the state kernels (and the N loop of the chunk kernels).
-# H100 sweep at the SE hybrid's mixer shape (T = 32K, 64 heads x 64, N = 128, bf16;
-# `python3 -m hf_hybrid.bench.ssd_sweep`, docs/device_runs/ssd_sweep_h100.json): op forward +
-# backward 11.8 ms with 64 / 32 against 15.5 ms with 64 / 64; chunks of 128 need more shared
-# memory than the H100 has with 64-wide blocks and were slower with 32 (15.3 ms).
+# 64 / 32 is the fastest at the SE hybrid's mixer shape (`python -m benchmarks.ssd_sweep`); chunks
+# of 128 need more shared memory than sm_90 has with 64-wide blocks and are slower with 32.
 CHUNK = 64
 BLOCK_PN = 32
 # num_warps per kernel (states forward, output forward, dstates backward, chunk backward): one
-# place for hf_hybrid/bench/ssd_sweep.py to vary.
+# place for benchmarks/ssd_sweep.py to vary.
 WARPS = {"states": 4, "output": 4, "dstates": 4, "chunk_bwd": 4}
 # Dots whose operands hold 16-bit values exactly run on 16-bit tensor cores (twice TF32's rate
 # on Hopper; the same products, float32 accumulation); False: every dot in float32 / TF32.

@@ -1,4 +1,4 @@
-"""The cache's name across transformers versions (hf_hybrid/models/compat.py).
+"""The cache's name across transformers versions (hf_hybrid/compat.py).
 
 transformers 5.24 renamed ``past_key_values`` to ``cache`` in generate(), in the models' keywords
 and in the output classes. Whatever transformers is installed, every hf-hybrid model takes the cache
@@ -18,7 +18,7 @@ from packaging.version import Version
 from transformers import AutoModelForSequenceClassification
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hf_hybrid.models.compat import CACHE_NAME, cache_of
+from hf_hybrid.compat import CACHE_NAME, cache_of
 from tiny_models import MODEL_TYPES, random_ids, tiny_config, tiny_model
 
 EXPECTED_NAME = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"

@@ -12,52 +12,42 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_hybrid  # noqa: F401  (registers the architectures)
-from hf_hybrid import FoxConfig, RatConfig, RatPlusConfig, RattentionConfig, SEHybridConfig
+from hf_hybrid.architectures import ARCHITECTURES, TINY_SHAPE
 
-VOCAB = 61
-PAD = 0
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, pad_token_id=PAD)
+VOCAB = TINY_SHAPE["vocab_size"]
+PAD = TINY_SHAPE["pad_token_id"]
 
 # The dilated pattern RAT+ is meant to be served with (stored as the config's default, so every
 # entry point, pipeline() included, uses it without a per-call keyword).
 RAT_PLUS_SPARSE = {"dilation": 4, "local_window": 2, "num_sink_tokens": 1}
 
-
-def _alternate(first: str, second: str, num_layers: int) -> list[str]:
-    return [first if i % 2 == 0 else second for i in range(num_layers)]
-
-
-# name -> (config class, settings for a model of n layers); every one mixes its layer kinds.
-_SETTINGS = {
-    "rat": lambda n: (RatConfig, dict(chunk_size=4, sliding_window=6)),
-    "rat_swa": lambda n: (RatConfig, dict(chunk_size=4, sliding_window=6, layer_types=RatConfig.hybrid_layer_types(n, "rat"))),
-    "rat_plus": lambda n: (RatPlusConfig, dict(num_key_value_heads=2, training_dilations=[1, 8])),
-    "rat_plus_sparse": lambda n: (
-        RatPlusConfig, dict(num_key_value_heads=2, training_dilations=[1, 8], sparse_config=RAT_PLUS_SPARSE)
-    ),
-    "fox_llama": lambda n: (FoxConfig, dict(num_key_value_heads=2, block_type="llama")),
-    "fox_pro": lambda n: (FoxConfig, dict(num_key_value_heads=2, block_type="pro")),
-    "rattention": lambda n: (
-        RattentionConfig, dict(num_key_value_heads=2, window_size=3, layer_types=_alternate("local", "global", n))
-    ),
-    # SE mode with one training chunk size: training draws nothing at random, so two training
-    # forwards (with and without checkpointing) see the same chunking.
-    "se_hybrid": lambda n: (
-        SEHybridConfig,
-        dict(
-            num_key_value_heads=2, layer_types=_alternate("mamba", "attention", n), mamba_d_head=16, mamba_d_state=8,
-            mamba_chunk_size=8, attention_mode="se", se_chunk_sizes=[8], se_eval_chunk_size=8, se_block_size=2, se_top_k=2,
-            se_select_every=4, sliding_window=6,
-        ),
-    ),
+# Variants of an architecture's tiny fixture (hf_hybrid/architectures.py), tested beside or instead
+# of it: name -> (model_type, settings on top of the fixture's, or a function of the layer count).
+_VARIANTS = {
+    "rat": ("rat", {}),
+    "rat_swa": ("rat", lambda n: dict(layer_types=hf_hybrid.RatConfig.hybrid_layer_types(n, "rat"))),
+    "rat_plus": ("rat_plus", {}),
+    "rat_plus_sparse": ("rat_plus", dict(sparse_config=RAT_PLUS_SPARSE)),
+    "fox_llama": ("fox", dict(block_type="llama")),
+    "fox_pro": ("fox", dict(block_type="pro")),
 }
+_NAMES = {arch.model_type: arch for arch in ARCHITECTURES}
 
-MODEL_TYPES = tuple(_SETTINGS)
+
+def _variants_of(model_type: str) -> list[str]:
+    return [name for name, (of, _) in _VARIANTS.items() if of == model_type] or [model_type]
+
+
+# Every registered architecture, through its variants where it has some; every one mixes its layer kinds.
+MODEL_TYPES = tuple(name for arch in ARCHITECTURES for name in _variants_of(arch.model_type))
 
 
 def tiny_config(name: str, num_hidden_layers: int = 2, **overrides):
-    config_class, settings = _SETTINGS[name](num_hidden_layers)
-    return config_class(**(COMMON | {"num_hidden_layers": num_hidden_layers} | settings | overrides))
+    model_type, settings = _VARIANTS.get(name, (name, {}))
+    arch = _NAMES[model_type]
+    settings = settings(num_hidden_layers) if callable(settings) else settings
+    config_class = arch.load(arch.config_class_name)
+    return config_class(**(arch.tiny_config_kwargs(num_hidden_layers) | settings | overrides))
 
 
 @torch.no_grad()

@@ -25,8 +25,8 @@ SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_
 CONFIGS = {
     "rat": lambda: RatConfig(**SHAPE, chunk_size=16),
     "fox": lambda: FoxConfig(**SHAPE, num_key_value_heads=2),
-    # "chunked": the SWA prefill through SDPA. On the H100 run of this file, the flex_attention
-    # prefill ("auto") failed to compile for these small shapes (InductorError: NoValidChoicesError,
+    # "chunked": the SWA prefill through SDPA. On an H100 the flex_attention
+    # prefill ("auto") fails to compile for these small shapes (InductorError: NoValidChoicesError,
     # float32, 77 tokens), outside the decode step this file checks.
     "rattention": lambda: RattentionConfig(**SHAPE, num_key_value_heads=2, window_size=32, kernel_backend="chunked"),
     "rat_plus_dense": lambda: RatPlusConfig(**SHAPE, num_key_value_heads=2),

@@ -204,7 +204,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("D,W,S", [(16, 0, 0), (64, 0, 0), (16, 256, 4), (8, 100, 4), (1, 0, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_block_end_real_shapes(D, W, S, dtype):
-    """Issue 21's exactness bounds against float64: fp32 <= 1e-5 (fp32 dots run as three TF32
+    """Exactness bounds against float64: fp32 <= 1e-5 (fp32 dots run as three TF32
     products; one TF32 product was at ~1e-3), bf16 <= 1e-2, output and every gradient."""
     q, k, v = [_randn(1, 2051, 4, 128, dtype=dtype, seed=i) for i in range(3)]
     weight = _randn(1, 2051, 4, 128, seed=9)

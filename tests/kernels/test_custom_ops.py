@@ -95,7 +95,7 @@ def _cases():
     yield "rla_state_segments", rla.residual_linear_attention_fwd, (
         rq, rk, rv, leaf(1, 1, 2 * D, D, scale=0.5), 3, "relu", None, None, 1, None, None)
     yield "rla_identity_pure_linear", rla.residual_linear_attention_fwd, (rq, rk, rv, None, -1, "identity", *none5)
-    # Mamba-2 (engineer G's kernels): depthwise causal conv1d and the SSD scan
+    # Mamba-2: depthwise causal conv1d and the SSD scan
     cx, cw, cb, cs = leaf(B, 11, 13), leaf(13, 4, scale=0.5), leaf(13), leaf(B, 13, 4)
     yield "causal_conv1d", conv.causal_conv1d_fwd, (cx, cw, None, None, False)
     yield "causal_conv1d_bias_state_silu", conv.causal_conv1d_fwd, (cx, cw, cb, cs, True)
@@ -226,3 +226,25 @@ def test_eager_calls_skip_the_dispatcher_and_match_the_registered_op():
     with FakeTensorMode() as mode:
         fake = fused_norm.branch_norm_sum_fwd(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args))
     assert fake.shape == direct.shape
+
+
+def test_other_torch_versions_keep_torchs_own_op():
+    """The eager fast path swaps the class of torch's private CustomOpDef: only checked versions
+    get it; elsewhere the op stays torch's object and every call goes through the dispatcher."""
+    from hf_hybrid._compat import torch_custom_ops
+
+    assert torch_custom_ops.torch_checked("2.11.0") and torch_custom_ops.torch_checked("2.13.0+cu128")
+    assert not torch_custom_ops.torch_checked("2.14.0") and not torch_custom_ops.torch_checked("2.10.1")
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    op = torch.library.custom_op("hf_hybrid_test::unchecked_torch_probe", mutates_args=())(body)
+    original = torch_custom_ops.torch_checked
+    torch_custom_ops.torch_checked = lambda version=None: False
+    try:
+        assert type(torch_custom_ops.with_eager_fast_path(op, 1)) is torch_custom_ops.CustomOpDef
+    finally:
+        torch_custom_ops.torch_checked = original
+    assert type(torch_custom_ops.with_eager_fast_path(op, 1)) is torch_custom_ops.EagerKernelOp
+    assert torch.equal(op(torch.ones(3)), torch.full((3,), 2.0))

@@ -72,7 +72,7 @@ def test_kernel_compiles_for_sm90_without_spills():
 
     usage = _json_from_compile_helper(
         "import json\n"
-        "from hf_hybrid.bench.sm90 import compile_for_sm90\n"
+        "from sm90_resources import compile_for_sm90\n"
         "from hf_hybrid.kernels.few_row_linear import triton as kernel\n"
         "types = {f'{p}{i}': '*bf16' for p in ('W', 'O') for i in range(6)} | {'X': '*bf16'}\n"
         "out = {}\n"

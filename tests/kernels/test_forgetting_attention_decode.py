@@ -98,7 +98,7 @@ def test_cached_attention_takes_the_decode_kernel_for_one_query():
 
 
 def test_shipped_tile_compiles_for_sm90():
-    """The tile the H100 sweep chose (64 keys x 4 warps) builds for sm_90 without a GPU; ptxas may spill a
+    """The shipped tile (64 keys x 4 warps) builds for sm_90 without a GPU; ptxas may spill a
     few bytes (16 with Triton 3.9's), far from the local-memory traffic that would cost the decode step."""
     (row,) = sm90_report("fox_decode_report()")
     assert "error" not in row, row

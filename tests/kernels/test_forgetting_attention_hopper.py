@@ -25,6 +25,7 @@ from hf_hybrid.kernels.forgetting_attention import (
     forgetting_attention_reference,
 )
 from hf_hybrid.kernels.forgetting_attention import hopper, hopper_backward
+from sm90_check import LOAD_SM90_RESOURCES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gluon = pytest.mark.skipif(hopper.gluon is None, reason="this Triton has no Gluon")
@@ -72,9 +73,8 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_dispatch_rules(monkeypatch):
-    """Windows, float32, other head sizes and the CPU never take the Hopper kernel; neither does
-    HF_HYBRID_FOX_HOPPER=0."""
+def test_dispatch_rules():
+    """Windows, float32, other head sizes and the CPU never take the Hopper kernel."""
     q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
     assert not hopper.hopper_forward_applies(q, 8)
     assert not hopper.hopper_forward_applies(q.float(), None)
@@ -82,25 +82,18 @@ def test_dispatch_rules(monkeypatch):
     assert not hopper.hopper_forward_applies(q, None)  # CPU
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         assert hopper.hopper_forward_applies(q.cuda(), None)
-        monkeypatch.setenv("HF_HYBRID_FOX_HOPPER", "0")
-        assert not hopper.hopper_forward_applies(q.cuda(), None)
 
 
-def test_backward_dispatch_rules(monkeypatch):
+def test_backward_dispatch_rules():
     """The Hopper backward is the default for causal 16-bit inputs of head_dim 64 / 128 on sm_90 only,
-    switched off by HF_HYBRID_FOX_HOPPER_BWD=0, stepping aside for deterministic algorithms (its dQ
-    sums with float atomics)."""
+    stepping aside for deterministic algorithms (its dQ sums with float atomics)."""
     q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
-    monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD", raising=False)
     assert not hopper_backward.hopper_backward_applies(q, 8)
     assert not hopper_backward.hopper_backward_applies(q.float(), None)
     assert not hopper_backward.hopper_backward_applies(q[..., :96], None)
     assert not hopper_backward.hopper_backward_applies(q, None)  # CPU
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         assert hopper_backward.hopper_backward_applies(q.cuda(), None)
-        monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "0")
-        assert not hopper_backward.hopper_backward_applies(q.cuda(), None)  # switched off
-        monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD")
         torch.use_deterministic_algorithms(True)
         try:
             assert not hopper_backward.hopper_backward_applies(q.cuda(), None)
@@ -120,7 +113,7 @@ def test_compiles_for_sm90(report, head_dim):
     # A process of its own without TRITON_INTERPRET: the interpreter (which conftest turns on
     # without CUDA) replaces Triton's own jit helpers, and Gluon's compiler cannot call those.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import json; from hf_hybrid.bench.sm90 import {report}; print(json.dumps({report}(({head_dim},))))"
+    code = LOAD_SM90_RESOURCES + f"import json; from sm90_resources import {report}; print(json.dumps({report}(({head_dim},))))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(done.stdout.strip().splitlines()[-1])
@@ -155,10 +148,10 @@ def test_dq_scaled_to_the_output_dtype_in_one_pass(dtype):
 
 
 def test_cache_scan_reads_only_wgmma_kernels_and_refuses_what_ptxas_cannot_read(tmp_path):
-    """``python -m hf_hybrid.bench.sm90 --scan-cache DIR``: kernels without wgmma are not assembled,
+    """``python -m benchmarks.sm90 --scan-cache DIR``: kernels without wgmma are not assembled,
     and a PTX that ptxas rejects raises instead of counting as "not serialised"."""
     pytest.importorskip("triton.backends.nvidia")
-    from hf_hybrid.bench.sm90 import serialised_wgmma_in_cache
+    from sm90_resources import serialised_wgmma_in_cache
 
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "k.ptx").write_text(".version 8.0\n.target sm_90a\n.address_size 64\n")
@@ -193,7 +186,7 @@ def test_forward_matches_float64(dtype, b, t, hq, hkv, d, lengths):
 @pytest.mark.parametrize("t, lengths", [(4096, None), (3000, [1000, 1, 1499, 500])])
 def test_public_op_takes_hopper_kernel(t, lengths, monkeypatch):
     """On sm_90 the public op's forward is the Gluon kernel: the same output as the portable kernel
-    (HF_HYBRID_FOX_HOPPER=0) and the reference, and the gradients from its saved LSE unchanged."""
+    (the dispatch predicate patched off) and the reference, and the gradients from its saved LSE unchanged."""
     _needs_hopper()
     q, k, v, log_f = _inputs(1 if lengths else 2, t, 16, 8, 128, torch.bfloat16, seed=3)
     cu_seqlens = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
@@ -204,7 +197,7 @@ def test_public_op_takes_hopper_kernel(t, lengths, monkeypatch):
     o = forgetting_attention(*leaves, cu_seqlens=cu_seqlens, backend="triton")
     assert calls, "the Hopper kernel did not run"
     grads = torch.autograd.grad(o, leaves, torch.ones_like(o))
-    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER", "0")
+    _portable_forward(monkeypatch)
     o_port = forgetting_attention(*leaves, cu_seqlens=cu_seqlens, backend="triton")
     grads_port = torch.autograd.grad(o_port, leaves, torch.ones_like(o_port))
     ref = forgetting_attention_reference(q.float(), k.float(), v.float(), log_f, None, None, cu_seqlens)
@@ -225,14 +218,22 @@ class _Spy:
         return self.kernel[grid]
 
 
+def _portable_forward(monkeypatch):
+    """From here on the forward takes the portable kernel (the Triton wrapper and the SDPA route
+    both ask the Hopper predicate)."""
+    from hf_hybrid.kernels.forgetting_attention import sdpa, triton as fa
+
+    monkeypatch.setattr(fa, "hopper_forward_applies", lambda *args: False)
+    monkeypatch.setattr(sdpa, "hopper_forward_applies", lambda *args: False)
+
+
 def _portable_backward(monkeypatch, *args):
+    """The portable two-kernel backward for these arguments (the Hopper predicate patched off for the call)."""
     from hf_hybrid.kernels.forgetting_attention import triton as fa
 
-    monkeypatch.setenv("HF_HYBRID_FOX_HOPPER_BWD", "0")
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(fa, "hopper_backward_applies", lambda *args: False)
         return fa._backward(*args)
-    finally:
-        monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD")
 
 
 @pytest.mark.gpu
@@ -243,8 +244,6 @@ def test_backward_matches_float64_and_the_portable_kernels(dtype, b, t, hq, hkv,
     the float64 reference (bound 1e-2), and the raw gradients against the portable two kernels."""
     _needs_hopper()
     from hf_hybrid.kernels.forgetting_attention import triton as fa
-
-    monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD", raising=False)
 
     q, k, v, log_f = _inputs(b, t, hq, hkv, d, dtype, seed=t + 1)
     do = torch.randn_like(q)
@@ -308,7 +307,6 @@ def test_backward_schedules_agree(d, monkeypatch):
 @pytest.mark.gpu
 def test_public_op_takes_hopper_backward(monkeypatch):
     _needs_hopper()
-    monkeypatch.delenv("HF_HYBRID_FOX_HOPPER_BWD", raising=False)
     q, k, v, log_f = _inputs(2, 2048, 8, 4, 128, torch.bfloat16, seed=5)
     calls = []
     monkeypatch.setattr(hopper_backward, "_bwd_kernel", _Spy(hopper_backward._bwd_kernel, calls))

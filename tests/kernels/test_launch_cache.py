@@ -1,4 +1,4 @@
-"""kernels/_launch.py: launches through the compiled kernel's own launcher, keyed by what Triton
+"""hf_hybrid/_compat/triton_launch.py: launches through the compiled kernel's own launcher, keyed by what Triton
 specialises on. The key is checked everywhere; the launches themselves on a GPU (the CPU
 interpreter has no compiled kernels: there the decorator returns the JIT function unchanged)."""
 import pytest
@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_hybrid.kernels import _launch
-from hf_hybrid.kernels._launch import CachedLaunchKernel, _arg_key, _Unsupported, launch_cached
+from hf_hybrid._compat import triton_launch as _launch
+from hf_hybrid._compat.triton_launch import CachedLaunchKernel, _arg_key, _Unsupported, launch_cached
 
 
 @launch_cached
@@ -84,3 +84,18 @@ def test_launch_hooks_and_the_switch_take_tritons_path(monkeypatch):
     assert seen, "a launch hook must see the launch (Triton's path)"
     monkeypatch.setenv("HF_HYBRID_TRITON_FAST_LAUNCH", "0")
     assert not _launch._enabled() and launch_cached(_scaled_copy_kernel.jit_function) is _scaled_copy_kernel.jit_function
+
+
+def test_other_triton_versions_take_tritons_own_path(monkeypatch):
+    """The fast path reads Triton internals: only the versions it was checked against use it."""
+    assert _launch.triton_checked("3.6.0") and _launch.triton_checked("3.4.1")
+    assert not _launch.triton_checked("3.7.0") and not _launch.triton_checked("2.3.1")
+    assert not _launch.triton_checked("not-a-version")
+    from triton.runtime.jit import JITFunction
+
+    kernel = _scaled_copy_kernel.jit_function if isinstance(_scaled_copy_kernel, CachedLaunchKernel) else _scaled_copy_kernel
+    monkeypatch.setattr(_launch, "triton_checked", lambda version=None: False)
+    assert launch_cached(kernel) is kernel
+    if isinstance(kernel, JITFunction):
+        monkeypatch.setattr(_launch, "triton_checked", lambda version=None: True)
+        assert isinstance(launch_cached(kernel), CachedLaunchKernel)

@@ -1,4 +1,4 @@
-"""FoX (LLaMA and Pro blocks): the issue's must-show properties on tiny CPU models."""
+"""FoX (LLaMA and Pro blocks): the properties a FoX model must show, on tiny CPU models."""
 from __future__ import annotations
 
 import math

@@ -80,7 +80,7 @@ def test_padded_training_step_equals_rows_alone(block_type, backend, side):
     model.to(device)
     ids, mask, labels = (t.to(device) for t in padded_batch(ROWS, side))
 
-    # The call: labels, left padding, no cache, in training mode.
+    # The failing call: labels, left padding, no cache, in training mode.
     out = model(ids, attention_mask=mask, labels=labels, use_cache=False)
     assert torch.isfinite(out.loss)
     out.loss.backward()

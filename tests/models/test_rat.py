@@ -1,4 +1,4 @@
-"""RAT / RAT-SWA / attention baselines: the foundation issue's must-show properties."""
+"""RAT / RAT-SWA / attention baselines: the properties each family must show."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""SE-Attn hybrid: the issue's must-show model properties (cache exactness in every mode, se decoding
+"""SE-Attn hybrid: the model properties it must show (cache exactness in every mode, se decoding
 from block summaries, causality, conversion exactness at full) plus the shared model checks."""
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ def test_mamba_layer_training_step_at_16k_tokens_stays_small():
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads ru_maxrss in KiB (Linux)")
 def test_small_hybrid_training_step_at_16k_tokens():
-    """The issue's CPU target: a training step of a small SE hybrid at T=16384 in < 90 s, peak RSS < 3 GB
+    """The CPU target: a training step of a small SE hybrid at T=16384 in < 90 s, peak RSS < 3 GB
     (measured on the shared 2-core box, one thread: 54 s, 2.80 GB; the Mamba layers are ~0.7 GB of
     it, the rest is attention, MLPs and logits). Slow-marked: a minute of CI time; the layer test
     above covers the Mamba path on every run."""
@@ -233,7 +233,7 @@ def test_gpu_converted_bamba_matches_and_decodes(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_training_step_at_8k_tokens_is_small(no_bamba_fallback):
-    """The issue's failure: at T=8192 the Bamba fallback asked for 64 GiB in one allocation. A small
+    """The failure this guards against: at T=8192 the Bamba fallback asked for 64 GiB in one allocation. A small
     hybrid (hidden 256, default Mamba sizes) trains at T=8192 in bf16 within 2 GiB of activations."""
     config = SEHybridConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
     torch.manual_seed(0)

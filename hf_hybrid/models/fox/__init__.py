@@ -9,16 +9,6 @@ from .modeling_fox import (
     FoxPreTrainedModel,
 )
 
-
-def register() -> None:
-    from ..registry import register_architecture
-
-    register_architecture(
-        FoxConfig, FoxModel, FoxForCausalLM,
-        task_heads=(FoxForSequenceClassification, FoxForTokenClassification, FoxForQuestionAnswering),
-    )
-
-
 __all__ = [
     "FoxCache",
     "FoxConfig",
@@ -29,5 +19,4 @@ __all__ = [
     "FoxLayerCache",
     "FoxModel",
     "FoxPreTrainedModel",
-    "register",
 ]

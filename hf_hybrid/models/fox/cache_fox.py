@@ -29,12 +29,11 @@ from ..cache_layer import (
 
 
 class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
-    _layer_type = "fox"
     is_sliding = False
     is_compileable = False
     is_croppable = True  # while past recording is on (StateHistoryMixin), see crop()
 
-    def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
+    def __init__(self, **kwargs):
         super().__init__()
         self.cum_log_forget: torch.Tensor | None = None
         self.shift_key: torch.Tensor | None = None
@@ -71,8 +70,8 @@ class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
             else log_forget.new_zeros(log_forget.shape[0], 1, log_forget.shape[2], dtype=torch.float32)
         )
         # The running sum along the contiguous axis ([heads, batch, seq]): torch's scan over the strided
-        # seq axis of [batch, seq, heads] gives each (row, head) one thread (11.5 ms per layer for a
-        # 32K-token prefill on the H100, more than the layer's attention).
+        # seq axis of [batch, seq, heads] gives each (row, head) one thread, slower at a long prefill
+        # than the layer's attention.
         c_new = (last + cumulative_log_forget(log_forget)).contiguous()
         if self.takes_reserved_columns(self.get_seq_length(), key_states.shape[1]):
             columns = (key_states.to(self.keys.dtype), value_states.to(self.values.dtype), c_new)

@@ -2,16 +2,14 @@
 (Appendix B: 24 layers, hidden 1536, head dim 64, no RoPE, untied embeddings)."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
-from ..compat import CACHE_NAME
-from ..validation import check_kv_heads, check_positive, resolve_head_dim
+from ...compat import CACHE_NAME
+from ..configuration_backbone import HybridBackboneConfig
 
 FOX_BLOCK_TYPES = ("llama", "pro")
 FOX_FORGET_GATES = ("data_dependent", "data_independent", "fixed", "none")
 
 
-class FoxConfig(PretrainedConfig):
+class FoxConfig(HybridBackboneConfig):
     r"""
     Attention implementation: Forgetting Attention has no plain softmax form (the forget gates'
     decay bias c_i - c_j is added inside the kernel's tile loop), so it runs its own kernels whatever
@@ -38,20 +36,19 @@ class FoxConfig(PretrainedConfig):
             converted from them keep both).
         kernel_backend (`str`, defaults to ``"auto"``): Forgetting Attention backend (``"auto"``:
             Triton on CUDA, reference on CPU; ``"reference"``; ``"triton"``).
+    The backbone's fields (sizes, norm, RoPE base ``rope_theta``, the MLP's ``mlp_type`` / ``hidden_act``
+    / ``mlp_bias``) are ``HybridBackboneConfig``'s.
     """
 
     model_type = "fox"
     keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
+    backbone_defaults = dict(hidden_size=1536, intermediate_size=4096, num_attention_heads=24,
+                             rope_theta=500000.0, max_position_embeddings=16384)
+    kernel_backends = ("auto", "reference", "triton")
+
     def __init__(
         self,
-        vocab_size: int = 32000,
-        hidden_size: int = 1536,
-        intermediate_size: int = 4096,
-        num_hidden_layers: int = 24,
-        num_attention_heads: int = 24,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
         block_type: str = "pro",
         qk_norm: bool | None = None,
         kv_shift: bool | None = None,
@@ -61,22 +58,10 @@ class FoxConfig(PretrainedConfig):
         forget_gate_t_min: float = 2.0,
         forget_gate_t_max: float = 256.0,
         use_rope: bool = False,
-        rope_theta: float = 500000.0,
-        max_position_embeddings: int = 16384,
-        rms_norm_eps: float = 1e-6,
         qk_norm_eps: float | None = None,
-        initializer_range: float = 0.02,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
-        kernel_backend: str = "auto",
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = 1,
-        eos_token_id: int | None = 2,
         **kwargs,
     ):
-        check_positive("num_hidden_layers", num_hidden_layers)
-        check_positive("vocab_size", vocab_size)
-        check_positive("intermediate_size", intermediate_size)
+        super().__init__(**kwargs)
         if block_type not in FOX_BLOCK_TYPES:
             raise ValueError(f"block_type must be one of {FOX_BLOCK_TYPES}, got {block_type!r}.")
         if forget_gate not in FOX_FORGET_GATES:
@@ -86,11 +71,6 @@ class FoxConfig(PretrainedConfig):
                 f"forget_gate_t_min ({forget_gate_t_min}) and forget_gate_t_max ({forget_gate_t_max}) must satisfy "
                 "0 < forget_gate_t_min <= forget_gate_t_max."
             )
-        if kernel_backend not in ("auto", "reference", "triton"):
-            raise ValueError(f"kernel_backend must be 'auto', 'reference' or 'triton', got {kernel_backend!r}.")
-        self.head_dim = resolve_head_dim(hidden_size, num_attention_heads, head_dim)
-        num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        check_kv_heads(num_attention_heads, num_key_value_heads)
         if use_rope and self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE; set use_rope=False.")
         pro = block_type == "pro"
@@ -102,24 +82,5 @@ class FoxConfig(PretrainedConfig):
         self.forget_gate = forget_gate
         self.forget_gate_t_min = float(forget_gate_t_min)
         self.forget_gate_t_max = float(forget_gate_t_max)
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
         self.use_rope = use_rope
-        self.rope_theta = rope_theta
-        self.max_position_embeddings = max_position_embeddings
-        self.rms_norm_eps = rms_norm_eps
-        self.qk_norm_eps = rms_norm_eps if qk_norm_eps is None else float(qk_norm_eps)
-        self.initializer_range = initializer_range
-        self.use_cache = use_cache
-        self.kernel_backend = kernel_backend
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        self.qk_norm_eps = self.rms_norm_eps if qk_norm_eps is None else float(qk_norm_eps)

@@ -1,5 +1,5 @@
 from .cache_rat import RatCache, RatLayerCache
-from .configuration_rat import RAT_LAYER_TYPES, RatConfig
+from .configuration_rat import RatConfig
 from .modeling_rat import (
     RatForCausalLM,
     RatForQuestionAnswering,
@@ -8,16 +8,6 @@ from .modeling_rat import (
     RatModel,
     RatPreTrainedModel,
 )
-
-
-def register() -> None:
-    from ..registry import register_architecture
-
-    register_architecture(
-        RatConfig, RatModel, RatForCausalLM, layer_types=RAT_LAYER_TYPES,
-        task_heads=(RatForSequenceClassification, RatForTokenClassification, RatForQuestionAnswering),
-    )
-
 
 __all__ = [
     "RatCache",
@@ -29,5 +19,4 @@ __all__ = [
     "RatLayerCache",
     "RatModel",
     "RatPreTrainedModel",
-    "register",
 ]

@@ -24,13 +24,12 @@ from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, TensorMapLayer
 class RatLayerCache(StateHistoryMixin, TensorMapLayer):
     """Cache of one RAT layer. ``keys`` / ``values`` hold the chunk ends, [batch, chunks, heads, head_dim]."""
 
-    _layer_type = "rat"  # lets DynamicCache(config=...) build it from config.layer_types
     is_sliding = False
     is_compileable = False
     is_croppable = True  # while past recording is on (StateHistoryMixin), see crop()
     chunk_size: int | None = None  # set by RatCache; lets a crop drop the chunk ends it removes
 
-    def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
+    def __init__(self, **kwargs):
         super().__init__()
         self.cumulative_length = 0
         self.num_slots = 0

@@ -10,16 +10,6 @@ from .modeling_rat_plus import (
     RatPlusPreTrainedModel,
 )
 
-
-def register() -> None:
-    from ..registry import register_architecture
-
-    register_architecture(
-        RatPlusConfig, RatPlusModel, RatPlusForCausalLM,
-        task_heads=(RatPlusForSequenceClassification, RatPlusForTokenClassification, RatPlusForQuestionAnswering),
-    )
-
-
 __all__ = [
     "DilatedStore",
     "FullStore",
@@ -33,5 +23,4 @@ __all__ = [
     "RatPlusLayerCache",
     "RatPlusModel",
     "RatPlusPreTrainedModel",
-    "register",
 ]

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from transformers import PretrainedConfig
-
 from ...sparse import SparseInferenceConfig
-from ..compat import CACHE_NAME
-from ..validation import check_kv_heads, check_positive, resolve_head_dim
+from ...compat import CACHE_NAME
+from ..configuration_backbone import HybridBackboneConfig
+from ..validation import check_positive
 
 
 def training_pattern(item) -> SparseInferenceConfig:
@@ -26,7 +25,7 @@ def training_pattern(item) -> SparseInferenceConfig:
         raise ValueError(f"training_dilations entry {item!r} is not a dilation or a sparse pattern: {error}") from None
 
 
-class RatPlusConfig(PretrainedConfig):
+class RatPlusConfig(HybridBackboneConfig):
     r"""
     RAT+: dense attention over recurrent keys/values, trained once, sparsified per call at inference.
 
@@ -55,52 +54,33 @@ class RatPlusConfig(PretrainedConfig):
         kernel_backend (`str`, defaults to ``"auto"``): backend of the recurrence and attention ops
             (``"auto"``, ``"reference"``, ``"triton"``; see ``hf_hybrid.kernels``), or ``"scan"``: the
             recurrence as a PyTorch log-depth scan and attention through SDPA (no Triton at all).
-    The usual names (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    The backbone's fields (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``rms_norm_eps``, ``rope_theta``,
-    ``max_position_embeddings``, ``tie_word_embeddings``) mean what they mean for Llama.
+    ``max_position_embeddings``, ``tie_word_embeddings``, the MLP's ``mlp_type`` / ``hidden_act`` /
+    ``mlp_bias``) are ``HybridBackboneConfig``'s and mean what they mean for Llama.
     """
 
     model_type = "rat_plus"
     keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
+    kernel_backends = ("auto", "reference", "triton", "scan")
+
     def __init__(
         self,
-        vocab_size: int = 32000,
-        hidden_size: int = 2048,
-        intermediate_size: int = 5632,
-        num_hidden_layers: int = 24,
-        num_attention_heads: int = 16,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
         use_rope: bool = True,
-        rope_theta: float = 10000.0,
-        max_position_embeddings: int = 4096,
-        rms_norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
         training_dilations: Sequence = (1, 64),
         training_loss_weights: Sequence[float] | None = None,
         sparse_config: dict | SparseInferenceConfig | None = None,
         use_recurrence: bool = True,
         recurrence_gate_bias: bool = False,
-        kernel_backend: str = "auto",
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = 1,
-        eos_token_id: int | None = 2,
         **kwargs,
     ):
-        check_positive("num_hidden_layers", num_hidden_layers)
-        check_positive("vocab_size", vocab_size)
-        check_positive("intermediate_size", intermediate_size)
-        check_positive("max_position_embeddings", max_position_embeddings)
-        self.head_dim = resolve_head_dim(hidden_size, num_attention_heads, head_dim)
-        num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        check_kv_heads(num_attention_heads, num_key_value_heads)
+        super().__init__(**kwargs)
+        check_positive("max_position_embeddings", self.max_position_embeddings)
         if use_rope and self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE; set use_rope=False for NoPE.")
-        if kernel_backend not in ("auto", "reference", "triton", "scan"):
-            raise ValueError(f"kernel_backend must be 'auto', 'reference', 'triton' or 'scan', got {kernel_backend!r}.")
+        num_hidden_layers, num_attention_heads = self.num_hidden_layers, self.num_attention_heads
+        max_position_embeddings = self.max_position_embeddings
 
         if isinstance(training_dilations, (int, str, dict)) or not isinstance(training_dilations, Sequence) or not training_dilations:
             raise ValueError(f"training_dilations must be a non-empty list such as [1, 64], got {training_dilations!r}.")
@@ -121,28 +101,9 @@ class RatPlusConfig(PretrainedConfig):
         sparse.validate_for_model(num_hidden_layers, num_attention_heads, max_position_embeddings)
         self.sparse_config = sparse.to_dict()
 
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
         self.use_rope = use_rope
-        self.rope_theta = rope_theta
-        self.max_position_embeddings = max_position_embeddings
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
-        self.use_cache = use_cache
         self.use_recurrence = use_recurrence
         self.recurrence_gate_bias = recurrence_gate_bias
-        self.kernel_backend = kernel_backend
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
 
     def resolve_sparse_config(self, sparse_config=None) -> SparseInferenceConfig:
         """The call's pattern (or the stored default), checked against this model's layers and heads."""

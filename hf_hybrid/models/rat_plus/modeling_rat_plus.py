@@ -122,7 +122,8 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep, **kwargs,
         )
-        joint = labels is not None and sparse_config is None and (self.training or training_dilations is not None)
+        has_targets = labels is not None or kwargs.get("shift_labels") is not None
+        joint = has_targets and sparse_config is None and (self.training or training_dilations is not None)
         if not joint:
             out = super().forward(past_key_values=past_key_values, use_cache=use_cache, sparse_config=sparse_config, **common)
             return RatPlusCausalLMOutput(**out)

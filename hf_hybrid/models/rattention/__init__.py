@@ -1,5 +1,5 @@
 from .cache_rattention import RattentionCache, RattentionGlobalLayerCache, RattentionLocalLayerCache
-from .configuration_rattention import RATTENTION_LAYER_TYPES, RattentionConfig
+from .configuration_rattention import RattentionConfig
 from .modeling_rattention import (
     RattentionForCausalLM,
     RattentionForQuestionAnswering,
@@ -8,16 +8,6 @@ from .modeling_rattention import (
     RattentionModel,
     RattentionPreTrainedModel,
 )
-
-
-def register() -> None:
-    from ..registry import register_architecture
-
-    register_architecture(
-        RattentionConfig, RattentionModel, RattentionForCausalLM, layer_types=RATTENTION_LAYER_TYPES,
-        task_heads=(RattentionForSequenceClassification, RattentionForTokenClassification, RattentionForQuestionAnswering),
-    )
-
 
 __all__ = [
     "RattentionCache",
@@ -30,5 +20,4 @@ __all__ = [
     "RattentionLocalLayerCache",
     "RattentionModel",
     "RattentionPreTrainedModel",
-    "register",
 ]

@@ -45,7 +45,6 @@ class RattentionLocalLayerCache(TensorMapLayer):
     [batch, tokens, kv_heads, head_dim] (``keys`` is None without the SWA branch, ``raw_keys`` and
     ``state`` are None without the RLA branch)."""
 
-    _layer_type = "local"  # lets DynamicCache(config=...) build it from config.layer_types
     is_sliding = True
     is_compileable = False
     is_croppable = True  # while past recording is on, see crop()
@@ -53,7 +52,7 @@ class RattentionLocalLayerCache(TensorMapLayer):
     crop_window = DEFAULT_CROP_WINDOW
     feature_map = "softmax"  # the RLA's phi (set by RattentionCache): a crop folds tokens into S with it
 
-    def __init__(self, **kwargs):  # DynamicCache(config=...) passes kwargs meant for other layer types
+    def __init__(self, **kwargs):
         super().__init__()
         self.raw_keys: torch.Tensor | None = None
         self.state: torch.Tensor | None = None
@@ -282,9 +281,7 @@ class RattentionLocalLayerCache(TensorMapLayer):
 
 
 class RattentionGlobalLayerCache(DynamicLayer):
-    """All keys/values of a global layer (transformers' DynamicLayer under the layer type "global")."""
-
-    _layer_type = "global"
+    """All keys/values of a global layer (a transformers DynamicLayer)."""
 
     def __init__(self, **kwargs):
         super().__init__()

@@ -2,19 +2,16 @@
 3B model, Fig. 3: hidden 2048, 56 layers, 16 query / 4 key-value heads of 128, [local x 3, global])."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from ...kernels.residual_linear_attention.reference import FEATURE_MAPS
-from ..compat import CACHE_NAME
-from ..registry import register_layer_types
-from ..validation import check_kv_heads, check_layer_types, check_positive, resolve_head_dim
+from ...compat import CACHE_NAME
+from ..configuration_backbone import HybridBackboneConfig
+from ..validation import ArchitectureLayerTypes, check_layer_types
 
 RATTENTION_LAYER_TYPES = ("local", "global")
 RATTENTION_BACKENDS = ("auto", "reference", "chunked", "triton")
-register_layer_types(*RATTENTION_LAYER_TYPES)  # also when this module is imported from a saved checkpoint's code
 
 
-class RattentionConfig(PretrainedConfig):
+class RattentionConfig(ArchitectureLayerTypes, HybridBackboneConfig):
     r"""
     Attention implementation (``attn_implementation=`` of from_pretrained / from_config, or
     ``model.set_attn_implementation``): ``"global"`` layers go through transformers' attention
@@ -45,41 +42,28 @@ class RattentionConfig(PretrainedConfig):
         kernel_backend (`str`, defaults to ``"auto"``): ``"auto"`` (Triton RLA + flex_attention SWA on
             CUDA, the chunked PyTorch RLA + reference SWA elsewhere), ``"triton"``, ``"chunked"`` or
             ``"reference"`` (the O(T^2) oracles).
+    The backbone's fields (sizes, norm, RoPE base ``rope_theta``, the MLP's ``mlp_type`` / ``hidden_act``
+    / ``mlp_bias``) are ``HybridBackboneConfig``'s.
     """
 
     model_type = "rattention"
+    allowed_layer_types = RATTENTION_LAYER_TYPES
     keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
+
+    backbone_defaults = dict(intermediate_size=6656, num_hidden_layers=56, rope_theta=500000.0)
+    kernel_backends = RATTENTION_BACKENDS
 
     def __init__(
         self,
-        vocab_size: int = 32000,
-        hidden_size: int = 2048,
-        intermediate_size: int = 6656,
-        num_hidden_layers: int = 56,
-        num_attention_heads: int = 16,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
         window_size: int = 512,
         layer_types: list[str] | None = None,
         feature_map: str = "softmax",
         use_residual_linear_attention: bool = True,
         qk_norm: bool = True,
-        rope_theta: float = 500000.0,
-        max_position_embeddings: int = 4096,
-        rms_norm_eps: float = 1e-6,
         branch_norm_eps: float = 1e-8,
-        initializer_range: float = 0.02,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
-        kernel_backend: str = "auto",
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = 1,
-        eos_token_id: int | None = 2,
         **kwargs,
     ):
-        check_positive("num_hidden_layers", num_hidden_layers)
-        check_positive("vocab_size", vocab_size)
-        check_positive("intermediate_size", intermediate_size)
+        super().__init__(**kwargs)
         if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < -1:
             raise ValueError(
                 f"window_size must be an integer >= -1 (-1 = pure linear attention, 0 = the token itself), got {window_size!r}."
@@ -91,45 +75,25 @@ class RattentionConfig(PretrainedConfig):
             )
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}.")
-        if kernel_backend not in RATTENTION_BACKENDS:
-            raise ValueError(f"kernel_backend must be one of {RATTENTION_BACKENDS}, got {kernel_backend!r}.")
         if not branch_norm_eps > 0:
             raise ValueError(f"branch_norm_eps must be > 0, got {branch_norm_eps!r}.")
-        self.head_dim = resolve_head_dim(hidden_size, num_attention_heads, head_dim)
-        if num_key_value_heads is None:
-            num_key_value_heads = 4 if num_attention_heads % 4 == 0 else num_attention_heads
-        check_kv_heads(num_attention_heads, num_key_value_heads)
         self.layer_types = check_layer_types(
-            layer_types if layer_types is not None else self.default_layer_types(num_hidden_layers),
+            layer_types if layer_types is not None else self.default_layer_types(self.num_hidden_layers),
             RATTENTION_LAYER_TYPES,
-            num_hidden_layers,
+            self.num_hidden_layers,
         )
         if window_size >= 0 and "local" in self.layer_types and self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even: the local layers' window attention uses RoPE.")
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
         self.window_size = window_size
         self.feature_map = feature_map
         self.use_residual_linear_attention = bool(use_residual_linear_attention)
         self.qk_norm = bool(qk_norm)
-        self.rope_theta = rope_theta
-        self.max_position_embeddings = max_position_embeddings
-        self.rms_norm_eps = rms_norm_eps
         self.branch_norm_eps = branch_norm_eps
-        self.initializer_range = initializer_range
-        self.use_cache = use_cache
-        self.kernel_backend = kernel_backend
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+
+    @staticmethod
+    def default_num_key_value_heads(num_attention_heads: int) -> int:
+        """The paper's grouped-query attention: 4 key/value heads when that divides the query heads."""
+        return 4 if num_attention_heads % 4 == 0 else num_attention_heads
 
     @staticmethod
     def default_layer_types(num_hidden_layers: int, every: int = 4) -> list[str]:

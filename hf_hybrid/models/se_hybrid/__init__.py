@@ -1,5 +1,5 @@
 from .cache_se_hybrid import SEAttentionLayerCache, SEHybridCache, SEMambaLayerCache
-from .configuration_se_hybrid import SE_HYBRID_LAYER_TYPES, SEHybridConfig
+from .configuration_se_hybrid import SEHybridConfig
 from .modeling_se_hybrid import (
     SEHybridForCausalLM,
     SEHybridForQuestionAnswering,
@@ -9,16 +9,6 @@ from .modeling_se_hybrid import (
     SEHybridPreTrainedModel,
     SEMambaMixer,
 )
-
-
-def register() -> None:
-    from ..registry import register_architecture
-
-    register_architecture(
-        SEHybridConfig, SEHybridModel, SEHybridForCausalLM, layer_types=SE_HYBRID_LAYER_TYPES,
-        task_heads=(SEHybridForSequenceClassification, SEHybridForTokenClassification, SEHybridForQuestionAnswering),
-    )
-
 
 __all__ = [
     "SEAttentionLayerCache",
@@ -32,5 +22,4 @@ __all__ = [
     "SEHybridPreTrainedModel",
     "SEMambaLayerCache",
     "SEMambaMixer",
-    "register",
 ]

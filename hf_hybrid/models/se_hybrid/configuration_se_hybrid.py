@@ -2,12 +2,10 @@
 Attention (Expansion Span, Sec. 3-4; defaults follow its Mamba-2-Hybrid fine-tuning recipe)."""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from ...kernels.span_expanded_attention import MODES
-from ..compat import CACHE_NAME
-from ..registry import register_layer_types
-from ..validation import check_kv_heads, check_layer_types, check_positive, resolve_head_dim
+from ...compat import CACHE_NAME
+from ..configuration_backbone import HybridBackboneConfig
+from ..validation import ArchitectureLayerTypes, check_layer_types, check_positive
 
 SE_HYBRID_LAYER_TYPES = ("mamba", "attention")
 # transformers >= 5.17 renames the legacy hybrid names (mamba -> linear_attention, attention ->
@@ -19,7 +17,6 @@ def canonical_layer_type(layer_type: str) -> str:
     """"mamba" or "attention" for either spelling (raises KeyError on anything else)."""
     return _CANONICAL[layer_type]
 SE_ATTENTION_MODES = MODES
-register_layer_types(*SE_HYBRID_LAYER_TYPES)  # also when imported from a checkpoint's bundled code
 
 
 def default_layer_types(num_hidden_layers: int, attention_every: int = 4) -> list[str]:
@@ -30,7 +27,7 @@ def default_layer_types(num_hidden_layers: int, attention_every: int = 4) -> lis
     return types
 
 
-class SEHybridConfig(PretrainedConfig):
+class SEHybridConfig(ArchitectureLayerTypes, HybridBackboneConfig):
     r"""
     A Mamba-2 hybrid causal LM whose attention layers can run as full attention or Span-Expanded
     Attention (SE-Attn) and its ablations.
@@ -66,24 +63,20 @@ class SEHybridConfig(PretrainedConfig):
         partial_rotary_factor (`float`, defaults to 1.0): fraction of head_dim rotated by RoPE (Bamba: 0.5).
         attention_bias (`bool`, defaults to False): biases on q/k/v/o projections.
         mamba_n_heads, mamba_d_head, mamba_d_state, mamba_d_conv, mamba_expand, mamba_n_groups,
-        mamba_chunk_size, mamba_conv_bias, mamba_proj_bias, time_step_limit, hidden_act: the Mamba-2
+        mamba_chunk_size, mamba_conv_bias, mamba_proj_bias, time_step_limit, mamba_hidden_act: the Mamba-2
             mixer's settings, with Bamba's names; ``mamba_n_heads`` defaults to
             mamba_expand * hidden_size / mamba_d_head.
         kernel_backend (`str`, defaults to ``"auto"``): backend of the SE-Attn op.
+    The backbone's fields (sizes, norm, RoPE base ``rope_theta``, the MLP's ``mlp_type`` / ``hidden_act``
+    / ``mlp_bias``) are ``HybridBackboneConfig``'s.
     """
 
     model_type = "se_hybrid"
+    allowed_layer_types = SE_HYBRID_LAYER_TYPES
     keys_to_ignore_at_inference = [CACHE_NAME]  # the Trainer drops the cache from eval outputs
 
     def __init__(
         self,
-        vocab_size: int = 32000,
-        hidden_size: int = 2048,
-        intermediate_size: int = 5632,
-        num_hidden_layers: int = 24,
-        num_attention_heads: int = 16,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
         layer_types: list[str] | None = None,
         attention_mode: str = "full",
         se_chunk_sizes: list[int] | tuple[int, ...] = (2048, 4096),
@@ -93,10 +86,8 @@ class SEHybridConfig(PretrainedConfig):
         se_select_every: int = 128,
         se_random_seed: int = 0,
         sliding_window: int | None = None,
-        rope_theta: float = 10000.0,
         partial_rotary_factor: float = 1.0,
         attention_bias: bool = False,
-        max_position_embeddings: int = 4096,
         mamba_n_heads: int | None = None,
         mamba_d_head: int = 64,
         mamba_d_state: int = 128,
@@ -107,28 +98,20 @@ class SEHybridConfig(PretrainedConfig):
         mamba_conv_bias: bool = True,
         mamba_proj_bias: bool = False,
         time_step_limit: tuple[float, float] | list[float] | None = (0.0, float("inf")),
-        hidden_act: str = "silu",
-        rms_norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
-        kernel_backend: str = "auto",
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = 1,
-        eos_token_id: int | None = 2,
+        mamba_hidden_act: str = "silu",
         **kwargs,
     ):
+        super().__init__(**kwargs)
+        hidden_size, num_hidden_layers = self.hidden_size, self.num_hidden_layers
         for name, value in (
-            ("num_hidden_layers", num_hidden_layers), ("vocab_size", vocab_size), ("intermediate_size", intermediate_size),
             ("se_block_size", se_block_size), ("se_select_every", se_select_every), ("mamba_d_head", mamba_d_head),
             ("mamba_d_state", mamba_d_state), ("mamba_d_conv", mamba_d_conv), ("mamba_expand", mamba_expand),
             ("mamba_n_groups", mamba_n_groups), ("mamba_chunk_size", mamba_chunk_size),
         ):
             check_positive(name, value)
         check_positive("se_top_k", se_top_k, allow_zero=True)
-        self.head_dim = resolve_head_dim(hidden_size, num_attention_heads, head_dim)
-        num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        check_kv_heads(num_attention_heads, num_key_value_heads)
+        if mamba_hidden_act not in ("silu", "swish"):
+            raise ValueError(f"mamba_hidden_act must be 'silu' (or 'swish'), the Mamba-2 conv's activation; got {mamba_hidden_act!r}.")
         if attention_mode not in SE_ATTENTION_MODES:
             raise ValueError(f"attention_mode={attention_mode!r} is not one of {list(SE_ATTENTION_MODES)}.")
         se_chunk_sizes = [int(m) for m in se_chunk_sizes]
@@ -170,12 +153,6 @@ class SEHybridConfig(PretrainedConfig):
         if "attention" not in self.layer_types:
             raise ValueError("layer_types needs at least one 'attention' layer (an SE-Attn hybrid; the cache counts tokens there).")
 
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
         self.attention_mode = attention_mode
         self.se_chunk_sizes = se_chunk_sizes
         self.se_eval_chunk_size = se_eval_chunk_size
@@ -184,10 +161,8 @@ class SEHybridConfig(PretrainedConfig):
         self.se_select_every = se_select_every
         self.se_random_seed = se_random_seed
         self.sliding_window = sliding_window
-        self.rope_theta = rope_theta
         self.partial_rotary_factor = partial_rotary_factor
         self.attention_bias = attention_bias
-        self.max_position_embeddings = max_position_embeddings
         self.mamba_n_heads = mamba_n_heads
         self.mamba_d_head = mamba_d_head
         self.mamba_d_state = mamba_d_state
@@ -198,16 +173,5 @@ class SEHybridConfig(PretrainedConfig):
         self.mamba_conv_bias = mamba_conv_bias
         self.mamba_proj_bias = mamba_proj_bias
         self.time_step_limit = tuple(time_step_limit) if time_step_limit is not None else None
-        self.hidden_act = hidden_act
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
-        self.use_cache = use_cache
-        self.kernel_backend = kernel_backend
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        self.mamba_hidden_act = mamba_hidden_act
         self.layer_types = [canonical_layer_type(t) for t in self.layer_types]  # undo transformers' renaming

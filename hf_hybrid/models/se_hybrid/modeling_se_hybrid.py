@@ -20,6 +20,7 @@ import contextlib
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.models.bamba.modeling_bamba import BambaMixer
 
@@ -60,6 +61,9 @@ class SEMambaMixer(BambaMixer):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.kernel_backend = getattr(config, "kernel_backend", "auto")
+        # Bamba's mixer reads hidden_act, which here is the MLP's: the conv activation has its own field.
+        self.activation = getattr(config, "mamba_hidden_act", "silu")
+        self.act = ACT2FN[self.activation]
 
     def forward(self, hidden_states, context, cache_layer=None, **unused):
         if cache_layer is not None and not isinstance(cache_layer, SEMambaLayerCache):
