@@ -16,7 +16,8 @@ def default_output_folders() -> set[str]:
     """The default of every --out / --output-dir option in the CLI modules and the examples' parsers,
     and every folder the README's snippets save into."""
     found = set()
-    sources = [*ROOT.joinpath("examples").glob("*.py"), *ROOT.joinpath("hf_hybrid").rglob("*.py")]
+    sources = [*ROOT.joinpath("examples").glob("*.py"), *ROOT.joinpath("hf_hybrid").rglob("*.py"),
+               *ROOT.joinpath("benchmarks").glob("*.py"), *ROOT.joinpath("conversion").glob("*.py")]
     option = re.compile(r"""add_argument\(\s*"--(?:out|output-dir)"[^)]*?default=(?:Path\()?"([^"]+)\"""")
     for path in sources:
         found |= set(option.findall(path.read_text(encoding="utf-8")))
