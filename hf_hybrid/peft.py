@@ -20,7 +20,7 @@ How it maps onto peft (read from peft 0.21's ``LoraConfig`` / ``_set_trainable``
   trained embedding copy would leave ``lm_head`` behind (peft then warns), and with ``True`` peft
   notes on every untied model that nothing is tied. The config cannot see the model, so the
   default is ``True`` and peft's tied-module check, which sees it, turns it off for an untied model
-  (:func:`_tie_only_what_is_tied`, installed by :func:`register_peft_defaults`).
+  (hf_hybrid/_compat/peft_weight_tying.py, installed by :func:`register_peft_defaults`).
 
 The class only sets defaults of ``LoraConfig`` fields, so a saved adapter_config.json is an
 ordinary LoRA config and ``PeftModel.from_pretrained`` reloads it without hf_hybrid.
@@ -33,11 +33,11 @@ and matching entries to IA3's, LN-tuning's, BEFT's and OSF's.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from peft import LoraConfig
 
+from ._compat.peft_weight_tying import untie_where_nothing_is_tied
 from .architectures import ARCHITECTURES
 
 HYLORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -61,41 +61,12 @@ _SPECIAL_TABLES = {
 }
 
 
-def _tie_only_what_is_tied() -> None:
-    """Wrap peft's tied-module check (peft's LoraModel._check_tied_modules, which sees the model) so
-    that a HyLoraConfig resolves its ``ensure_weight_tying`` against the model: kept on a tied model,
-    turned off on an untied one, where there is nothing to tie. The adapter_config.json saved later
-    then says what was done, and reloading it is quiet too. Every other config passes through
-    unchanged. Idempotent; a peft without the method is left alone (and notes the untied case)."""
-    from peft.tuners.lora import LoraModel
-
-    check = getattr(LoraModel, "_check_tied_modules", None)
-    if check is None or getattr(check, "_resolves_hylora_tying", False):
-        return
-
-    @functools.wraps(check)
-    def check_tied_modules(self, model, peft_config):
-        if isinstance(peft_config, HyLoraConfig) and peft_config.ensure_weight_tying and not _has_tied_embeddings(self, model):
-            peft_config.ensure_weight_tying = False
-        return check(self, model, peft_config)
-
-    check_tied_modules._resolves_hylora_tying = True
-    LoraModel._check_tied_modules = check_tied_modules
-
-
-def _has_tied_embeddings(tuner, model) -> bool:
-    tied_names = getattr(tuner, "_get_module_names_tied_with_embedding", None)
-    if tied_names is not None:
-        return bool(tied_names())
-    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-
-
 def register_peft_defaults() -> None:
     """Teach peft's default-target tables every hf-hybrid model_type, and resolve HyLoRA's
     ``ensure_weight_tying`` against each model (idempotent; run on import)."""
     from peft.utils import constants
 
-    _tie_only_what_is_tied()
+    untie_where_nothing_is_tied(lambda config: isinstance(config, HyLoraConfig))
 
     prefix, suffix = "TRANSFORMERS_MODELS_TO_", "_MODULES_MAPPING"
     for name in dir(constants):

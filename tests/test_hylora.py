@@ -293,3 +293,10 @@ def test_other_configs_keep_peft_notes():
     config = LoraConfig(r=R, target_modules=["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True)
     caught = _warnings_of(lambda: get_peft_model(model, config))
     assert any("no tied modules were found" in w for w in caught), caught
+
+
+def test_the_weight_tying_patch_names_the_peft_it_was_checked_against():
+    from hf_hybrid._compat import peft_weight_tying
+
+    assert peft_weight_tying.peft_checked("0.21.2") and not peft_weight_tying.peft_checked("0.17.0")
+    assert not peft_weight_tying.peft_checked("1.0.0")
