@@ -17,4 +17,6 @@ setup(
     + mapped("kernels", "hf_hybrid.kernels")
     + mapped("conversion", "hf_hybrid.conversion")
     + ["hf_hybrid.model_cards"],
+    # The console script's launcher: answers `hf-hybrid --help` without importing torch (hf_hybrid_cli.py).
+    py_modules=["hf_hybrid_cli"],
 )

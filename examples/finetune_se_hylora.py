@@ -35,7 +35,7 @@ from hf_hybrid.eval import recall_accuracy
 from hf_hybrid.models.se_hybrid import SEHybridConfig, SEHybridForCausalLM
 from hf_hybrid.peft import HyLoraConfig
 
-warnings.filterwarnings("ignore", message=".*(ensure_weight_tying|falling back).*")
+warnings.filterwarnings("ignore", message=".*falling back.*")
 
 
 def mqar(num_examples: int, length: int, num_pairs: int, vocab: RecallVocab, seed: int):

@@ -11,7 +11,9 @@ config.json with auto_map, the self-contained remote code and the filled model c
 fresh empty cache, it reloads the pushed commit with ``AutoModelForCausalLM.from_pretrained(repo_id)``
 and checks the logits are bit-identical, lists the repo's files (the remote-code modules named by
 auto_map must be there) and reads README.md's front matter (library_name, pipeline_tag, tags).
-Prints and returns a summary, and fails (AssertionError) if any check does not hold.
+Prints and returns a summary, and fails (AssertionError) if any check does not hold. A Hub that cannot
+be reached (no network, a wrong --endpoint / HF_ENDPOINT, HF_HUB_OFFLINE=1) ends the script with a
+one-line message naming the fix and exit status 1; main() itself raises hf_hybrid.hub.HubUnreachableError.
 
 The endpoint: huggingface_hub reads HF_ENDPOINT once, when it is imported (``constants.ENDPOINT``),
 and transformers' from_pretrained takes no endpoint argument. So when this file runs as a script,
@@ -106,10 +108,12 @@ def main(argv: list[str] | None = None) -> dict:
         from transformers import AutoModelForCausalLM
 
         import hf_hybrid  # noqa: F401  (registers the architectures)
+        from hf_hybrid.hub import HubUnreachableError, reaching_the_hub
         from hf_hybrid.models.common import HybridPreTrainedModel
 
         if is_offline_mode():
-            raise SystemExit("HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE is set: this example needs to reach the Hub.")
+            raise HubUnreachableError("HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE is set, so the Hub is not contacted: "
+                                      "unset them to run this example (or point --endpoint at a local test Hub)")
         model = build_model(args).eval()
         if not isinstance(model, HybridPreTrainedModel):
             raise SystemExit(f"{type(model).__name__} is not an hf-hybrid model; this example checks hf-hybrid's model card.")
@@ -119,26 +123,27 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             logits = model(input_ids).logits
 
-        api = HfApi(endpoint=endpoint, token=args.token)
-        # create_repo resolves a bare name to owner/name (push_to_hub calls it again, exist_ok).
-        repo_id = api.create_repo(args.repo_id or f"tiny-{model_type.replace('_', '-')}", private=args.private or None, exist_ok=True).repo_id
-        commit = model.push_to_hub(
-            repo_id, token=args.token, private=args.private or None, commit_message=args.commit_message,
-            training_data=args.training_data,
-        )
+        with reaching_the_hub(endpoint):
+            api = HfApi(endpoint=endpoint, token=args.token)
+            # create_repo resolves a bare name to owner/name (push_to_hub calls it again, exist_ok).
+            repo_id = api.create_repo(args.repo_id or f"tiny-{model_type.replace('_', '-')}", private=args.private or None, exist_ok=True).repo_id
+            commit = model.push_to_hub(
+                repo_id, token=args.token, private=args.private or None, commit_message=args.commit_message,
+                training_data=args.training_data,
+            )
 
-        with tempfile.TemporaryDirectory() as cache_dir:  # empty: every file comes from the Hub
-            reloaded = AutoModelForCausalLM.from_pretrained(
-                repo_id, revision=commit.oid, token=args.token, cache_dir=cache_dir
-            ).eval()
-            with torch.no_grad():
-                reloaded_logits = reloaded(input_ids).logits
-            download = dict(repo_id=repo_id, revision=commit.oid, cache_dir=cache_dir, endpoint=endpoint, token=args.token)
-            with open(hf_hub_download(filename="README.md", **download), encoding="utf-8") as f:
-                metadata = front_matter(f.read())
-            with open(hf_hub_download(filename="config.json", **download), encoding="utf-8") as f:
-                auto_map = json.load(f).get("auto_map", {})
-        files = sorted(api.list_repo_files(repo_id, revision=commit.oid))
+            with tempfile.TemporaryDirectory() as cache_dir:  # empty: every file comes from the Hub
+                reloaded = AutoModelForCausalLM.from_pretrained(
+                    repo_id, revision=commit.oid, token=args.token, cache_dir=cache_dir
+                ).eval()
+                with torch.no_grad():
+                    reloaded_logits = reloaded(input_ids).logits
+                download = dict(repo_id=repo_id, revision=commit.oid, cache_dir=cache_dir, endpoint=endpoint, token=args.token)
+                with open(hf_hub_download(filename="README.md", **download), encoding="utf-8") as f:
+                    metadata = front_matter(f.read())
+                with open(hf_hub_download(filename="config.json", **download), encoding="utf-8") as f:
+                    auto_map = json.load(f).get("auto_map", {})
+            files = sorted(api.list_repo_files(repo_id, revision=commit.oid))
 
     remote_code = {reference.split(".")[0] + ".py" for reference in auto_map.values()}
     summary = {
@@ -173,4 +178,9 @@ if __name__ == "__main__":
     endpoint = parse_args().endpoint
     if endpoint:  # before huggingface_hub is imported: it reads HF_ENDPOINT once, at import
         os.environ["HF_ENDPOINT"] = endpoint
-    main()
+    from hf_hybrid.hub import HubUnreachableError
+
+    try:
+        main()
+    except HubUnreachableError as error:  # one line with the fix, not the HTTP client's traceback
+        raise SystemExit(f"push_to_hub.py: {error}") from None

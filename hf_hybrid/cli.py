@@ -1,4 +1,10 @@
-"""The `hf-hybrid` console script: `hf-hybrid <command> [options]`."""
+"""The `hf-hybrid` console script: `hf-hybrid <command> [options]`.
+
+Imports the standard library and the package's standard-library-only modules (the architecture table),
+nothing else: the console script's launcher (hf_hybrid_cli.py) runs this file without the package's
+__init__, so the command table and `--help` answer at once (tests/test_cli.py checks both); a command's
+module is imported when that command runs. Register a command with one line in COMMANDS.
+"""
 from __future__ import annotations
 
 import ast

@@ -1,13 +1,15 @@
 """Sharing checkpoints: filled model cards, self-contained remote code, push_to_hub.
 
-``save_pretrained`` of every hf-hybrid model writes, next to the weights, the flattened model code
-(see remote_code.py; loadable with trust_remote_code=True where hf-hybrid is not installed) and a
+``save_pretrained`` of every hf-hybrid model writes, next to the weights, the model's code
+(see remote_code.py: three files; loadable with trust_remote_code=True where hf-hybrid is not installed) and a
 README.md model card from ``model_cards/<model_type>.md`` unless the folder already has one.
 ``push_to_hub`` uploads exactly that folder, so the Hub shows our card instead of a generic one.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
+import socket
 import string
 import tempfile
 from pathlib import Path
@@ -78,6 +80,63 @@ def save_sharing_files(model, directory: str | Path, repo_id: str | None = None,
         card.write_text(render_model_card(model, repo_id, training_data), encoding="utf-8")
 
 
+class HubUnreachableError(ConnectionError):
+    """The Hub could not be reached: offline mode, no network, or an HF_ENDPOINT nobody answers at.
+    Its message is one line that says which, and the fix."""
+
+
+# Connection failures of the HTTP clients huggingface_hub has used (httpx, its httpx2 fork, requests),
+# matched by name so that none of them has to be installed.
+_TRANSPORT_MODULES = {"httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"}
+_TRANSPORT_CLASSES = {"TransportError", "ConnectionError", "NewConnectionError", "Timeout"}
+
+
+def _unreachable_cause(error: BaseException) -> BaseException | None:
+    """The exception in ``error``'s chain that says the Hub was not reached, or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (ConnectionError, TimeoutError, socket.gaierror)):
+            return error
+        kind = type(error)
+        if kind.__module__.split(".")[0] in _TRANSPORT_MODULES and any(c.__name__ in _TRANSPORT_CLASSES for c in kind.__mro__):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def unreachable_message(error: BaseException, endpoint: str | None = None) -> str | None:
+    """One line naming why the Hub was not reached and the fix, or None for any other error."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    cause = _unreachable_cause(error)
+    if cause is None:
+        return None
+    if isinstance(cause, OfflineModeIsEnabled):
+        return ("offline mode is on (HF_HUB_OFFLINE=1), so the Hub is not contacted: unset HF_HUB_OFFLINE to upload, "
+                "or keep the model on disk with model.save_pretrained(path)")
+    endpoint = endpoint or constants.ENDPOINT
+    reason = " ".join(str(cause).split()) or type(cause).__name__
+    return (f"cannot reach the Hugging Face Hub at {endpoint} ({reason}): check the network connection and HF_ENDPOINT, "
+            "or keep the model on disk with model.save_pretrained(path)")
+
+
+@contextlib.contextmanager
+def reaching_the_hub(endpoint: str | None = None):
+    """Inside the block, a failure to reach the Hub is raised as :class:`HubUnreachableError` with a
+    one-line message (the original error stays chained); every other error passes unchanged."""
+    try:
+        yield
+    except HubUnreachableError:
+        raise
+    except Exception as error:
+        message = unreachable_message(error, endpoint)
+        if message is None:
+            raise
+        raise HubUnreachableError(message) from error
+
+
 def push_model_to_hub(
     model,
     repo_id: str,
@@ -90,16 +149,19 @@ def push_model_to_hub(
     training_data: str | None = None,
     max_shard_size: str | int = "5GB",
 ):
-    """Create the repo, save weights + config + remote code + filled card, upload the folder."""
+    """Create the repo, save weights + config + remote code + filled card, upload the folder.
+
+    Raises :class:`HubUnreachableError` (one-line message, the fix included) when the Hub cannot be reached."""
     api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    if revision is not None and not revision.startswith("refs/pr"):
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder, max_shard_size=max_shard_size, card_repo_id=repo_id, card_training_data=training_data)
-        return api.upload_folder(
-            repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision, create_pr=create_pr
-        )
+    with reaching_the_hub(api.endpoint):
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision is not None and not revision.startswith("refs/pr"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder, max_shard_size=max_shard_size, card_repo_id=repo_id, card_training_data=training_data)
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision, create_pr=create_pr
+            )
 
 
 def register_sharing() -> None:

@@ -15,8 +15,12 @@ How it maps onto peft (read from peft 0.21's ``LoraConfig`` / ``_set_trainable``
   final ``norm``, QK-norms and the Mamba-2 mixer's gated norm - LongLoRA's "every parameter whose
   name contains norm". Architectures without ``conv1d`` simply get LoRA+.
 * ``ensure_weight_tying=True``: when input and output embeddings are tied, the trained embedding
-  copy is shared with ``lm_head`` so logits, merging and reloading stay consistent. (peft warns
-  that nothing is tied on untied models; the warning is harmless.)
+  copy is shared with ``lm_head`` so logits, merging and reloading stay consistent. An untied
+  model (every hf-hybrid architecture by default) has nothing to tie. Neither fixed value of the flag suits both kinds of model: with ``False`` a tied model's
+  trained embedding copy would leave ``lm_head`` behind (peft then warns), and with ``True`` peft
+  notes on every untied model that nothing is tied. The config cannot see the model, so the
+  default is ``True`` and peft's tied-module check, which sees it, turns it off for an untied model
+  (hf_hybrid/_compat/peft_weight_tying.py, installed by :func:`register_peft_defaults`).
 
 The class only sets defaults of ``LoraConfig`` fields, so a saved adapter_config.json is an
 ordinary LoRA config and ``PeftModel.from_pretrained`` reloads it without hf_hybrid.
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 
 from peft import LoraConfig
 
+from ._compat.peft_weight_tying import untie_where_nothing_is_tied
 from .architectures import ARCHITECTURES
 
 HYLORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -57,8 +62,11 @@ _SPECIAL_TABLES = {
 
 
 def register_peft_defaults() -> None:
-    """Teach peft's default-target tables every hf-hybrid model_type (idempotent; run on import)."""
+    """Teach peft's default-target tables every hf-hybrid model_type, and resolve HyLoRA's
+    ``ensure_weight_tying`` against each model (idempotent; run on import)."""
     from peft.utils import constants
+
+    untie_where_nothing_is_tied(lambda config: isinstance(config, HyLoraConfig))
 
     prefix, suffix = "TRANSFORMERS_MODELS_TO_", "_MODULES_MAPPING"
     for name in dir(constants):
@@ -88,7 +96,10 @@ class HyLoraConfig(LoraConfig):
         default_factory=lambda: list(HYLORA_MODULES_TO_SAVE),
         metadata={"help": "Name suffixes of modules trained in full: embeddings, norms, SSM conv1d."},
     )
-    ensure_weight_tying: bool = field(default=True, metadata={"help": "Keep tied input/output embeddings tied."})
+    ensure_weight_tying: bool = field(
+        default=True,
+        metadata={"help": "Keep tied input/output embeddings tied (turned off by get_peft_model on an untied model)."},
+    )
     task_type: str | None = field(default="CAUSAL_LM", metadata={"help": "peft task type."})
 
     def __post_init__(self):

@@ -63,7 +63,7 @@ def test_demo_smoke_rows_are_sane(smoke_run):
         for key in ("train_loss", "language_eval_loss"):
             assert math.isfinite(r[key]) and 0 < r[key] < 10, (r["model"], key, r[key])
         assert 0.0 <= r["recall_accuracy"] <= 1.0 and 0.0 <= r["generated_recall"] <= 1.0
-        assert r["decode_tokens_per_s"] > 0 and r["kv_cache_bytes_4k"] > 0
+        assert r["kv_cache_bytes_4k"] > 0
         folder = out / r["saved_to"].split("/")[-1]
         assert (folder / "model.safetensors").exists()
         assert json.loads((folder / "config.json").read_text())["model_type"] == r["model_type"]
@@ -94,16 +94,29 @@ def test_demo_smoke_kv_cache_facts(smoke_run):
     assert llama <= cache["FoX (llama)"] < 1.1 * llama
 
 
-def test_demo_smoke_decode_column_says_where_it_was_measured(smoke_run):
-    from hf_hybrid.demo.setup import DECODE_CPU, DECODE_GPU
+def test_demo_smoke_decode_column_only_on_a_gpu(smoke_run):
+    """Decode speed is measured on the GPU at the long-context setting; without a GPU the column, the
+    chart panel and the JSON fields are left out and the printout says why."""
+    from hf_hybrid.demo.setup import DECODE_GPU
 
     _, summary, printed = smoke_run
-    expected = ("cuda", DECODE_GPU) if torch.cuda.is_available() else ("cpu", DECODE_CPU)
-    for r in summary["rows"]:
-        assert r["decode_device"] == expected[0]
-        assert (r["decode_batch"], r["decode_context"], r["decode_new_tokens"]) == (
-            expected[1].batch, expected[1].context, expected[1].new_tokens)
-    assert f"after a {expected[1].context}-token prompt" in printed and f"on {expected[0]}" in printed
+    header = format_table(summary["rows"]).splitlines()[0]
+    if torch.cuda.is_available():
+        for r in summary["rows"]:
+            assert r["decode_device"] == "cuda" and r["decode_tokens_per_s"] > 0
+            assert (r["decode_batch"], r["decode_context"], r["decode_new_tokens"]) == (
+                DECODE_GPU.batch, DECODE_GPU.context, DECODE_GPU.new_tokens)
+        assert f"after a {DECODE_GPU.context}-token prompt" in printed and "decode tok/s" in header
+    else:
+        assert not any(key.startswith("decode_") for r in summary["rows"] for key in r)
+        assert "decode tok/s" not in header and "measured on a GPU only" in printed
+
+
+def test_demo_says_where_it_writes_and_how_long_it_took(smoke_run):
+    out, summary, printed = smoke_run
+    lines = printed.strip().splitlines()
+    assert f"go to {out.resolve()}/" in lines[0]
+    assert lines[-1].startswith("Done in ") and 0 < summary["seconds"]
 
 
 def test_decode_speed_counts_tokens_after_the_prefill(monkeypatch):
@@ -137,7 +150,7 @@ def test_demo_decode_column_on_gpu_shows_the_compact_cache():
     for contestant in default_contestants(size)[:2]:  # Llama, RAT(L=4)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(build_config(contestant, size, 400)).eval()
-        row = decode_speed_row(model, "cpu")
+        row = decode_speed_row(model)
         assert row["decode_device"] == "cuda" and next(model.parameters()).device.type == "cpu"  # moved back
         speed[contestant.key] = row["decode_tokens_per_s"]
     assert speed["rat"] > speed["llama"], speed
@@ -148,7 +161,7 @@ def test_demo_smoke_table_json_and_chart(smoke_run):
     assert summary["size"] == "smoke" and summary["device"] == "cpu"
     table = format_table(summary["rows"])
     assert table in printed
-    for header in ("params", "train loss", "lang loss", "recall acc", "decode tok/s", "KV cache @4K"):
+    for header in ("params", "train loss", "lang loss", "recall acc", "KV cache @4K"):
         assert header in table.splitlines()[0]
     png = out / "results.png"
     assert summary["chart"] == str(png)

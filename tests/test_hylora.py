@@ -2,10 +2,12 @@
 a Trainer run changes only those, adapters save / reload / merge to identical logits."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from datasets import Dataset
-from peft import PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
     BambaConfig,
@@ -20,8 +22,6 @@ from hf_hybrid.peft import HyLoraConfig
 
 R = 4
 
-# peft notes that HyLoRA's ensure_weight_tying has nothing to tie on untied models: expected.
-pytestmark = pytest.mark.filterwarnings("ignore:.*ensure_weight_tying.*:UserWarning")
 
 
 def tiny_bamba():
@@ -240,3 +240,63 @@ def test_finetune_se_hylora_example(tmp_path):
     summary = example.main(["--output-dir", str(tmp_path)])
     assert summary["finetune_length"] == 4 * summary["pretrain_length"]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def _warnings_of(action) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        action()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def _tiny_se_hybrid():
+    from transformers import AutoConfig
+
+    import hf_hybrid  # noqa: F401  (registers the architectures)
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "se_hybrid", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16))
+
+
+def test_hylora_defaults_warn_nothing(tmp_path):
+    """Our defaults on our default (untied) models: no note from peft that nothing is tied, nor any
+    other, when the adapter is made and when it is reloaded; the saved config says nothing was tied."""
+    import hf_hybrid  # noqa: F401  (resolves HyLoRA's weight tying against the model)
+
+    assert _warnings_of(HyLoraConfig) == []
+    model = _tiny_se_hybrid()
+    assert not model.config.tie_word_embeddings
+    made = []
+    caught = _warnings_of(lambda: made.append(get_peft_model(model, HyLoraConfig(r=R, lora_alpha=2 * R))))
+    # transformers' FutureWarning for an attribute peft reads is neither ours nor peft's to fix here.
+    assert [w for w in caught if not w.startswith("FutureWarning")] == []
+    assert made[0].peft_config["default"].ensure_weight_tying is False
+    made[0].save_pretrained(tmp_path)
+    caught = _warnings_of(lambda: PeftModel.from_pretrained(_tiny_se_hybrid(), tmp_path))
+    assert [w for w in caught if not w.startswith("FutureWarning")] == []
+
+
+def test_hylora_keeps_tying_a_tied_model():
+    import hf_hybrid  # noqa: F401
+
+    peft_model = get_peft_model(tiny_llama(tied=True), HyLoraConfig(r=R, lora_alpha=2 * R))
+    assert peft_model.peft_config["default"].ensure_weight_tying is True
+
+
+def test_other_configs_keep_peft_notes():
+    """Only HyLoRA's own default is quieted: a LoraConfig asking to tie an untied model still hears it."""
+    import hf_hybrid  # noqa: F401
+
+    model = _tiny_se_hybrid()
+    config = LoraConfig(r=R, target_modules=["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True)
+    caught = _warnings_of(lambda: get_peft_model(model, config))
+    assert any("no tied modules were found" in w for w in caught), caught
+
+
+def test_the_weight_tying_patch_names_the_peft_it_was_checked_against():
+    from hf_hybrid._compat import peft_weight_tying
+
+    assert peft_weight_tying.peft_checked("0.21.2") and not peft_weight_tying.peft_checked("0.17.0")
+    assert not peft_weight_tying.peft_checked("1.0.0")

@@ -160,12 +160,15 @@ def test_push_to_hub_then_from_pretrained_through_a_loopback_hub(hub, tmp_path):
     for name in [name for name in files if name.endswith(".py")]:
         imports = [node for node in ast.walk(ast.parse(files[name].decode(), filename=name))
                    if isinstance(node, (ast.Import, ast.ImportFrom))]
-        needed |= {f"{node.module}.py" for node in imports if isinstance(node, ast.ImportFrom) and node.level == 1}
+        # `from .a import x` and `from .a.b import x` both need the file a.py (the bundle's modules are
+        # submodules of hf_hybrid_bundle.py).
+        needed |= {f"{node.module.split('.')[0]}.py" for node in imports
+                   if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
         absolute = [alias.name for node in imports if isinstance(node, ast.Import) for alias in node.names]
         absolute += [node.module for node in imports if isinstance(node, ast.ImportFrom) and node.level == 0]
         assert not any(module.split(".")[0] == "hf_hybrid" for module in absolute), f"{name} still imports hf_hybrid"
     assert needed <= set(files), f"remote code files missing on the hub: {sorted(needed - set(files))}"
-    assert {"configuration_rat.py", "modeling_rat.py"} <= needed
+    assert {"configuration_rat.py", "modeling_rat.py", "hf_hybrid_bundle.py"} <= needed
 
     # Both loads really went through the hub: the weights were downloaded once per empty cache, and
     # the remote-code loader fetched every code file.

@@ -22,3 +22,17 @@ def test_rat_cpu_preset_writes_report(tmp_path):
     assert set(report["raw"]["mean"]) == models
     assert len(report["outcome"]) == 6 and all(isinstance(v, bool) for v in report["outcome"].values())
     assert "Scale gap" in (tmp_path / "rat.md").read_text()
+
+
+def test_report_text_fills_every_placeholder():
+    """The Markdown report names the MQAR chance level as a number, not as the source's placeholder."""
+    from hf_hybrid.reproduce.rat import markdown
+
+    names = ["RAT(L=1)", "RAT(L=16)", "RNN (L=T=64)", "RAT(L=16)-SWA", "attention"]
+    row = {"loss": 2.0, "recall": 0.1, "bucket_loss": [2.0, 2.0], "params": 1000}
+    summary = {name: dict(row) for name in names}
+    per_seed = {0: {name: dict(row) for name in names}}
+    settings = {"steps": 10, "batch": 2, "seq_len": 64, "hidden": 32, "layers": 2, "mqar_pairs": 8}
+    text = markdown(summary, per_seed, [32, 64], {"a check": True}, settings)
+    assert "MQAR recall by chance: 1/8." in text
+    assert "{" not in text and "}" not in text

@@ -109,16 +109,18 @@ def decode_tokens_per_second(model, device, setting: DecodeSetting | None = None
     return setting.batch * (new - 1) / (clock.stamps[-1] - clock.stamps[0])
 
 
-def decode_speed_row(model, device, **forward_kwargs) -> dict:
-    """The decode column, on the GPU when one is present (the model is moved there and back)."""
-    speed_device, setting = decode_setting(device)
+def decode_speed_row(model, **forward_kwargs) -> dict:
+    """The decode column, on the GPU (the model is moved there and back); nothing without one."""
+    setting = decode_setting()
+    if setting is None:
+        return {}
     home = next(model.parameters()).device
-    model.to(speed_device)
+    model.to("cuda")
     try:
-        tokens_per_s = decode_tokens_per_second(model, speed_device, setting, **forward_kwargs)
+        tokens_per_s = decode_tokens_per_second(model, "cuda", setting, **forward_kwargs)
     finally:
         model.to(home)
-    return {"decode_tokens_per_s": tokens_per_s, "decode_device": speed_device, "decode_batch": setting.batch,
+    return {"decode_tokens_per_s": tokens_per_s, "decode_device": "cuda", "decode_batch": setting.batch,
             "decode_context": setting.context, "decode_new_tokens": setting.new_tokens}
 
 
@@ -130,7 +132,7 @@ def measure_row(trained, reloaded, data: DemoData, device, name: str, forward_kw
         "recall_accuracy": lambda: recall_accuracy(reloaded, data.recall_eval["input_ids"], data.recall_eval["labels"], **forward_kwargs),
         "generated_recall": lambda: generated_recall(reloaded, data.recall_eval, device, **forward_kwargs),
         "language_eval_loss": lambda: language_loss(reloaded, data.language_eval, **forward_kwargs),
-        "decode": lambda: decode_speed_row(reloaded, device, **forward_kwargs),
+        "decode": lambda: decode_speed_row(reloaded, **forward_kwargs),
         "kv_cache_bytes_4k": lambda: cache_nbytes_at_context(reloaded, 4096, **forward_kwargs),
     }
     row = {}

@@ -19,9 +19,15 @@ def human_bytes(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
+def _measured(entries: list[tuple], results: list[dict]) -> list[tuple]:
+    """The columns / panels every row has a value for (no decode speed without a GPU)."""
+    return [entry for entry in entries if all(entry[1] in r for r in results)]
+
+
 def format_table(results: list[dict]) -> str:
-    rows = [[human_bytes(r[key]) if fmt is None else fmt.format(r[key]) for _, key, fmt in COLUMNS] for r in results]
-    headers = [title for title, _, _ in COLUMNS]
+    columns = _measured(COLUMNS, results)
+    rows = [[human_bytes(r[key]) if fmt is None else fmt.format(r[key]) for _, key, fmt in columns] for r in results]
+    headers = [title for title, _, _ in columns]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     line = lambda cells: " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *map(line, rows)])
@@ -37,7 +43,7 @@ PANELS = [
 
 
 def plot_results(results: list[dict], path, title: str, oracle_loss: float | None = None) -> Path:
-    """Four bar panels, one bar per row; rows sharing trained weights share a colour."""
+    """A bar panel per measured quantity, one bar per row; rows sharing trained weights share a colour."""
     from ..eval.plots import _pyplot, _save  # matplotlib only when a chart is drawn
 
     plt = _pyplot()
@@ -45,8 +51,9 @@ def plot_results(results: list[dict], path, title: str, oracle_loss: float | Non
     trained = list(dict.fromkeys(r["contestant"] for r in results))
     palette = plt.get_cmap("tab10")
     colours = [palette(trained.index(r["contestant"]) % 10) for r in results]
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 0.9 + 0.38 * len(results)), sharey=True)
-    for ax, (panel, key, scale, unit, fmt) in zip(axes, PANELS):
+    panels = _measured(PANELS, results)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 0.9 + 0.38 * len(results)), sharey=True)
+    for ax, (panel, key, scale, unit, fmt) in zip(axes, panels):
         values = [r[key] * scale for r in results]
         ax.barh(range(len(results)), values, color=colours)
         for y, value in enumerate(values):

@@ -224,7 +224,7 @@ def markdown(summary: dict, per_seed: dict[int, dict], edges: list[int], outcome
     tokens = settings["steps"] * settings["batch"] * settings["seq_len"]
     lines += ["", f"Scale gap: {tokens / 1e6:.2f}M training tokens, hidden {settings['hidden']}, {settings['layers']} layers, "
               f"T = {settings['seq_len']}, synthetic data; the paper trains 200M/1.3B models on PG19/FineWeb-Edu with "
-              "T = 4K-32K. MQAR recall by chance: 1/{settings['mqar_pairs']}. Columns `pos <= n`: mean per-position loss over the positions after the previous column's n up to n.",
+              f"T = 4K-32K. MQAR recall by chance: 1/{settings['mqar_pairs']}. Columns `pos <= n`: mean per-position loss over the positions after the previous column's n up to n.",
               "", f"Outcome: {held} of {len(outcome)} checks hold at this scale (see Checks). " + ordering_note(summary, per_seed)
               + recall_note(summary, settings)]
     return "\n".join(lines)
