@@ -16,7 +16,7 @@ from .architectures import ARCHITECTURES
 # command -> (module, function taking argv, one-line help)
 COMMANDS = {
     "demo": ("hf_hybrid.demo", "main", "train, save, reload and compare tiny models of every architecture on generated recall + language data"),
-    "convert": ("hf_hybrid.conversion.cli", "main", "convert dense-to-rat-plus SRC DST (Llama -> RAT+) | convert fox SRC DST [--to fla|official]"),
+    "convert": ("hf_hybrid.conversion.cli", "main", "convert dense-to-rat-plus | fox | rat-plus-official | rat-official SRC DST: other formats -> hf-hybrid checkpoints"),
     "adapt": ("hf_hybrid.adapt", "main_adapt", "resolution adaptation of a RAT+ checkpoint (joint objective, Trainer)"),
     "bench": ("hf_hybrid.bench.__main__", "main", "op / layer / model benchmarks vs SDPA on the GPU (table, JSON, PNG)"),
     "reproduce": ("hf_hybrid.reproduce.__main__", "main", "small-scale reproductions of each paper's claim "
