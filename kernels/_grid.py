@@ -20,3 +20,23 @@ def check_grid(grid: tuple[int, ...], name: str = "grid") -> tuple[int, ...]:
         if size > limit:
             raise ValueError(f"{name}: axis {axis} of {grid} has {size} programs, past CUDA's limit of {limit}.")
     return grid
+
+
+def folded(inner: int, outer: int, *rest: int) -> tuple[int, ...]:
+    """A grid whose axis 0 holds ``outer`` x ``inner`` programs, inner fastest (see
+    :func:`split_program_id`), then the bounded axes ``rest``."""
+    return (inner * outer, *rest)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the Triton kernels are not importable either
+    pass
+else:
+
+    @triton.jit
+    def split_program_id(inner):
+        """(inner index, outer index) of a program on an axis 0 laid out by :func:`folded`."""
+        pid = tl.program_id(0)
+        return pid % inner, pid // inner
