@@ -95,10 +95,10 @@ def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, 
         kn = start_n + offs_n
         if MASK:
             k_ok = kn < seq_len
-            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
         else:
-            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :])
+            k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :])
             ck = tl.load(C_ptr + kn) * LOG2E
         qk = _mm(q, tl.trans(k), None, DOT_PREC)
         # log2-unit score minus the row constant (c_i - c_ref), which the LSE adds back.
@@ -118,9 +118,9 @@ def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASK:
-            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
         else:
-            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :])
+            v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :])
         acc = _mm(p.to(v.dtype), v, acc, DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -214,14 +214,14 @@ def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_p
         qm = start_m + offs_m
         if MASK:
             q_ok = qm < seq_len
-            q = tl.load(Q_ptr + qm[:, None] * stride_qt + offs_d[None, :], mask=q_ok[:, None], other=0.0)
-            do = tl.load(DO_ptr + qm[:, None] * stride_dot + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            q = tl.load(Q_ptr + qm.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            do = tl.load(DO_ptr + qm.to(tl.int64)[:, None] * stride_dot + offs_d[None, :], mask=q_ok[:, None], other=0.0)
             cq = tl.load(C_ptr + qm, mask=q_ok, other=0.0) * LOG2E
             lse = tl.load(LSE_ptr + qm, mask=q_ok, other=float("inf"))  # P = 0 past the end
             delta = tl.load(DELTA_ptr + qm, mask=q_ok, other=0.0)
         else:
-            q = tl.load(Q_ptr + qm[:, None] * stride_qt + offs_d[None, :])
-            do = tl.load(DO_ptr + qm[:, None] * stride_dot + offs_d[None, :])
+            q = tl.load(Q_ptr + qm.to(tl.int64)[:, None] * stride_qt + offs_d[None, :])
+            do = tl.load(DO_ptr + qm.to(tl.int64)[:, None] * stride_dot + offs_d[None, :])
             cq = tl.load(C_ptr + qm) * LOG2E
             lse = tl.load(LSE_ptr + qm)
             delta = tl.load(DELTA_ptr + qm)
@@ -317,12 +317,12 @@ def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, st
         kn = start_n + offs_n
         if MASK:
             k_ok = kn < seq_len
-            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
         else:
-            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :])
-            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :])
+            k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :])
+            v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :])
             ck = tl.load(C_ptr + kn) * LOG2E
         qk = _mm(q, tl.trans(k), None, DOT_PREC)
         p = tl.math.exp2(qk * scale2 + row[:, None] - (ck - c_ref)[None, :])
