@@ -96,14 +96,17 @@ def test_prefill_2m_tokens_matches_rows_alone(name):
     One activation is 8.6 GB: a layer's working set may pass an 80 GB card (then it skips, saying
     so; a 141 GB H200 holds it)."""
     model = _model(name).eval()
+    out_of_memory = None
     try:
         _check_rows_match_alone(model, batch=512, use_cache=False)
-    except torch.cuda.OutOfMemoryError as error:
-        total = torch.cuda.get_device_properties(0).total_memory / 2**30
-        pytest.skip(f"2M-token prefill of {name} needs more than this GPU's {total:.0f} GiB: {str(error)[:120]}")
+    except torch.cuda.OutOfMemoryError as error:  # skipped below, once the error's frames are freed
+        out_of_memory = str(error)[:120]
     finally:
         del model
         _free()
+    if out_of_memory is not None:
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        pytest.skip(f"2M-token prefill of {name} needs more than this GPU's {total:.0f} GiB: {out_of_memory}")
 
 
 @pytest.mark.parametrize("name", MODELS)
