@@ -4,6 +4,7 @@ lengths past CUDA's launch-grid limits and past 2**31 elements per tensor:
 * a no-grad prefill of B x T = 512K tokens (128 x 4,096, with the cache generate() builds) and of
   2M tokens (512 x 4,096: 2M x 2,048 = 4.3e9 elements per activation) gives, for the first, middle
   and last rows, the hidden states those rows get when run alone;
+* generate() runs on a 128 x 4,096 prompt (the batch that once failed to launch);
 * a training step on one 131,072-token row gives a finite loss and finite gradients.
 
 Each model has two layers (its two layer kinds where it mixes them) and a narrow MLP
@@ -124,6 +125,22 @@ def test_training_step_at_131k_tokens(name):
         bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
         assert not bad, f"non-finite gradients: {bad[:5]}"
         assert any(g.abs().max() > 0 for g in grads.values())
+    finally:
+        del model
+        _free()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_generate_at_batch_128_of_4k_prompts(name):
+    """generate() as it once failed: a 128 x 4,096 prompt, then decode steps over that cache."""
+    model = _model(name).eval()
+    try:
+        generator = torch.Generator(device="cuda").manual_seed(3)
+        ids = torch.randint(1, WIDTHS["vocab_size"], (128, SEQ), device="cuda", generator=generator)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        assert out.shape == (128, SEQ + 4)
+        assert torch.equal(out[:, :SEQ], ids)
+        assert ((out[:, SEQ:] >= 0) & (out[:, SEQ:] < WIDTHS["vocab_size"])).all()
     finally:
         del model
         _free()
