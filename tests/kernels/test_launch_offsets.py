@@ -216,3 +216,15 @@ def test_residual_linear_attention_at_512_rows_of_4k(dry_run):
     out, final = residual_linear_attention_triton(q, k, v, 512, "softmax", state_every=2)
     _backward(out, final)
     assert len(dry_run) >= 5, dry_run
+
+
+def test_ssd_scan_at_2m_tokens(dry_run):
+    """2M tokens in short rows (each program walks its row's chunks: the interpreter is slow)."""
+    from hf_hybrid.kernels.ssd_scan.triton import ssd_scan_triton
+
+    batch, seq, heads = 16_384, 128, 32
+    x, dt = _empty(batch, seq, heads, 64, grad=True), _empty(batch, seq, heads, dtype=torch.float32, grad=True)
+    A, D = _empty(heads, dtype=torch.float32, grad=True), _empty(heads, dtype=torch.float32, grad=True)
+    B, C = _empty(batch, seq, 1, 128, grad=True), _empty(batch, seq, 1, 128, grad=True)
+    _backward(ssd_scan_triton(x, dt, A, B, C, D, None, False))
+    assert len(dry_run) >= 4, dry_run
