@@ -127,7 +127,7 @@ def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, 
 
 
 @triton.autotune(configs=_configs("fwd"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
-@triton.jit
+@triton.jit(do_not_specialize=["max_len"])  # only sizes the grid's blocks: no recompile per length class
 def _fwd_kernel(Q, K, V, C, O, LSE, CU, scale2, window, len_bucket, max_len,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                 stride_ot, stride_oh, stride_ch,
@@ -243,7 +243,7 @@ def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_p
 
 
 @triton.autotune(configs=_configs("dkdv"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
-@triton.jit
+@triton.jit(do_not_specialize=["max_len"])  # only sizes the grid's blocks: no recompile per length class
 def _dkdv_kernel(Q, K, V, C, LSE, DELTA, DO, DK, DV, DC, CU, scale, scale2, window, len_bucket, max_len,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_ch,
@@ -339,7 +339,7 @@ def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, st
 
 
 @triton.autotune(configs=_configs("dq"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
-@triton.jit
+@triton.jit(do_not_specialize=["max_len"])  # only sizes the grid's blocks: no recompile per length class
 def _dq_kernel(Q, K, V, C, LSE, DELTA, DO, DQ, DCQ, CU, scale, scale2, window, len_bucket, max_len,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_ch,
