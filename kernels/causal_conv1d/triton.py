@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._grid import folded, split_program_id
 
 BLOCK_T = 64
 BLOCK_C = 64
@@ -49,7 +50,8 @@ def _conv_fwd(
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr,
 ):
-    pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    pid_t, b = split_program_id(tl.cdiv(T, BT))
+    b, pid_c = b.to(tl.int64), tl.program_id(1)
     toks = pid_t * BT + tl.arange(0, BT)
     chans = pid_c * BC + tl.arange(0, BC)
     tok_ok, chan_ok = toks < T, chans < Cn
@@ -71,7 +73,8 @@ def _conv_bwd_pre(
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr,
 ):
-    pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    pid_t, b = split_program_id(tl.cdiv(T, BT))
+    b, pid_c = b.to(tl.int64), tl.program_id(1)
     toks = pid_t * BT + tl.arange(0, BT)
     chans = pid_c * BC + tl.arange(0, BC)
     tok_ok, chan_ok = toks < T, chans < Cn
@@ -89,7 +92,7 @@ def _conv_bwd_pre(
     else:
         dpre = dout
     tl.store(DPRE + (b * T + toks.to(tl.int64))[:, None] * Cn + chans[None, :], dpre, mask=mask)
-    part = (b * tl.num_programs(0) + pid_t) * Cn
+    part = (b * tl.cdiv(T, BT) + pid_t) * Cn
     for k in tl.static_range(K):
         xk = _tap(X, STATE, b, toks - (K - 1) + k, chans, tok_ok, chan_ok, T, sxb, sxt, ssb, ssc, K, HAS_STATE)
         tl.store(DW_PART + (part + chans) * K + k, tl.sum(dpre * xk, axis=0), mask=chan_ok)
@@ -98,7 +101,8 @@ def _conv_bwd_pre(
 
 @triton.jit
 def _conv_bwd_dx(DPRE, W, DX, T, Cn, sdb, sdt, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    pid_t, b = split_program_id(tl.cdiv(T, BT))
+    b, pid_c = b.to(tl.int64), tl.program_id(1)
     toks = pid_t * BT + tl.arange(0, BT)
     chans = pid_c * BC + tl.arange(0, BC)
     tok_ok, chan_ok = toks < T, chans < Cn
@@ -149,6 +153,12 @@ def _state_arg(state, x):
     return state, state.stride(0), state.stride(1)
 
 
+def conv_grid(batch: int, seq: int, channels: int, bt: int, bc: int) -> tuple[int, int]:
+    """(batch x token tiles, channel tiles), token tiles fastest: a batch past 65,535 would not
+    fit grid axes 1 or 2."""
+    return folded(triton.cdiv(seq, bt), batch, triton.cdiv(channels, bc))
+
+
 class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, silu):
@@ -159,7 +169,7 @@ class _CausalConv1d(torch.autograd.Function):
         out = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
         state, ssb, ssc = _state_arg(initial_state, x)
         bt, bc = _blocks()
-        grid = (triton.cdiv(seq, bt), triton.cdiv(channels, bc), batch)
+        grid = conv_grid(batch, seq, channels, bt, bc)
         _conv_fwd[grid](
             x, weight, bias if bias is not None else weight, state, out, seq, channels,
             x.stride(0), x.stride(1), ssb, ssc, out.stride(0), out.stride(1),
@@ -176,10 +186,10 @@ class _CausalConv1d(torch.autograd.Function):
         batch, seq, channels = x.shape
         width = weight.shape[1]
         bt, bc = _blocks()
-        grid = (triton.cdiv(seq, bt), triton.cdiv(channels, bc), batch)
+        grid = conv_grid(batch, seq, channels, bt, bc)
         dpre = torch.empty((batch, seq, channels), dtype=torch.float32, device=x.device)
-        dw_part = torch.empty((batch * grid[0], channels, width), dtype=torch.float32, device=x.device)
-        db_part = torch.empty((batch * grid[0], channels), dtype=torch.float32, device=x.device)
+        dw_part = torch.empty((grid[0], channels, width), dtype=torch.float32, device=x.device)
+        db_part = torch.empty((grid[0], channels), dtype=torch.float32, device=x.device)
         state, ssb, ssc = _state_arg(initial_state, x)
         _conv_bwd_pre[grid](
             x, weight, bias if bias is not None else weight, state, dout, dpre, dw_part, db_part, seq, channels,

@@ -41,8 +41,8 @@ def _attend_ends(q, KE, VE, sec, sfc, lo, hi, dims, qk_scale, m_i, l_i, acc, BLO
     for c0 in range(lo, hi, BLOCK_N):
         offs = c0 + tl.arange(0, BLOCK_N)
         ok = offs < hi
-        ke = tl.load(KE + offs[:, None] * sec + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        ve = tl.load(VE + offs[:, None] * sfc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        ke = tl.load(KE + offs.to(tl.int64)[:, None] * sec + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        ve = tl.load(VE + offs.to(tl.int64)[:, None] * sfc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         s = tl.where(ok, tl.sum(ke * q[None, :], 1) * qk_scale, float("-inf"))
         m_i, l_i, acc = online_update(m_i, l_i, acc, s, ve)
     return m_i, l_i, acc

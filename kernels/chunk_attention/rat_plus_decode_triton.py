@@ -115,8 +115,8 @@ def _stored_attention_kernel(
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
         ok = ok & (tl.load(ST + b * stb + offs, mask=ok, other=-1) >= 0)
-        k = tl.load(k_base + offs[:, None] * sbc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_base + offs[:, None] * sbc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_base + offs.to(tl.int64)[:, None] * sbc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_base + offs.to(tl.int64)[:, None] * sbc + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         s = tl.where(ok, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
         m_i, l_i, acc = online_update(m_i, l_i, acc, s, v)
     store_partial(M_OUT, L_OUT, ACC_OUT, pid.to(tl.int64) * tl.num_programs(1) + split, m_i, l_i, acc, dims,

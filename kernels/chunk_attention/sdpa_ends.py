@@ -60,9 +60,11 @@ def _ends(x: torch.Tensor, block_size: int, num_slots: int) -> torch.Tensor:
 
 
 def _launch(seq: int, rows: int):
+    """(grid, launch options) of the row kernels: every (row, tile of BLOCK_T tokens) pair on grid
+    axis 0, tiles fastest (rows = batch x heads passes axis 1's limit of 65,535 at large batch)."""
     from .sdpa_ends_triton import BLOCK_T, WARPS
 
-    return (-(-seq // BLOCK_T), rows), dict(BLOCK_T=BLOCK_T, num_warps=WARPS)
+    return (-(-seq // BLOCK_T) * rows,), dict(BLOCK_T=BLOCK_T, num_warps=WARPS)
 
 
 def _query_slots(q: torch.Tensor, heads: int, block_size: int, num_slots: int) -> torch.Tensor:

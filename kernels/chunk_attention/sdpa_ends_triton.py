@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._grid import split_program_id
 from ..._compat.triton_launch import launch_cached
 
 BLOCK_T, WARPS = 32, 4
@@ -27,7 +28,7 @@ def _slots(offs_t, h, L, E):
 @triton.jit
 def _gather_queries_kernel(Q, QQ, sqb, sqt, sqg, T, H, G, L, E, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr):
     """QQ[b, h L + r, c - 1] = Q[b, t, h % G] for c >= 1; zeros for slots past the sequence."""
-    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
+    pid_t, pid_bh = split_program_id(tl.cdiv(E * L, BLOCK_T))
     b, h = pid_bh // H, pid_bh % H
     offs_t = L + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # chunk 0 has no slots
     dims = tl.arange(0, HEAD_DIM)
@@ -78,8 +79,9 @@ def _merge_kernel(
     """Merges the ends' softmax (OQ, LSEQ: output and natural-log lse of the dense call) with the
     own pair: Y = sigmoid(Z) * merged; with STORE_MERGED (a backward follows) OQ, LSEQ become the
     merged output and lse, in place."""
+    pid_t, pid_bh = split_program_id(tl.cdiv(T, BLOCK_T))
     b, h, offs_t, dims, row_ok, q, k, s, v, slot, ends = _own_rows(
-        Q, K, V, tl.program_id(0), tl.program_id(1), sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, T, H, G, L, E, scale,
+        Q, K, V, pid_t, pid_bh, sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, T, H, G, L, E, scale,
         BLOCK_T, HEAD_DIM)
     lse_a = tl.load(LSEQ + slot, mask=ends, other=float("-inf"))
     o_a = tl.load(OQ + slot[:, None] * HEAD_DIM + dims[None, :], mask=ends[:, None], other=0.0).to(tl.float32)
@@ -111,8 +113,9 @@ def _own_backward_kernel(
     own pair's shares: dV = p dO, dK = ds scale q, DS = ds (float32 [B, H, T], for dQ), where
     p = exp(s - lse) with the merged lse and ds = p (dO . v - dO . O). DK / DV / DZ are laid out
     like K (contiguous [B, T, H, D]); chunk-0 tokens (output = own value) get dV = dO, no dK."""
+    pid_t, pid_bh = split_program_id(tl.cdiv(T, BLOCK_T))
     b, h, offs_t, dims, row_ok, q, k, s, v, slot, ends = _own_rows(
-        Q, K, V, tl.program_id(0), tl.program_id(1), sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, T, H, G, L, E, scale,
+        Q, K, V, pid_t, pid_bh, sqb, sqt, sqg, skb, skt, skh, svb, svt, svh, T, H, G, L, E, scale,
         BLOCK_T, HEAD_DIM)
     o = tl.load(OQ + slot[:, None] * HEAD_DIM + dims[None, :], mask=ends[:, None], other=0.0).to(tl.float32)
     o = tl.where(ends[:, None], o, v)
@@ -142,7 +145,7 @@ def _dq_kernel(
 ):
     """DQ[b, t, g] = sum over heads h = g, g + G, ... of ds[t, h] scale k[t, h] (own pair) plus the
     dense backward's dQ at the token's slot (ends). DQ contiguous [B, T, G, D]."""
-    pid_t, pid_bg = tl.program_id(0), tl.program_id(1)
+    pid_t, pid_bg = split_program_id(tl.cdiv(T, BLOCK_T))
     b, g = pid_bg // G, pid_bg % G
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     dims = tl.arange(0, HEAD_DIM)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .._common import leading_strides as _strides
+from .._grid import folded, split_program_id
 from ..._compat.triton_launch import launch_cached
 
 
@@ -133,8 +134,8 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles see the most ends: launch them first
-    pid_bh = tl.program_id(1)
+    tile, pid_bh = split_program_id(tl.cdiv(T, BLOCK_M))
+    pid_m = tl.cdiv(T, BLOCK_M) - 1 - tile  # last tiles see the most ends: launch them first
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     m0 = pid_m * BLOCK_M
@@ -231,8 +232,7 @@ def _own_rows_kernel(
     kernels and dZ = dY O sigmoid(z) (1 - sigmoid(z)) (DY, DZ laid out like DO). ATOMIC_DQ: the
     own pair's dQ share dS_own k_own starts the float32 rows of DQA that the dK/dV kernel adds to.
     Kept apart from the dQ kernel so that its tile loop does not carry five row tiles."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = split_program_id(tl.cdiv(T, BLOCK_M))
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -278,8 +278,8 @@ def _dq_kernel(
     DOT_PREC: tl.constexpr,
 ):
     # DO and DQ share the contiguous [B, T, H, Dh] strides (sob, sot, soh).
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest tiles first, as in the forward
-    pid_bh = tl.program_id(1)
+    tile, pid_bh = split_program_id(tl.cdiv(T, BLOCK_M))
+    pid_m = tl.cdiv(T, BLOCK_M) - 1 - tile  # heaviest tiles first, as in the forward
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     m0 = pid_m * BLOCK_M
@@ -389,8 +389,7 @@ def _dkdv_window_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Own + window pairs (0 <= i - j <= W) for a contiguous key tile; overwrites DK, DV there."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_n, pid_bh = split_program_id(tl.cdiv(T, BLOCK_N))
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -439,8 +438,10 @@ def _dkdv_ends_kernel(
     position D - 1 with stride D rows (slot c = key c*D + D - 1), in compact mode at dk_ends.
     OWN: also add the key's own pair (block mode, W = 0); ACCUMULATE: add to what DKE holds.
     """
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    programs = num_end_tiles
+    if HAS_SINKS:
+        programs += 1  # the sinks' program
+    pid_n, pid_bh = split_program_id(programs)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
@@ -577,7 +578,7 @@ def _forward(q, k, v, ke, ve, qc, geo: _Geometry, scale: float, gate: torch.Tens
     out = torch.empty(batch, seq, heads, head_dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, seq, device=q.device, dtype=torch.float32)
     (block_m, block_n, warps, stages), _, _ = _configs(q.device, q.dtype, seq)
-    grid = (triton.cdiv(seq, block_m), batch * heads)
+    grid = tiles_grid(seq, block_m, batch * heads)
     z = out if gate is None else gate  # never read without a gate
     _fwd_kernel[grid](
         q, k, v, ke, ve, qc, out, lse, z, out if ungated is None else ungated,
@@ -614,14 +615,14 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
     rows = ROWS_BLOCK if q.is_cuda else 16
     atomic_dq = ATOMIC_DQ and not geo.compact and not has_window and not has_sinks
     dqa = torch.empty(out.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq  # dq: never written
-    _own_rows_kernel[(triton.cdiv(seq, rows), batch * heads)](
+    _own_rows_kernel[tiles_grid(seq, rows, batch * heads)](
         q, k, v, out, dout, lse, delta, ds_own, dk, dv, z, dy, out if dgate is None else dgate, dqa,
         *common, *_strides(out), *_strides(z), heads, q_heads, seq, scale * LOG2E, scale,
         WRITE_OWN=not has_window, HAS_GATE=gate is not None, ATOMIC_DQ=atomic_dq, BLOCK_M=rows,
         HEAD_DIM=head_dim, num_warps=ROWS_WARPS if q.is_cuda else 4,
     )
     if not atomic_dq:
-        _dq_kernel[(triton.cdiv(seq, bm), batch * heads)](
+        _dq_kernel[tiles_grid(seq, bm, batch * heads)](
             q, k, v, ke, ve, qc, dout, lse, delta, ds_own, dq,
             *common, *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0),
             heads, q_heads, seq, *geo.scalars(), scale * LOG2E, scale,
@@ -630,7 +631,7 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
             num_warps=w, num_stages=st,
         )
     if has_window:
-        _dkdv_window_kernel[(triton.cdiv(seq, kn), batch * heads)](
+        _dkdv_window_kernel[tiles_grid(seq, kn, batch * heads)](
             q, k, v, dout, lse, delta, dk, dv, *common, *_strides(out),
             heads, q_heads, seq, geo.window, scale * LOG2E, scale,
             BLOCK_M=km, BLOCK_N=kn, HEAD_DIM=head_dim, DOT_PREC=prec, num_warps=kw, num_stages=kst,
@@ -638,7 +639,7 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
     num_end_tiles = triton.cdiv(max(geo.num_ends - geo.c_min, 0), kn)
     programs = num_end_tiles + (1 if has_sinks else 0)
     if programs:
-        _dkdv_ends_kernel[(programs, batch * heads)](
+        _dkdv_ends_kernel[folded(programs, batch * heads)](
             q, k, v, ke, ve, qc, dout, lse, delta, dke, dve, dk, dv, dqa,
             *common, *_strides(ke), *_strides(ve), *_strides(out), qc.stride(0), *_strides(dke),
             heads, q_heads, seq, *geo.scalars(), num_end_tiles, scale * LOG2E, scale,
@@ -649,6 +650,12 @@ def _backward(q, k, v, ke, ve, qc, out, lse, dout, geo: _Geometry, scale: float,
     if atomic_dq:
         return _sum_shared_heads(dqa.mul_(scale), q_heads).to(q.dtype)
     return _sum_shared_heads(dq, q_heads)
+
+
+def tiles_grid(seq: int, block: int, rows: int) -> tuple[int]:
+    """Programs of a row-tiled kernel: every (batch x head row, tile of ``block`` tokens) pair on
+    grid axis 0, tiles fastest (batch x heads passes axis 1's limit of 65,535 at large batch)."""
+    return folded(triton.cdiv(seq, block), rows)
 
 
 def _sum_shared_heads(dq: torch.Tensor, q_heads: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._grid import split_program_id
 from ..._compat.triton_launch import launch_cached
 from .reference import row_boundaries
 
@@ -27,11 +28,10 @@ BLOCK = 2048  # tokens per scan step
 
 @launch_cached
 @triton.jit
-def _scan_kernel(X, Y, CU, stride_xt, stride_xh, stride_yt, stride_yh, BLOCK: tl.constexpr,
+def _scan_kernel(X, Y, CU, H, stride_xt, stride_xh, stride_yt, stride_yh, BLOCK: tl.constexpr,
                  REVERSE: tl.constexpr):
     """Y[t, h] = sum of X[s, h] over s <= t (REVERSE: s >= t) within t's sequence, float32."""
-    h = tl.program_id(0)
-    seq = tl.program_id(1)
+    h, seq = split_program_id(H)  # heads fastest: their columns of a row are adjacent
     start = tl.load(CU + seq)
     end = tl.load(CU + seq + 1)
     offs = tl.arange(0, BLOCK)
@@ -50,9 +50,15 @@ def _scan_kernel(X, Y, CU, stride_xt, stride_xh, stride_yt, stride_yh, BLOCK: tl
         carry += tl.sum(x, 0)
 
 
+def scan_grid(heads: int, sequences: int) -> tuple[int]:
+    """(sequence, head) pairs on grid axis 0, heads fastest: a packed batch may hold more than
+    the 65,535 sequences grid axis 1 allows."""
+    return (heads * sequences,)
+
+
 def _scan(x: torch.Tensor, y: torch.Tensor, cu: torch.Tensor, heads: int, x_strides, y_strides, reverse: bool):
     block = BLOCK if x.is_cuda else 16
-    _scan_kernel[(heads, cu.numel() - 1)](x, y, cu, *x_strides, *y_strides, BLOCK=block, REVERSE=reverse, num_warps=8)
+    _scan_kernel[scan_grid(heads, cu.numel() - 1)](x, y, cu, heads, *x_strides, *y_strides, BLOCK=block, REVERSE=reverse, num_warps=8)
     return y
 
 

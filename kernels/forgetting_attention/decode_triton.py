@@ -52,10 +52,10 @@ def _partial_kernel(
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
         if HAS_MASK:
-            ok = ok & (tl.load(MASK + b * smb + offs * smt, mask=ok, other=0) != 0)
-        k = tl.load(k_base + offs[:, None] * skt + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_base + offs[:, None] * svt + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        c_k = tl.load(CK + b * sckb + offs * sckt + h * sckh, mask=ok, other=0.0).to(tl.float32)
+            ok = ok & (tl.load(MASK + b * smb + offs.to(tl.int64) * smt, mask=ok, other=0) != 0)
+        k = tl.load(k_base + offs.to(tl.int64)[:, None] * skt + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_base + offs.to(tl.int64)[:, None] * svt + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        c_k = tl.load(CK + b * sckb + offs.to(tl.int64) * sckt + h * sckh, mask=ok, other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], 1) * qk_scale + (c_q - c_k) * LOG2E
         s = tl.where(ok, s, float("-inf"))
         m_i, l_i, acc = online_update(m_i, l_i, acc, s, v)

@@ -55,6 +55,12 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tens
     return kernel_kind(q.transpose(1, 2)) == "cudnn"  # [batch, heads, len, dim], as the dense call sees it
 
 
+def augment_grid(batch: int, seq: int, heads: int, block_t: int) -> tuple[int]:
+    """Every (batch x head, tile of block_t tokens) pair on grid axis 0, tiles fastest (batch x
+    heads passes axis 1's limit of 65,535 at large batch)."""
+    return (-(-seq // block_t) * batch * heads,)
+
+
 def _augmented(q, k, c_by_head, scale):
     """(q', k') [B, T, HQ, D + EXTRA] as the module docstring defines them."""
     from .sdpa_triton import BLOCK_T, WARPS, _augment_kernel
@@ -62,7 +68,7 @@ def _augmented(q, k, c_by_head, scale):
     batch, seq, heads, dim = q.shape
     qa = q.new_empty(batch, seq, heads, dim + EXTRA)
     ka = torch.empty_like(qa)
-    _augment_kernel[(-(-seq // BLOCK_T), batch * heads)](
+    _augment_kernel[augment_grid(batch, seq, heads, BLOCK_T)](
         q, k, c_by_head.contiguous(), qa, ka, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         seq, heads, heads // k.shape[2], -1.0 / scale, HEAD_DIM=dim, EXTRA=EXTRA, BLOCK_T=BLOCK_T, num_warps=WARPS,
     )

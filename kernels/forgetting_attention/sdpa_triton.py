@@ -4,6 +4,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._grid import split_program_id
+
 BLOCK_T, WARPS = 32, 4
 
 
@@ -16,7 +18,8 @@ def _augment_kernel(
     """QA[b, t, h] = [q, 1, 1, 1, 0 ..]; KA[b, t, h] = [k of kv head h // REP, p1, p2, p3, 0 ..] with
     p1 + p2 + p3 = -c[h, b T + t] / scale split into three values of QA's dtype (float32 exactness
     for 16-bit tensors; p2 = p3 = 0 for float32). QA, KA contiguous [B, T, HQ, HEAD_DIM + EXTRA]."""
-    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
+    tiles = tl.cdiv(T, BLOCK_T)
+    pid_t, pid_bh = split_program_id(tiles)
     b, h = pid_bh // HQ, pid_bh % HQ
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = offs_t < T
@@ -32,7 +35,8 @@ def _augment_kernel(
     ones = tl.where(extra < 3, 1.0, 0.0)
     tl.store(QA + out[:, None] + HEAD_DIM + extra[None, :],
              (ones[None, :] + tl.zeros([BLOCK_T, EXTRA], tl.float32)).to(QA.dtype.element_ty), mask=row_ok[:, None])
-    x = tl.load(C + h.to(tl.int64) * (tl.num_programs(1) // HQ) * T + b.to(tl.int64) * T + offs_t,
+    batch = tl.num_programs(0) // (tiles * HQ)
+    x = tl.load(C + h.to(tl.int64) * batch * T + b.to(tl.int64) * T + offs_t,
                 mask=row_ok, other=0.0) * neg_inv_scale
     p1 = x.to(KA.dtype.element_ty).to(tl.float32)
     rest = x - p1

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._grid import folded, split_program_id
 from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
 from .hopper import forward as hopper_forward
@@ -95,10 +96,10 @@ def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, 
         kn = start_n + offs_n
         if MASK:
             k_ok = kn < seq_len
-            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
         else:
-            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :])
+            k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :])
             ck = tl.load(C_ptr + kn) * LOG2E
         qk = _mm(q, tl.trans(k), None, DOT_PREC)
         # log2-unit score minus the row constant (c_i - c_ref), which the LSE adds back.
@@ -118,25 +119,25 @@ def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASK:
-            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
         else:
-            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :])
+            v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :])
         acc = _mm(p.to(v.dtype), v, acc, DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.autotune(configs=_configs("fwd"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
-@triton.jit
-def _fwd_kernel(Q, K, V, C, O, LSE, CU, scale2, window, len_bucket,
+@triton.jit(do_not_specialize=["max_len"])  # only sizes the grid's blocks: no recompile per length class
+def _fwd_kernel(Q, K, V, C, O, LSE, CU, scale2, window, len_bucket, max_len,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                 stride_ot, stride_oh, stride_ch,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Heaviest (last) query blocks first: better tail balance under the causal mask.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    block, seq = split_program_id(tl.cdiv(max_len, BLOCK_M))
+    pid_m = tl.cdiv(max_len, BLOCK_M) - 1 - block
     h = tl.program_id(1)
-    seq = tl.program_id(2)
     seq_start = tl.load(CU + seq)
     seq_len = tl.load(CU + seq + 1) - seq_start
     start_m = pid_m * BLOCK_M
@@ -214,14 +215,14 @@ def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_p
         qm = start_m + offs_m
         if MASK:
             q_ok = qm < seq_len
-            q = tl.load(Q_ptr + qm[:, None] * stride_qt + offs_d[None, :], mask=q_ok[:, None], other=0.0)
-            do = tl.load(DO_ptr + qm[:, None] * stride_dot + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            q = tl.load(Q_ptr + qm.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+            do = tl.load(DO_ptr + qm.to(tl.int64)[:, None] * stride_dot + offs_d[None, :], mask=q_ok[:, None], other=0.0)
             cq = tl.load(C_ptr + qm, mask=q_ok, other=0.0) * LOG2E
             lse = tl.load(LSE_ptr + qm, mask=q_ok, other=float("inf"))  # P = 0 past the end
             delta = tl.load(DELTA_ptr + qm, mask=q_ok, other=0.0)
         else:
-            q = tl.load(Q_ptr + qm[:, None] * stride_qt + offs_d[None, :])
-            do = tl.load(DO_ptr + qm[:, None] * stride_dot + offs_d[None, :])
+            q = tl.load(Q_ptr + qm.to(tl.int64)[:, None] * stride_qt + offs_d[None, :])
+            do = tl.load(DO_ptr + qm.to(tl.int64)[:, None] * stride_dot + offs_d[None, :])
             cq = tl.load(C_ptr + qm) * LOG2E
             lse = tl.load(LSE_ptr + qm)
             delta = tl.load(DELTA_ptr + qm)
@@ -243,16 +244,16 @@ def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_p
 
 
 @triton.autotune(configs=_configs("dkdv"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
-@triton.jit
-def _dkdv_kernel(Q, K, V, C, LSE, DELTA, DO, DK, DV, DC, CU, scale, scale2, window, len_bucket,
+@triton.jit(do_not_specialize=["max_len"])  # only sizes the grid's blocks: no recompile per length class
+def _dkdv_kernel(Q, K, V, C, LSE, DELTA, DO, DK, DV, DC, CU, scale, scale2, window, len_bucket, max_len,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_ch,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # BLOCK_N keys per program; the loop walks BLOCK_M queries at a time.
-    pid_n = tl.num_programs(0) - 1 - tl.program_id(0)
+    block, seq = split_program_id(tl.cdiv(max_len, BLOCK_N))
+    pid_n = tl.cdiv(max_len, BLOCK_N) - 1 - block
     kvh = tl.program_id(1)
-    seq = tl.program_id(2)
     seq_start = tl.load(CU + seq)
     seq_len = tl.load(CU + seq + 1) - seq_start
     start_n = pid_n * BLOCK_N
@@ -317,12 +318,12 @@ def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, st
         kn = start_n + offs_n
         if MASK:
             k_ok = kn < seq_len
-            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
         else:
-            k = tl.load(K_ptr + kn[:, None] * stride_kt + offs_d[None, :])
-            v = tl.load(V_ptr + kn[:, None] * stride_vt + offs_d[None, :])
+            k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :])
+            v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :])
             ck = tl.load(C_ptr + kn) * LOG2E
         qk = _mm(q, tl.trans(k), None, DOT_PREC)
         p = tl.math.exp2(qk * scale2 + row[:, None] - (ck - c_ref)[None, :])
@@ -339,15 +340,15 @@ def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, st
 
 
 @triton.autotune(configs=_configs("dq"), key=_TUNE_KEY, prune_configs_by=_PRUNE)
-@triton.jit
-def _dq_kernel(Q, K, V, C, LSE, DELTA, DO, DQ, DCQ, CU, scale, scale2, window, len_bucket,
+@triton.jit(do_not_specialize=["max_len"])  # only sizes the grid's blocks: no recompile per length class
+def _dq_kernel(Q, K, V, C, LSE, DELTA, DO, DQ, DCQ, CU, scale, scale2, window, len_bucket, max_len,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_ch,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
                DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    block, seq = split_program_id(tl.cdiv(max_len, BLOCK_M))
+    pid_m = tl.cdiv(max_len, BLOCK_M) - 1 - block
     h = tl.program_id(1)
-    seq = tl.program_id(2)
     seq_start = tl.load(CU + seq)
     seq_len = tl.load(CU + seq + 1) - seq_start
     start_m = pid_m * BLOCK_M
@@ -397,6 +398,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def blocks_grid(max_len: int, block: int, sequences: int, heads: int) -> tuple[int, int]:
+    """(sequence x block of ``block`` tokens, head): the blocks fastest, with the sequences on
+    grid axis 0 (a packed batch may hold more than axis 2's 65,535); heads on axis 1."""
+    return folded(triton.cdiv(max_len, block), sequences, heads)
+
+
+def delta_grid(total: int, block: int, heads: int) -> tuple[int, int]:
+    """(blocks of ``block`` tokens, head)."""
+    return triton.cdiv(total, block), heads
+
+
 def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | None = None):
     """q [N_tok, HQ, D], k/v [N_tok, HKV, D], c_t [HQ, N_tok] float32 -> (o, lse [HQ, N_tok]).
     Causal 16-bit inputs on a Hopper GPU take the warp-specialised Gluon kernel (hopper.py).
@@ -409,14 +421,14 @@ def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | N
     nseq = cu.numel() - 1
 
     def grid(meta):
-        return (triton.cdiv(max_len, meta["BLOCK_M"]), hq, nseq)
+        return blocks_grid(max_len, meta["BLOCK_M"], nseq, hq)
 
     kernel, extra = _fwd_kernel, {}
     if config is not None:
         kernel = _fwd_kernel.fn
         extra = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     kernel[grid](
-        q, k, v, c_t, o, lse, cu, scale * 1.4426950408889634, window or 0, _len_bucket(max_len),
+        q, k, v, c_t, o, lse, cu, scale * 1.4426950408889634, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), c_t.stride(0),
         GROUP=hq // k.shape[1], HEAD_DIM=d, HAS_WINDOW=window is not None, DOT_PREC=_dot_precision(q.dtype),
@@ -431,7 +443,7 @@ def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
     nseq = cu.numel() - 1
     delta = torch.empty_like(lse)
     block = 64 if not triton_interpreting() else 16
-    _delta_kernel[(triton.cdiv(total, block), hq)](
+    _delta_kernel[delta_grid(total, block, hq)](
         o, do, delta, total, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
         HEAD_DIM=d, BLOCK=block,
     )
@@ -446,20 +458,20 @@ def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
     scale2 = scale * 1.4426950408889634
 
     def grid_kv(meta):
-        return (triton.cdiv(max_len, meta["BLOCK_N"]), hkv, nseq)
+        return blocks_grid(max_len, meta["BLOCK_N"], nseq, hkv)
 
     _dkdv_kernel[grid_kv](
-        q, k, v, c_t, lse, delta, do, dk, dv, dc, cu, scale, scale2, window or 0, _len_bucket(max_len),
+        q, k, v, c_t, lse, delta, do, dk, dv, dc, cu, scale, scale2, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), c_t.stride(0),
         **common,
     )
 
     def grid_q(meta):
-        return (triton.cdiv(max_len, meta["BLOCK_M"]), hq, nseq)
+        return blocks_grid(max_len, meta["BLOCK_M"], nseq, hq)
 
     _dq_kernel[grid_q](
-        q, k, v, c_t, lse, delta, do, dq, dcq, cu, scale, scale2, window or 0, _len_bucket(max_len),
+        q, k, v, c_t, lse, delta, do, dq, dcq, cu, scale, scale2, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), c_t.stride(0),
         **common,

@@ -19,7 +19,7 @@ row is read anyway and the recompute is a handful of flops. The weight gradient 
 a backward program walks a fixed range of tokens for its head, accumulates g * xh in registers
 and writes one [D] partial sum; torch sums the few partials per head afterwards (deterministic).
 
-Head is the fastest grid axis, so the programs running together share their tokens: the heads of
+Head is the fastest-varying program index, so the programs running together share their tokens: the heads of
 a token block are adjacent in memory, and the token's cos/sin rows are read once from DRAM and
 then hit in L2. Inputs may be strided views ([B, T, H, D] slices of a projection output, or a
 transposed attention output) as long as the last dimension is contiguous; others are copied once.
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._grid import MAX_GRID_YZ
 from ..._compat.triton_launch import launch_cached
 
 MAX_HEAD_DIM = 1024  # a [BLOCK_T, D] float32 tile per operand must fit in registers
@@ -82,6 +83,14 @@ def _rope_tables(COS, SIN, tokens, T, sc_b, sc_t, ss_b, ss_t, cols, mask, HALF: 
 
 
 @triton.jit
+def _head_and_block(heads):
+    """(head, token block) of a forward program: one flat grid axis, head fastest (grid axes 1 and
+    2 stop at 65,535 programs, fewer than the token blocks of a large prefill)."""
+    pid = tl.program_id(0)
+    return pid % heads, pid // heads
+
+
+@triton.jit
 def _inv_rms(sum_sq, rows_ok, D: tl.constexpr, eps):
     # Rows past the end read zeros; with eps = 0 their rsqrt would be inf and poison the weight
     # gradient through 0 * inf, so they take rsqrt(1) (their x is 0, so x * r stays 0).
@@ -95,15 +104,14 @@ def _inv_rms(sum_sq, rows_ok, D: tl.constexpr, eps):
 @triton.jit
 def _norm_rope_fwd_kernel(
     X, W, COS, SIN, Y,
-    n_tokens, T, eps,
+    n_tokens, T, heads, eps,
     sx_b, sx_t, sx_h, sc_b, sc_t, ss_b, ss_t,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    h = tl.program_id(0)
-    heads = tl.num_programs(0)
+    h, token_block = _head_and_block(heads)
     cols = tl.arange(0, BLOCK_HALF)
-    tokens, rows_ok, mask = _token_tile(tl.program_id(1) * BLOCK_T, n_tokens, cols, HALF, BLOCK_T)
+    tokens, rows_ok, mask = _token_tile(token_block * BLOCK_T, n_tokens, cols, HALF, BLOCK_T)
 
     x_rows = _row_offsets(tokens, T, sx_b, sx_t, h.to(tl.int64) * sx_h)
     n1 = _load_f32(X, x_rows + cols[None, :], mask)
@@ -182,14 +190,13 @@ def _norm_rope_bwd_kernel(
 @triton.jit
 def _branch_fwd_kernel(
     A, WA, B, WB, Y,
-    n_tokens, T, eps_a, eps_b,
+    n_tokens, T, heads, eps_a, eps_b,
     sa_b, sa_t, sa_h, sb_b, sb_t, sb_h,
     HAS_B: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    h = tl.program_id(0)
-    heads = tl.num_programs(0)
+    h, token_block = _head_and_block(heads)
     cols = tl.arange(0, BLOCK_D)
-    tokens, rows_ok, mask = _token_tile(tl.program_id(1) * BLOCK_T, n_tokens, cols, D, BLOCK_T)
+    tokens, rows_ok, mask = _token_tile(token_block * BLOCK_T, n_tokens, cols, D, BLOCK_T)
 
     a = _load_f32(A, _row_offsets(tokens, T, sa_b, sa_t, h.to(tl.int64) * sa_h) + cols[None, :], mask)
     r_a = _inv_rms(tl.sum(a * a, 1), rows_ok, D, eps_a)[:, None]
@@ -275,8 +282,18 @@ def _backward_split(n_tokens: int, heads: int, block_t: int, programs: int | Non
     n_blocks = triton.cdiv(n_tokens, block_t)
     if programs is None:
         programs = INTERPRET_PROGRAMS_PER_HEAD if triton_interpreting() else triton.cdiv(TARGET_PROGRAMS, heads)
-    blocks_per_program = triton.cdiv(n_blocks, max(1, min(programs, n_blocks)))
+    blocks_per_program = triton.cdiv(n_blocks, max(1, min(programs, n_blocks, MAX_GRID_YZ)))
     return triton.cdiv(n_blocks, blocks_per_program), blocks_per_program * block_t
+
+
+def forward_grid(n_tokens: int, heads: int, block_t: int) -> tuple[int]:
+    """Forward programs: (head, token block) pairs on one axis, head fastest."""
+    return (heads * triton.cdiv(n_tokens, block_t),)
+
+
+def backward_grid(n_tokens: int, heads: int, block_t: int, programs: int | None = None) -> tuple[int, int]:
+    """Backward programs: (head, part of the tokens); the parts are few (``_backward_split``)."""
+    return heads, _backward_split(n_tokens, heads, block_t, programs)[0]
 
 
 def _expand_rotary(t: torch.Tensor, batch: int, seq: int, dim: int) -> torch.Tensor:
@@ -306,9 +323,8 @@ class _RmsNormRotary(torch.autograd.Function):
         block_t = _block_tokens(2 * block_half, tune.get("block_tokens"))
         n_tokens = batch * seq
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        grid = (heads, triton.cdiv(n_tokens, block_t))
-        _norm_rope_fwd_kernel[grid](
-            x, weight, cos, sin, y, n_tokens, seq, eps,
+        _norm_rope_fwd_kernel[forward_grid(n_tokens, heads, block_t)](
+            x, weight, cos, sin, y, n_tokens, seq, heads, eps,
             *_bth_strides(x), *_bt_strides(cos), *_bt_strides(sin),
             D=dim, HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, HAS_NORM=has_norm,
             num_warps=tune.get("num_warps", NUM_WARPS),
@@ -356,8 +372,8 @@ class _BranchNormSum(torch.autograd.Function):
         block_t = _block_tokens(block_d, tune.get("block_tokens"))
         n_tokens = batch * seq
         y = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-        _branch_fwd_kernel[(heads, triton.cdiv(n_tokens, block_t))](
-            a, weight_a, *b_args, y, n_tokens, seq, eps_a, eps_b,
+        _branch_fwd_kernel[forward_grid(n_tokens, heads, block_t)](
+            a, weight_a, *b_args, y, n_tokens, seq, heads, eps_a, eps_b,
             *_bth_strides(a), *_bth_strides(b_args[0]),
             HAS_B=has_b, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=tune.get("num_warps", NUM_WARPS),
         )

@@ -90,7 +90,7 @@ def _fwd_kernel(
     D/2] float32 tiles, so many programs fit on an SM and the loads of later tokens do not wait
     for the recurrence."""
     b = (tl.program_id(0) // n_chunks).to(tl.int64)
-    t0 = (tl.program_id(0) % n_chunks) * L
+    t0 = ((tl.program_id(0) % n_chunks) * L).to(tl.int64)  # t * token stride passes 2**31 in long rows
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, HALF)[None, :]
     head_ok, first, k_first, bias1, bias2 = _head_tile(BIAS, heads, cols, GROUPS, HEADS, D, HALF)
@@ -135,7 +135,7 @@ def _bwd_kernel(
     slices = tl.cdiv(HALF, BLOCK_D)
     chunk_row = tl.program_id(0) // slices
     b = (chunk_row // n_chunks).to(tl.int64)
-    t0 = (chunk_row % n_chunks) * L
+    t0 = ((chunk_row % n_chunks) * L).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     offs_d = (tl.program_id(0) % slices) * BLOCK_D + tl.arange(0, BLOCK_D)
     cols = offs_d[None, :]

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._grid import folded, split_program_id
 from ..._compat.triton_launch import launch_cached
 
 MAX_DIRECT_CHUNK = 128  # longer chunks go through the three-pass path (bounded unrolled loops)
@@ -49,9 +50,9 @@ def _recurrence_fwd_kernel(
     SEG: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # INIT_MODE: 0 none, 1 INIT [B, N] feeds segment 0 only, 2 INIT [B, num_seg, N] per segment.
-    seg = tl.program_id(0)
+    seg, b = split_program_id(num_seg)
+    b = b.to(tl.int64)
     pid_n = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     t0 = seg * SEG - shift
@@ -103,8 +104,8 @@ def _carry_kernel(
     UNROLL segments at a time are composed by a small associative scan, so the sequential chain
     has num_seg / UNROLL memory round trips instead of num_seg.
     """
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    pid_n, b = split_program_id(tl.cdiv(N, BLOCK_N))
+    b = b.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_INIT:
@@ -142,9 +143,9 @@ def _recurrence_bwd_kernel(
     CHUNKED: tl.constexpr, HAS_INIT: tl.constexpr, HAS_CARRY: tl.constexpr, SUMMARY: tl.constexpr,
     SEG: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    seg = tl.program_id(0)
+    seg, b = split_program_id(num_seg)
+    b = b.to(tl.int64)
     pid_n = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     t0 = seg * SEG - shift
@@ -194,11 +195,22 @@ def _plan(seq: int, chunk_size: int, start_position: int) -> tuple[int, int, int
     return GENERAL_SEGMENT, 0, triton.cdiv(seq, GENERAL_SEGMENT), False
 
 
+def scan_grid(batch: int, channels: int, num_seg: int) -> tuple[int, int]:
+    """(batch x segments, channel blocks), segments fastest: a batch past 65,535 would not fit
+    grid axes 1 or 2."""
+    return folded(num_seg, batch, triton.cdiv(channels, BLOCK_N))
+
+
+def carry_grid(batch: int, channels: int) -> tuple[int]:
+    """batch x channel blocks on grid axis 0, channel blocks fastest."""
+    return folded(triton.cdiv(channels, CARRY_BLOCK_N), batch)
+
+
 def _launch_forward(x, g, chunk_size, start_position, init, out_dtype=None):
     batch, seq, channels = x.shape
     h = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
     seg, shift, num_seg, direct = _plan(seq, chunk_size, start_position)
-    grid = (num_seg, triton.cdiv(channels, BLOCK_N), batch)
+    grid = scan_grid(batch, channels, num_seg)
     common = dict(CHUNKED=chunk_size > 0, SEG=seg, BLOCK_N=BLOCK_N, UNROLL=math.gcd(seg, STEP_UNROLL), num_warps=NUM_WARPS)
     args = (seq, channels, start_position, max(chunk_size, 1), shift, num_seg)
     if direct or num_seg == 1:
@@ -209,7 +221,7 @@ def _launch_forward(x, g, chunk_size, start_position, init, out_dtype=None):
     sum_gate = torch.empty_like(sum_state)
     _recurrence_fwd_kernel[grid](x, g, h, x, sum_state, sum_gate, *args, INIT_MODE=0, SUMMARY=True, **common)
     carry = torch.empty_like(sum_state)
-    _carry_kernel[(triton.cdiv(channels, CARRY_BLOCK_N), batch)](
+    _carry_kernel[carry_grid(batch, channels)](
         sum_state, sum_gate, init if init is not None else x, carry, channels, num_seg,
         HAS_INIT=init is not None, REVERSE=False, BLOCK_N=CARRY_BLOCK_N, UNROLL=CARRY_UNROLL, num_warps=2,
     )
@@ -222,7 +234,7 @@ def _launch_backward(x, g, h, init, dh, chunk_size, start_position):
     dx, dg = torch.empty_like(x), torch.empty_like(g)
     dinit = torch.empty_like(init) if init is not None else None
     seg, shift, num_seg, direct = _plan(seq, chunk_size, start_position)
-    grid = (num_seg, triton.cdiv(channels, BLOCK_N), batch)
+    grid = scan_grid(batch, channels, num_seg)
     common = dict(CHUNKED=chunk_size > 0, HAS_INIT=init is not None, SEG=seg, BLOCK_N=BLOCK_N, UNROLL=math.gcd(seg, STEP_UNROLL), num_warps=NUM_WARPS)
     args = (seq, channels, start_position, max(chunk_size, 1), shift, num_seg)
     init_ptr = init if init is not None else x
@@ -236,7 +248,7 @@ def _launch_backward(x, g, h, init, dh, chunk_size, start_position):
     _recurrence_bwd_kernel[grid](x, g, h, init_ptr, dh, dx, dg, dinit_ptr, x, sum_acc, sum_gate, *args,
                                  HAS_CARRY=False, SUMMARY=True, **common)
     carry = torch.empty_like(sum_acc)
-    _carry_kernel[(triton.cdiv(channels, CARRY_BLOCK_N), batch)](
+    _carry_kernel[carry_grid(batch, channels)](
         sum_acc, sum_gate, x, carry, channels, num_seg,
         HAS_INIT=False, REVERSE=True, BLOCK_N=CARRY_BLOCK_N, UNROLL=CARRY_UNROLL, num_warps=2,
     )

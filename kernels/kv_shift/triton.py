@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._grid import folded, split_program_id
 from ..._compat.triton_launch import launch_cached
 
 BLOCK_T = 32  # tokens per program: [32, 128] float32 tiles
@@ -38,9 +39,9 @@ def _rows(X, P, b, h, t, d, T, D, sxb, sxt, sxh, spb, sph, HAS_PREV: tl.constexp
 @triton.jit
 def _fwd_kernel(X, L, P, O, T, H, D, sxb, sxt, sxh, slb, slt, slh, spb, sph, sob, sot, soh,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr):
-    pid = tl.program_id(1)
+    tile, pid = split_program_id(tl.cdiv(T, BLOCK_T))
     b, h = (pid // H).to(tl.int64), (pid % H).to(tl.int64)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # t * stride passes 2**31 in long rows
     d = tl.arange(0, BLOCK_D)
     x, xp = _rows(X, P, b, h, t, d, T, D, sxb, sxt, sxh, spb, sph, HAS_PREV)
     a = tl.sigmoid(tl.load(L + b * slb + h * slh + t * slt, mask=t < T, other=0.0).to(tl.float32))
@@ -53,9 +54,9 @@ def _fwd_kernel(X, L, P, O, T, H, D, sxb, sxt, sxh, slb, slt, slh, spb, sph, sob
 @triton.jit
 def _bwd_kernel(X, L, P, DO, DX, DL, DP, T, H, D, sxb, sxt, sxh, slb, slt, slh, spb, sph, sdb, sdt, sdh,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr):
-    pid = tl.program_id(1)
+    tile, pid = split_program_id(tl.cdiv(T, BLOCK_T))
     b, h = (pid // H).to(tl.int64), (pid % H).to(tl.int64)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # t * stride passes 2**31 in long rows
     d = tl.arange(0, BLOCK_D)
     cols = d[None, :] < D
     x, xp = _rows(X, P, b, h, t, d, T, D, sxb, sxt, sxh, spb, sph, HAS_PREV)
@@ -71,15 +72,17 @@ def _bwd_kernel(X, L, P, DO, DX, DL, DP, T, H, D, sxb, sxt, sxh, slb, slt, slh, 
     dl = a * (1.0 - a) * tl.sum(do * (xp - x), 1)
     tl.store(DL + (b * T + t) * H + h, dl.to(DL.dtype.element_ty), mask=t < T)
     if HAS_PREV:
-        if tl.program_id(0) == 0:
+        if tile == 0:
             # Only token 0 reads previous: its row of a * dout.
             dp = tl.sum(tl.where(t[:, None] == 0, a[:, None] * do, 0.0), 0)
             tl.store(DP + b * spb + h * sph + d, dp.to(DP.dtype.element_ty), mask=d < D)
 
 
 def _grid(x: torch.Tensor):
+    """Every (batch x head row, tile of BLOCK_T tokens) pair on grid axis 0, tiles fastest:
+    batch x heads passes axis 1's limit of 65,535 at large batch."""
     batch, seq, heads, _ = x.shape
-    return (triton.cdiv(seq, BLOCK_T), batch * heads)
+    return folded(triton.cdiv(seq, BLOCK_T), batch * heads)
 
 
 def _prev_strides(previous: torch.Tensor | None) -> tuple[int, int]:

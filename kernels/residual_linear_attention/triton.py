@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._grid import folded, split_program_id
 from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
 
@@ -85,13 +86,13 @@ def _phi_bwd(x, f, df, sign, FEATURE: tl.constexpr):
 
 
 @triton.jit
-def _program(NV: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
-    """Grid (half x value block, batch x kv head, segment) -> this program's indices, the feature
-    sign of its half, the chunk / feature / value offsets and the element offsets of its
-    [D, BV] block of a [F, D] state."""
-    pid_fv = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    seg = tl.program_id(2)
+def _program(NV: tl.constexpr, NH: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+             C: tl.constexpr):
+    """Grid (batch x kv head x half x value block, segment; see ``segment_grid``) -> this program's
+    indices, the feature sign of its half, the chunk / feature / value offsets and the element
+    offsets of its [D, BV] block of a [F, D] state."""
+    pid_fv, pid_bk = split_program_id(NH * NV)
+    seg = tl.program_id(1)
     half = pid_fv // NV
     vb = pid_fv % NV
     sign = 1.0 - 2.0 * half.to(tl.float32)
@@ -165,7 +166,7 @@ def _state_pass_kernel(
     in slot s and the final S in slot NSEG."""
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
-    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     S = tl.zeros([D, BV], dtype=tl.float32)
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
@@ -202,7 +203,7 @@ def _fwd_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
@@ -239,9 +240,8 @@ def _fwd_fused_kernel(
     program per (value block, batch x kv head, segment): O is the finished [B, T, H, D] output."""
     F: tl.constexpr = 2 * D
     GROUP: tl.constexpr = H // HKV
-    vb = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    seg = tl.program_id(2)
+    vb, pid_bk = split_program_id(D // BV)
+    seg = tl.program_id(1)
     b = pid_bk // HKV
     hk = pid_bk % HKV
     offs_c = tl.arange(0, C)
@@ -294,9 +294,8 @@ def _dq_fused_kernel(
     summed over the halves on chip. DQ: the sum of one partial per value block (see ``_write_partial``)."""
     F: tl.constexpr = 2 * D
     GROUP: tl.constexpr = H // HKV
-    vb = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    seg = tl.program_id(2)
+    vb, pid_bk = split_program_id(D // BV)
+    seg = tl.program_id(1)
     b = pid_bk // HKV
     hk = pid_bk % HKV
     offs_c = tl.arange(0, C)
@@ -354,7 +353,7 @@ def _dq_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
     causal = offs_c[:, None] >= offs_c[None, :]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
@@ -396,7 +395,7 @@ def _adjoint_pass_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv, pid_bk, grid_seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    pid_fv, pid_bk, grid_seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     seg = grid_seg + 1
     G = tl.zeros([D, BV], dtype=tl.float32)
     c_start = seg * SEG_CHUNKS
@@ -441,7 +440,7 @@ def _dkv_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, HKV, D, BV, C)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     G = _segment_state(G_IN, NSEG - 1 - seg, B, pid_bk, rows, HKV, F, D, BV, G_IN_MODE)
     later = offs_c[:, None] <= offs_c[None, :]  # [key row, query column]
     c_start = seg * SEG_CHUNKS
@@ -577,6 +576,13 @@ def _sum_partials(buf: torch.Tensor, parts: int, dtype) -> torch.Tensor:
     return (buf.sum(0) if parts > 2 else buf).to(dtype)
 
 
+def segment_grid(blocks: int, rows: int, segments: int) -> tuple[int, int]:
+    """(batch x kv head x state block, segment): the state blocks (half x value block) fastest on
+    axis 0 with the batch x kv head rows, which pass axis 1's limit of 65,535 at large batch; the
+    segments (one per DEFAULT_STATE_EVERY chunks of one sequence) stay far below it."""
+    return folded(blocks, rows, segments)
+
+
 def _forward(q, k, v, initial_state, plan: _Plan):
     B, T, H, D = q.shape
     HKV, F = plan.kv_heads, plan.features
@@ -587,7 +593,7 @@ def _forward(q, k, v, initial_state, plan: _Plan):
         # Slot 0: S_0, slot s + 1: segment s's sum; the float32 prefix sum over the slots leaves the
         # state at the start of segment s in slot s and the final state in slot NSEG.
         slots = torch.empty((plan.nseg + 1, B, HKV, F, D), device=dev, dtype=torch.float32)
-        _state_pass_kernel[(plan.halves * plan.nv, B * HKV, plan.nseg)](
+        _state_pass_kernel[segment_grid(plan.halves * plan.nv, B * HKV, plan.nseg)](
             k, v, s0 if s0 is not None else slots, slots, *plan.runtime(),
             HKV=HKV, HAS_S0=s0 is not None, **plan.common(),
         )
@@ -600,14 +606,14 @@ def _forward(q, k, v, initial_state, plan: _Plan):
         mode, s_in, store_final = (1, s0, True) if s0 is not None else (0, final, True)
     if plan.fuse:
         out = torch.empty_like(q)
-        _fwd_fused_kernel[(plan.nv, B * HKV, plan.nseg)](
+        _fwd_fused_kernel[segment_grid(plan.nv, B * HKV, plan.nseg)](
             q, k, v, s_in, out, final, *plan.runtime(),
             H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(halves=False),
         )
         return out, final, states
     # One partial output per feature half.
     o_buf = _partials_buffer(plan.halves, q.shape, q.dtype, dev)
-    _fwd_kernel[(plan.halves * plan.nv, B * HKV, plan.nseg)](
+    _fwd_kernel[segment_grid(plan.halves * plan.nv, B * HKV, plan.nseg)](
         q, k, v, s_in, o_buf, final, *plan.runtime(),
         H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(),
     )
@@ -619,7 +625,7 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
     HKV, F = plan.kv_heads, plan.features
     dev = q.device
     do = do.contiguous()
-    grid = (plan.halves * plan.nv, B * HKV, plan.nseg)
+    grid = segment_grid(plan.halves * plan.nv, B * HKV, plan.nseg)
     nq = plan.halves * plan.nv
     nq_dq = plan.nv if plan.fuse else nq
     dq_buf = _partials_buffer(nq_dq, q.shape, q.dtype, dev)
@@ -636,7 +642,7 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
     else:
         s_mode, s_in = (1, s0) if s0 is not None else (0, dq_buf)
     if plan.fuse:
-        _dq_fused_kernel[(plan.nv, B * HKV, plan.nseg)](
+        _dq_fused_kernel[segment_grid(plan.nv, B * HKV, plan.nseg)](
             q, k, v, do, s_in, dq_buf, *plan.runtime(), H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(halves=False),
         )
     else:
@@ -648,7 +654,7 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
         # Slot 0: dS_final, slot NSEG - s: segment s's sum (s >= 1); the float32 prefix sum over the
         # slots leaves the adjoint at the end of segment s in slot NSEG - 1 - s.
         gstates = torch.empty((plan.nseg, B, HKV, F, D), device=dev, dtype=torch.float32)
-        _adjoint_pass_kernel[(plan.halves * plan.nv, B * HKV, plan.nseg - 1)](
+        _adjoint_pass_kernel[segment_grid(plan.halves * plan.nv, B * HKV, plan.nseg - 1)](
             q, do, dsf if dsf is not None else gstates, gstates,
             B, T, plan.seg_chunks, plan.num_chunks, plan.nseg,
             H=H, HKV=HKV, HAS_DSF=dsf is not None, **plan.common(),
@@ -743,8 +749,7 @@ def _decode_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HS
-    pid_fv = tl.program_id(0)
-    pid_bs = tl.program_id(1)
+    pid_fv, pid_bs = split_program_id(NH * NV)
     half = pid_fv // NV
     vb = pid_fv % NV
     b = pid_bs // HS
@@ -787,7 +792,7 @@ def residual_linear_attention_decode_triton(q, state, k_leaving, v_leaving, leav
     kl = k_leaving.contiguous() if has_leave else q
     vl = v_leaving.contiguous() if has_leave else q
     mask = leaving_mask.contiguous() if leaving_mask is not None else q
-    _decode_kernel[(halves * (dim // block_v), batch * state_heads)](
+    _decode_kernel[folded(halves * (dim // block_v), batch * state_heads)](
         q, state, out_state, kl, vl, mask, o_buf, batch,
         H=heads, HS=state_heads, D=dim, BV=block_v, NH=halves, FEATURE=FEATURE_IDS[feature_map],
         HAS_LEAVE=has_leave, HAS_MASK=leaving_mask is not None, num_warps=4,

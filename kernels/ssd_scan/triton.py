@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._grid import folded, split_program_id
 
 # Chunk length and the P / N block of the state kernels (and the N loop of the chunk kernels).
 # 64 / 32 is the fastest at the SE hybrid's mixer shape (`python -m benchmarks.ssd_sweep`); chunks
@@ -111,7 +112,8 @@ def _states_fwd(
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr,
     NATIVE16: tl.constexpr,
 ):
-    pid_p, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_p, bh = split_program_id(tl.cdiv(P, BP))
+    pid_n = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     grp = h // heads_per_group
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -140,7 +142,8 @@ def _output_fwd(
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
     NATIVE16: tl.constexpr,
 ):
-    pid_p, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_p, chunk_row = split_program_id(tl.cdiv(P, BP))
+    c, bh = chunk_row % NT, chunk_row // NT
     b, h = (bh // H).to(tl.int64), bh % H
     grp = h // heads_per_group
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -174,7 +177,8 @@ def _dstates_bwd(
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_DFINAL: tl.constexpr, PREC: tl.constexpr,
     NATIVE16: tl.constexpr,
 ):
-    pid_p, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_p, bh = split_program_id(tl.cdiv(P, BP))
+    pid_n = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     grp = h // heads_per_group
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -205,7 +209,7 @@ def _chunk_bwd(
     NATIVE16: tl.constexpr,
 ):
     # Heads H0 .. H0 + HS - 1 (one launch per slice of heads); DBH / DCH hold that slice only.
-    c, bh = tl.program_id(0), tl.program_id(1)
+    c, bh = split_program_id(NT)
     b, h_in = (bh // HS).to(tl.int64), bh % HS
     h = H0 + h_in
     grp = h // heads_per_group
@@ -302,6 +306,17 @@ def _chunk_log_decay(dt: torch.Tensor, A: torch.Tensor, chunk: int) -> torch.Ten
     return padded.view(batch, -1, chunk, heads).cumsum(2).view(batch, -1, heads).contiguous()
 
 
+def state_grid(batch: int, heads: int, head_dim: int, state_size: int, block: int) -> tuple[int, int]:
+    """(batch x head x head_dim block, state block) of the state passes, head_dim blocks fastest:
+    batch x heads passes the limit of grid axes 1 and 2 (65,535) at large batch."""
+    return folded(triton.cdiv(head_dim, block), batch * heads, triton.cdiv(state_size, block))
+
+
+def output_grid(batch: int, heads: int, head_dim: int, n_chunks: int, block: int) -> tuple[int]:
+    """(batch x head, chunk, head_dim block) on one axis, head_dim blocks fastest, then chunks."""
+    return folded(triton.cdiv(head_dim, block), n_chunks * batch * heads)
+
+
 def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32):
     """Every chunk's entering state (and the final one), carried in float32, stored as ``dtype``."""
     batch, seq, heads, head_dim = x.shape
@@ -309,7 +324,7 @@ def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32)
     n_chunks = g.shape[1] // chunk
     states = torch.empty((batch, n_chunks + 1, heads, head_dim, state_size), dtype=dtype, device=x.device)
     init = initial_state.float().contiguous() if initial_state is not None else states
-    grid = (triton.cdiv(head_dim, block), triton.cdiv(state_size, block), batch * heads)
+    grid = state_grid(batch, heads, head_dim, state_size, block)
     _states_fwd[grid](
         x, dt, g, B, states, init, seq, heads, head_dim, state_size, heads // B.shape[2], n_chunks,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
@@ -331,7 +346,7 @@ class _SSDScan(torch.autograd.Function):
         n_chunks = g.shape[1] // chunk
         states = _chunk_states(x, dt, g, B, initial_state, chunk, block)
         y = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(head_dim, block), n_chunks, batch * heads)
+        grid = output_grid(batch, heads, head_dim, n_chunks, block)
         _output_fwd[grid](
             x, dt, g, B, C, states, D if D is not None else dt, y, seq, heads, head_dim, state_size,
             heads // B.shape[2], n_chunks,
@@ -363,7 +378,7 @@ class _SSDScan(torch.autograd.Function):
         dstates = torch.empty((batch, n_chunks, heads, head_dim, state_size), dtype=x.dtype, device=x.device)
         dinit = torch.empty((batch, heads, head_dim, state_size), **f32)
         dfinal = dfinal.float().contiguous() if dfinal is not None else None
-        _dstates_bwd[(triton.cdiv(head_dim, block), triton.cdiv(state_size, block), batch * heads)](
+        _dstates_bwd[state_grid(batch, heads, head_dim, state_size, block)](
             dy, dt, g, C, dstates, dfinal if dfinal is not None else dinit, dinit, seq, heads, head_dim, state_size,
             heads // groups, n_chunks, dy.stride(0), dy.stride(1), dy.stride(2), C.stride(0), C.stride(1), C.stride(2),
             L=chunk, BP=block, BN=block, HAS_DFINAL=dfinal is not None, PREC=prec, NATIVE16=_native16(dy, C),
@@ -383,7 +398,7 @@ class _SSDScan(torch.autograd.Function):
         dBh = torch.empty((batch, seq, slice_heads, state_size), dtype=B.dtype, device=x.device)
         dCh = torch.empty_like(dBh)
         for h0 in range(0, heads, slice_heads):
-            _chunk_bwd[(n_chunks, batch * slice_heads)](
+            _chunk_bwd[folded(n_chunks, batch * slice_heads)](
                 x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh, dD_parts,
                 seq, heads, h0, slice_heads, head_dim, state_size, per_group, n_chunks,
                 x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
