@@ -41,7 +41,11 @@ def _build_block_mask(seq: int, window_size: int, device):
     def in_band(batch, head, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx <= window_size)
 
-    return create_block_mask(in_band, None, None, seq, seq, device=device)
+    # Eagerly, create_block_mask evaluates in_band over the whole [seq, seq] grid (128 GiB at 128K
+    # tokens); compiled, it builds the block lists without that grid. Inside torch.compile the
+    # outer compile traces it instead.
+    compile_builder = torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
+    return create_block_mask(in_band, None, None, seq, seq, device=device, _compile=compile_builder)
 
 
 _block_mask = functools.lru_cache(maxsize=32)(_build_block_mask)  # eager: one mask per (T, w, device string)
