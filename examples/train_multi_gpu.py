@@ -21,7 +21,7 @@ import json
 import os
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, SequentialSampler
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_hybrid  # noqa: F401  (registers the architectures)
@@ -56,6 +56,13 @@ class _CheckpointConfig:
 
 
 class HybridTrainer(Trainer):
+    """Trainer that reads the data in order (every run, whatever its number of processes, trains on
+    the same global batches: accelerate hands consecutive batches to consecutive ranks) and resumes
+    hf-hybrid checkpoints."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        return SequentialSampler(self.train_dataset if train_dataset is None else train_dataset)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         import transformers.trainer as trainer_module
 
@@ -107,8 +114,7 @@ def train_one(args, model_type: str) -> dict:
         output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         logging_steps=1, save_strategy="steps", save_steps=args.save_steps, save_only_model=False,
-        bf16=args.bf16, report_to=[], seed=args.seed, disable_tqdm=True, train_sampling_strategy="sequential",
-        dataloader_drop_last=True,
+        bf16=args.bf16, report_to=[], seed=args.seed, disable_tqdm=True, dataloader_drop_last=True,
     )
     if training_args.world_size != world_size:
         raise RuntimeError(
