@@ -1,0 +1,232 @@
+"""Context parallelism: one sequence split contiguously over the ranks of a process group, each
+token mixer exchanging only what its math needs across the shard borders.
+
+    cp = ContextParallelGroup.from_mesh(mesh)               # a 1-D DeviceMesh (or .from_group)
+    ids, targets = cp.shard(input_ids), cp.shard_labels(labels)   # targets: already shifted
+    with context_parallel(model, cp):
+        loss = model(input_ids=ids, shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False).loss
+    loss.backward()                                          # then sum each gradient over the group
+    cp.all_reduce_gradients(model)
+
+Rank r holds tokens [r S, (r + 1) S) of every row (S = seq / ranks). The labels are shifted
+before they are split (``shift_labels``), so the target of a shard's last token is the next
+shard's first token and the loss is exact at the borders; with ``num_items_in_batch`` set to the
+group's count of targets, each rank's loss is its share of the global mean and the shares add
+up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
+
+- RAT (``RatAttention``): a query sees its own chunk's recurrent state and the end of every
+  earlier chunk. The recurrence restarts at every chunk, so a shard of whole chunks computes its
+  own k~, v~; the ranks all-gather their chunk ends (1/L of the keys and values).
+- Mamba-2 (``SEMambaMixer``, the SSM layers of SE hybrids): the causal conv reads the last K - 1
+  inputs of the previous shard (a halo), and the scan starts from the state the earlier shards
+  leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
+  and each combines the earlier shards' states into its initial state and scans again from it.
+
+Every exchange is an all-gather whose backward sums the gradient over the ranks and keeps the
+own part, so forward, loss and every gradient equal one process on the whole sequence. A model
+with another mixer raises NotImplementedError naming it (see ``supported_mixers``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers.backbone import DecoderLayer
+from ..layers.loss import shifted_labels
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """The ranks one sequence is split over, and this process's place among them."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup | None = None) -> ContextParallelGroup:
+        group = group or dist.group.WORLD
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    @classmethod
+    def from_mesh(cls, mesh, mesh_dim: str | int | None = None) -> ContextParallelGroup:
+        """The group of one dimension of a DeviceMesh (the only one of a 1-D mesh)."""
+        return cls.from_group(mesh.get_group(mesh_dim) if mesh_dim is not None else mesh.get_group())
+
+    def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's contiguous part of ``tensor`` along ``dim`` (the sequence)."""
+        length = tensor.shape[dim]
+        if length % self.world_size:
+            raise ValueError(
+                f"context parallelism: the sequence length {length} must divide evenly over {self.world_size} ranks; "
+                "pad the rows (labels -100) to a multiple."
+            )
+        return tensor.chunk(self.world_size, dim)[self.rank].contiguous()
+
+    def shard_labels(self, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """The targets of this rank's tokens: ``labels`` shifted left over the whole sequence, then
+        split (pass them as ``shift_labels``)."""
+        return self.shard(shifted_labels(labels, ignore_index))
+
+    def count_targets(self, shift_labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """The group's number of counted targets (pass it as ``num_items_in_batch``)."""
+        count = (shift_labels != ignore_index).sum()
+        dist.all_reduce(count, group=self.group)
+        return count
+
+    def all_reduce_gradients(self, model: nn.Module) -> None:
+        """Sum every parameter's gradient over the group (each rank holds its shard's part)."""
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=self.group)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along ``dim`` in rank order, differentiable."""
+        return _AllGather.apply(tensor, dim, self)
+
+    def from_previous_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[ranks, ...] every rank's ``tensor`` stacked (differentiable), for mixers that combine
+        the earlier shards' values. Every rank uses every entry (with zero weights where it must
+        not), so each rank's backward reaches the same collectives."""
+        return self.all_gather(tensor.unsqueeze(0), 0)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, dim, cp):
+        ctx.dim, ctx.cp = dim, cp
+        parts = [torch.empty_like(tensor) for _ in range(cp.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=cp.group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's use of this rank's part contributes to its gradient: sum, keep the own slice.
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.cp.group)
+        return grad.chunk(ctx.cp.world_size, ctx.dim)[ctx.cp.rank], None, None
+
+
+# ---------------------------------------------------------------------------------------- RAT
+
+
+def _rat_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
+    from ..kernels._common import expand_groups
+    from ..kernels.chunk_attention import chunk_end_attention, chunk_ends
+    from ..kernels.fused_norm import rotary as rotate
+    from ..layers.rotary import rotary_tables
+
+    _check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    heads, dim, L, groups = mixer.num_heads, mixer.head_dim, mixer.chunk_size, mixer.num_qk_groups
+    if seq % L:
+        raise ValueError(f"context parallelism with RAT: each shard ({seq} tokens) must hold whole chunks of {L}.")
+    q, k, v, gate_logits, gate_z = (proj(hidden_states) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.g_proj, mixer.z_proj))
+    q, k = q.view(batch, seq, groups, dim), k.view(batch, seq, groups, dim)
+    v, gate_logits = v.view(batch, seq, heads, dim), gate_logits.view(batch, seq, heads, dim)
+    start = cp.rank * seq
+    positions = torch.arange(start, start + seq, device=hidden_states.device)[None]
+    chunk_index = torch.div(positions, L, rounding_mode="floor")
+    cos_sin = rotary_tables(mixer.rotary, context, chunk_index, tag=("context parallel chunk", L, start))
+    # Chunk-local recurrences: a shard of whole chunks starts at a restart.
+    k_tilde, v_tilde = mixer._recurrences(k, v, gate_logits, start, positions, None)
+    k_rot = rotate(k_tilde, cos_sin, backend=mixer.backend)
+    q = expand_groups(rotate(q, cos_sin, backend=mixer.backend), heads)
+    k_ends = cp.all_gather(chunk_ends(k_rot, L), dim=1)  # every chunk's end, in order
+    v_ends = cp.all_gather(chunk_ends(v_tilde, L), dim=1)
+    y = chunk_end_attention(q, k_rot, v_tilde, k_ends, v_ends, query_chunk=chunk_index.expand(batch, seq), backend=mixer.backend)
+    return mixer._output(gate_z, y)
+
+
+# ------------------------------------------------------------------------------------ Mamba-2
+
+
+def _mamba2_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
+    from ..kernels.causal_conv1d import causal_conv1d
+    from ..kernels.ssd_scan import ssd_scan
+    from ..models.se_hybrid.modeling_se_hybrid import _mamba_backend
+
+    _check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    backend = _mamba_backend(mixer)
+    gate, xBC, dt = mixer.in_proj(hidden_states).split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
+    K = mixer.conv_kernel_size
+    if seq < K:
+        raise ValueError(f"context parallelism with Mamba-2: each shard needs at least the conv width {K} tokens; got {seq}.")
+    # Halo: the conv's state is the previous shard's last K inputs (zeros before the first shard).
+    tails = cp.from_previous_ranks(xBC[:, -K:].transpose(1, 2))  # [ranks, batch, channels, K]
+    previous = torch.zeros(cp.world_size, device=xBC.device, dtype=tails.dtype)
+    if cp.rank > 0:
+        previous[cp.rank - 1] = 1
+    conv_state = torch.einsum("r,rbck->bck", previous, tails)
+    xBC = causal_conv1d(xBC, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, conv_state, mixer.activation, backend=backend)
+    group_width = mixer.n_groups * mixer.ssm_state_size
+    x, B, C = xBC.split([mixer.intermediate_size, group_width, group_width], dim=-1)
+    x = x.reshape(batch, seq, mixer.num_heads, mixer.head_dim)
+    B = B.reshape(batch, seq, mixer.n_groups, mixer.ssm_state_size)
+    C = C.reshape(batch, seq, mixer.n_groups, mixer.ssm_state_size)
+    A = -torch.exp(mixer.A_log.float())
+    scan = dict(D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True, dt_limit=mixer.time_step_limit,
+                chunk_size=mixer.chunk_size, backend=backend)
+    # The shard's own final state from zero, and how much of a state entering it survives to its end.
+    _, own_state = ssd_scan(x, dt, A, B, C, return_final_state=True, **scan)
+    dt_eff = torch.nn.functional.softplus(dt.float() + mixer.dt_bias.float()).clamp(*mixer.time_step_limit)
+    log_decay = (dt_eff * A).sum(dim=1)  # [batch, heads]
+    states = cp.from_previous_ranks(own_state)  # [ranks, batch, heads, P, N]
+    log_decays = cp.from_previous_ranks(log_decay)  # [ranks, batch, heads]
+    # State entering shard r: h_r = sum over j < r of exp(log decay of shards j+1 .. r-1) h_j.
+    inclusive = log_decays.cumsum(0)  # sum of the log decays of shards 0 .. j
+    before_own = inclusive[cp.rank] - log_decays[cp.rank]  # shards 0 .. r-1
+    earlier = (torch.arange(cp.world_size, device=x.device) < cp.rank)[:, None, None]
+    exponent = torch.where(earlier, before_own - inclusive, float("-inf"))  # later shards: weight 0
+    initial_state = torch.einsum("rbh,rbhpn->bhpn", torch.exp(exponent), states)
+    y = ssd_scan(x, dt, A, B, C, initial_state=initial_state, **scan)
+    return mixer._norm_and_project(y, gate, backend, dtype)
+
+
+# --------------------------------------------------------------------------------- plumbing
+
+
+def _check_plain(mixer, context, cache_layer) -> None:
+    if cache_layer is not None or context.past_length or context.key_valid is not None:
+        raise ValueError(
+            f"context parallelism ({type(mixer).__name__}): training forwards only, without a cache, "
+            "padding or attention_mask zeros (split unpadded rows; mask targets with -100 instead)."
+        )
+
+
+def supported_mixers() -> dict[type, callable]:
+    """Mixer class -> its context-parallel forward(mixer, cp, hidden_states, context, cache_layer)."""
+    from ..layers.rat_attention import RatAttention
+    from ..models.se_hybrid.modeling_se_hybrid import SEMambaMixer
+
+    return {RatAttention: _rat_forward, SEMambaMixer: _mamba2_forward}
+
+
+@contextlib.contextmanager
+def context_parallel(model: nn.Module, cp: ContextParallelGroup):
+    """Within the block, every DecoderLayer's mixer of ``model`` runs its context-parallel forward
+    over ``cp`` (feed the model this rank's shard, ``ContextParallelGroup.shard``)."""
+    forwards = supported_mixers()
+    mixers = [layer.self_attn for layer in model.modules() if isinstance(layer, DecoderLayer)]
+    if not mixers:
+        raise ValueError(f"context_parallel: {type(model).__name__} has no DecoderLayer; pass an hf-hybrid model.")
+    missing = sorted({type(m).__name__ for m in mixers if type(m) not in forwards})
+    if missing:
+        raise NotImplementedError(
+            f"context_parallel: no context-parallel exchange for {', '.join(missing)} yet; "
+            f"supported mixers: {', '.join(sorted(cls.__name__ for cls in forwards))}."
+        )
+    for mixer in mixers:
+        forward = forwards[type(mixer)]
+        mixer.forward = lambda *args, _mixer=mixer, _forward=forward, **kwargs: _forward(_mixer, cp, *args, **kwargs)
+    try:
+        yield model
+    finally:
+        for mixer in mixers:
+            del mixer.forward

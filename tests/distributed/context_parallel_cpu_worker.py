@@ -1,0 +1,124 @@
+"""One rank of the CPU context-parallelism check (tests/distributed/test_context_parallel_cpu.py):
+
+    torchrun --standalone --nproc-per-node N tests/distributed/context_parallel_cpu_worker.py OUT_DIR [MODEL ...]
+
+Per model (float32, reference kernels): one process runs the whole sequence (logits, loss and
+every parameter's gradient), then the ranks run it split over the gloo group with
+hf_hybrid.distributed.context_parallel (each rank its shard, labels pre-shifted, gradients summed
+over the group). The largest differences over all ranks go to OUT_DIR/results-N.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "features"))
+from tiny_models import random_ids, tiny_model  # noqa: E402
+
+from hf_hybrid.distributed.context_parallel import ContextParallelGroup, context_parallel  # noqa: E402
+from hf_hybrid.layers.context import SequenceContext  # noqa: E402
+
+BATCH, SEQ = 2, 32
+# name -> (tiny model type, overrides): whole models whose every mixer context parallelism covers.
+MODELS = {
+    "rat": ("rat", {}),
+    "rat_nope": ("rat", {"use_rope": False}),
+}
+# name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
+# hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).
+LAYERS = {"mamba2_layer": ("se_hybrid", 0)}
+
+
+def check(name: str, cp: ContextParallelGroup) -> dict:
+    model_type, overrides = MODELS[name]
+    model = tiny_model(model_type, kernel_backend="reference", **overrides).train()
+    ids = random_ids(BATCH, SEQ, seed=11)
+    labels = ids.clone()
+    labels[0, 5] = -100  # an ignored target: the counts must come from the whole sequence
+
+    full = model(input_ids=ids, labels=labels)
+    full.loss.backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    targets = cp.shard_labels(labels)
+    with context_parallel(model, cp):
+        out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False)
+    out.loss.backward()
+    cp.all_reduce_gradients(model)
+    with torch.no_grad():  # control: the shard alone, no exchange (must differ beyond the first rank)
+        alone = model(input_ids=cp.shard(ids), use_cache=False).logits
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=cp.group)
+
+    diffs = torch.tensor([
+        (loss - full.loss.detach()).abs().item(),
+        (out.logits.detach() - cp.shard(full.logits.detach())).abs().max().item(),
+        max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters()),
+        max(g.abs().max().item() for g in reference_grads.values()),
+        (alone - cp.shard(full.logits.detach())).abs().max().item(),
+    ])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
+            "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "loss": full.loss.item(),
+            "missing_grads": missing}
+
+
+def check_layer(name: str, cp: ContextParallelGroup) -> dict:
+    """One DecoderLayer on random hidden states: its output, the input's gradient and every
+    parameter's gradient, whole sequence vs split."""
+    model_type, index = LAYERS[name]
+    layer = tiny_model(model_type, kernel_backend="reference").train().model.layers[index]
+    hidden = torch.randn(BATCH, SEQ, layer.mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(4))
+
+    def run(x):
+        context = SequenceContext.build(x.shape[0], x.shape[1], 0, None, None, x.device)
+        return layer(x, context)
+
+    full_input = hidden.clone().requires_grad_()
+    full = run(full_input)
+    (full * weights).sum().backward()
+    reference_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+
+    shard_input = cp.shard(hidden).requires_grad_()
+    with context_parallel(layer, cp):
+        out = run(shard_input)
+    (out * cp.shard(weights)).sum().backward()
+    cp.all_reduce_gradients(layer)
+    with torch.no_grad():  # control: the shard alone, no exchange (must differ beyond the first rank)
+        alone = run(cp.shard(hidden))
+    diffs = torch.tensor([
+        0.0,
+        (out.detach() - cp.shard(full.detach())).abs().max().item(),
+        max([(p.grad - reference_grads[n]).abs().max().item() for n, p in layer.named_parameters()]
+            + [(shard_input.grad - cp.shard(full_input.grad)).abs().max().item()]),
+        max(g.abs().max().item() for g in reference_grads.values()),
+        (alone - cp.shard(full.detach())).abs().max().item(),
+    ])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
+    missing = [n for n, p in layer.named_parameters() if p.grad is None]
+    return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
+            "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "missing_grads": missing}
+
+
+def main() -> None:
+    out_dir, names = sys.argv[1], sys.argv[2:] or [*MODELS, *LAYERS]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    cp = ContextParallelGroup.from_group()
+    results = {name: (check if name in MODELS else check_layer)(name, cp) for name in names}
+    if cp.rank == 0:
+        with open(os.path.join(out_dir, f"results-{cp.world_size}.json"), "w") as file:
+            json.dump(results, file, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
