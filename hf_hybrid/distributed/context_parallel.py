@@ -17,6 +17,11 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
 - RAT (``RatAttention``): a query sees its own chunk's recurrent state and the end of every
   earlier chunk. The recurrence restarts at every chunk, so a shard of whole chunks computes its
   own k~, v~; the ranks all-gather their chunk ends (1/L of the keys and values).
+- FoX (``ForgettingAttention``): query i weighs key j by exp(c_i - c_j), c the running sum of
+  log forget gates over the whole sequence. Each shard's c is its own running sum plus the earlier
+  shards' totals (all-gathered, one number per row and head); keys, values and c are all-gathered
+  (each rank attends over the prefix up to its shard's end: the memory of the keys of the whole
+  sequence, not a ring yet), and the KV-shift reads the previous shard's last key and value.
 - Mamba-2 (``SEMambaMixer``, the SSM layers of SE hybrids): the causal conv reads the last K - 1
   inputs of the previous shard (a halo), and the scan starts from the state the earlier shards
   leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
@@ -160,10 +165,7 @@ def _mamba2_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cac
         raise ValueError(f"context parallelism with Mamba-2: each shard needs at least the conv width {K} tokens; got {seq}.")
     # Halo: the conv's state is the previous shard's last K inputs (zeros before the first shard).
     tails = cp.from_previous_ranks(xBC[:, -K:].transpose(1, 2))  # [ranks, batch, channels, K]
-    previous = torch.zeros(cp.world_size, device=xBC.device, dtype=tails.dtype)
-    if cp.rank > 0:
-        previous[cp.rank - 1] = 1
-    conv_state = torch.einsum("r,rbck->bck", previous, tails)
+    conv_state = torch.einsum("r,rbck->bck", _previous_rank_only(cp, xBC.device).to(tails.dtype), tails)
     xBC = causal_conv1d(xBC, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, conv_state, mixer.activation, backend=backend)
     group_width = mixer.n_groups * mixer.ssm_state_size
     x, B, C = xBC.split([mixer.intermediate_size, group_width, group_width], dim=-1)
@@ -189,7 +191,60 @@ def _mamba2_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cac
     return mixer._norm_and_project(y, gate, backend, dtype)
 
 
+# ---------------------------------------------------------------------------------------- FoX
+
+
+def _fox_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
+    from ..kernels.forgetting_attention import forgetting_attention_with_cache
+    from ..kernels.output_gate import sigmoid_gate
+    from ..layers.fused_norms import norm_backend, norm_rotary, qk_norm_rotary
+    from ..layers.rotary import apply_rotary, rotary_tables
+
+    _check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    heads, kv_heads, dim = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
+    q, k, v, gate, k_shift_logits, v_shift_logits = mixer._projections(hidden_states)
+    q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv_heads, dim), v.view(batch, seq, kv_heads, dim)
+    log_f = mixer.log_forget(hidden_states)
+    previous = _previous_rank_only(cp, q.device)
+    norms = norm_backend(mixer.backend, batch * seq)
+    if mixer.k_shift is not None:  # KV-shift reads the previous shard's last raw key and value
+        prev_k = torch.einsum("r,rbhd->bhd", previous, cp.from_previous_ranks(k[:, -1]))
+        prev_v = torch.einsum("r,rbhd->bhd", previous, cp.from_previous_ranks(v[:, -1]))
+        k = mixer.k_shift(hidden_states, k, prev_k, k_shift_logits, backend=norms)
+        v = mixer.v_shift(hidden_states, v, prev_v, v_shift_logits, backend=norms)
+    if mixer.q_norm is not None:
+        q, k = qk_norm_rotary(q, k, mixer.q_norm, mixer.k_norm, None, norms)
+    if mixer.rotary is not None:
+        start = cp.rank * seq
+        positions = torch.arange(start, start + seq, device=q.device)[None]
+        cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", start))
+        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+    # c = cumsum(log f) over the whole sequence: the shard's own running sum plus the earlier shards' totals.
+    totals = cp.from_previous_ranks(log_f.sum(dim=1))  # [ranks, batch, heads]
+    earlier = (torch.arange(cp.world_size, device=q.device) < cp.rank).to(totals.dtype)
+    c = log_f.cumsum(dim=1) + torch.einsum("r,rbh->bh", earlier, totals)[:, None]
+    # Every key, value and c up to this shard's end (the later shards' are gathered, and unused).
+    end = (cp.rank + 1) * seq
+    keys, values, c_keys = (cp.all_gather(t, dim=1)[:, :end] for t in (k, v, c))
+    o = forgetting_attention_with_cache(q, keys, values, c, c_keys, None, backend=mixer.backend)
+    if mixer.o_norm is not None:
+        o = norm_rotary(o, mixer.o_norm, None, norms)
+    o = o.reshape(batch, seq, heads * dim)
+    if gate is not None:
+        o = sigmoid_gate(gate, o, backend=norms)
+    return mixer.o_proj(o)
+
+
 # --------------------------------------------------------------------------------- plumbing
+
+
+def _previous_rank_only(cp: ContextParallelGroup, device) -> torch.Tensor:
+    """[ranks] weights picking the previous rank's entry of from_previous_ranks (all zero on rank 0)."""
+    weights = torch.zeros(cp.world_size, device=device)
+    if cp.rank > 0:
+        weights[cp.rank - 1] = 1
+    return weights
 
 
 def _check_plain(mixer, context, cache_layer) -> None:
@@ -202,10 +257,11 @@ def _check_plain(mixer, context, cache_layer) -> None:
 
 def supported_mixers() -> dict[type, callable]:
     """Mixer class -> its context-parallel forward(mixer, cp, hidden_states, context, cache_layer)."""
+    from ..layers.forgetting_attention import ForgettingAttention
     from ..layers.rat_attention import RatAttention
     from ..models.se_hybrid.modeling_se_hybrid import SEMambaMixer
 
-    return {RatAttention: _rat_forward, SEMambaMixer: _mamba2_forward}
+    return {RatAttention: _rat_forward, SEMambaMixer: _mamba2_forward, ForgettingAttention: _fox_forward}
 
 
 @contextlib.contextmanager

@@ -27,6 +27,9 @@ BATCH, SEQ = 2, 32
 MODELS = {
     "rat": ("rat", {}),
     "rat_nope": ("rat", {"use_rope": False}),
+    "fox_llama": ("fox_llama", {}),
+    "fox_pro": ("fox_pro", {}),
+    "fox_pro_rope": ("fox_pro", {"use_rope": True}),
 }
 # name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
 # hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).
