@@ -22,6 +22,11 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   shards' totals (all-gathered, one number per row and head); keys, values and c are all-gathered
   (each rank attends over the prefix up to its shard's end: the memory of the keys of the whole
   sequence, not a ring yet), and the KV-shift reads the previous shard's last key and value.
+- RATTENTION local layers (``RattentionLocalAttention``): the sliding window of the shard's first
+  tokens reaches w + 1 tokens into the previous shard (a halo of keys and values), and the
+  residual linear attention starts from the state of every token before that halo: the sum of
+  the earlier shards' phi(k) v^T (all-gathered, one state per shard; the sums have no decay) less
+  the halo's own. Global layers (``RattentionGlobalAttention``): keys and values all-gathered.
 - Mamba-2 (``SEMambaMixer``, the SSM layers of SE hybrids): the causal conv reads the last K - 1
   inputs of the previous shard (a halo), and the scan starts from the state the earlier shards
   leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
@@ -236,6 +241,83 @@ def _fox_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_
     return mixer.o_proj(o)
 
 
+# ---------------------------------------------------------------------------------- RATTENTION
+
+
+def _window_mask(start: int, seq: int, held: int, window: int | None, device) -> torch.Tensor:
+    """[1, 1, seq, held + seq] bool: query start + i sees key start - held + j when it is not later
+    and (with ``window``) fewer than ``window`` positions back (the token itself counts)."""
+    query = torch.arange(start, start + seq, device=device)[:, None]
+    key = torch.arange(start - held, start + seq, device=device)[None, :]
+    visible = key <= query
+    if window is not None:
+        visible = visible & (query - key < window)
+    return visible[None, None]
+
+
+def _rattention_local_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
+    from ..kernels.residual_linear_attention import residual_linear_attention
+    from ..kernels.residual_linear_attention.reference import feature_map_fn
+    from ..layers.fused_norms import norm_backend, sum_branch_norms
+    from ..layers.residual_linear_attention import _attend
+    from ..layers.rotary import rotary_tables
+
+    _check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    q, k, v = mixer.project(hidden_states)
+    w, start = mixer.window_size, cp.rank * seq
+    halo = w + 1  # the window of the shard's first token: the previous shard's last w + 1 tokens
+    if seq < halo:
+        raise ValueError(f"context parallelism with RATTENTION: each shard ({seq} tokens) needs at least window_size + 1 = {halo}.")
+    held = halo if cp.rank > 0 else 0
+    previous = _previous_rank_only(cp, q.device)
+
+    def from_previous(t):  # [batch, halo, ...] of the previous shard (zeros on the first rank)
+        return torch.einsum("r,rb...->b...", previous.to(t.dtype), cp.from_previous_ranks(t[:, seq - halo:]))
+
+    o_swa = o_rla = None
+    unused_halos = []
+    if mixer.use_swa:
+        positions = torch.arange(start, start + seq, device=q.device)[None]
+        cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", start))
+        q_swa, k_swa = mixer.normed(q, k, cos_sin)
+        halo_k, halo_v = from_previous(k_swa), from_previous(v)
+        keys, values = torch.cat([halo_k, k_swa], 1)[:, halo - held:], torch.cat([halo_v, v], 1)[:, halo - held:]
+        mask = _window_mask(start, seq, held, w + 1, q.device)
+        o_swa = _attend(q_swa, keys, values, mask, mixer.num_heads, mixer.num_kv_heads)
+        unused_halos += [halo_k, halo_v]
+    if mixer.use_rla:
+        # RLA state entering the window: every earlier token's phi(k) v^T, summed over the earlier
+        # shards, less the halo's (still in the window). The sums are additive: no decay.
+        phi = feature_map_fn(k, mixer.feature_map)
+        own_sum = torch.einsum("bthf,bthd->bhfd", phi, v.float())
+        earlier = (torch.arange(cp.world_size, device=q.device) < cp.rank).to(own_sum.dtype)
+        halo_raw, halo_v = from_previous(k), from_previous(v)
+        halo_sum = torch.einsum("bthf,bthd->bhfd", feature_map_fn(halo_raw, mixer.feature_map), halo_v.float())
+        state = torch.einsum("r,rbhfd->bhfd", earlier, cp.from_previous_ranks(own_sum)) - halo_sum
+        q_ext = torch.cat([q.new_zeros(batch, held, *q.shape[2:]), q], dim=1)
+        raw = torch.cat([halo_raw, k], 1)[:, halo - held:]
+        vals = torch.cat([halo_v, v], 1)[:, halo - held:]
+        o_rla, _ = residual_linear_attention(q_ext, raw, vals, w, mixer.feature_map, state, backend=mixer.backend)
+        o_rla = o_rla[:, held:]
+    out = sum_branch_norms(o_swa, mixer.swa_norm, o_rla, mixer.rla_norm, norm_backend(mixer.backend, batch * seq))
+    return _keep_in_graph(mixer.o_proj(out.reshape(batch, seq, -1)), unused_halos if held == 0 else [])
+
+
+def _rattention_global_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
+    from ..layers.residual_linear_attention import _attend
+
+    _check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    q, k, v = mixer.project(hidden_states)
+    q, k = mixer.normed(q, k)
+    end = (cp.rank + 1) * seq
+    keys, values = cp.all_gather(k, dim=1)[:, :end], cp.all_gather(v, dim=1)[:, :end]
+    mask = _window_mask(cp.rank * seq, seq, cp.rank * seq, None, q.device)
+    out = _attend(q, keys, values, mask, mixer.num_heads, mixer.num_kv_heads)
+    return mixer.o_proj(out.reshape(batch, seq, -1))
+
+
 # --------------------------------------------------------------------------------- plumbing
 
 
@@ -245,6 +327,14 @@ def _previous_rank_only(cp: ContextParallelGroup, device) -> torch.Tensor:
     if cp.rank > 0:
         weights[cp.rank - 1] = 1
     return weights
+
+
+def _keep_in_graph(out: torch.Tensor, tensors) -> torch.Tensor:
+    """``out``, with gathered tensors a rank does not use joined to its graph at zero weight: every
+    rank's backward must reach the same collectives (the all-gathers' gradient sums)."""
+    for tensor in tensors:
+        out = out + 0.0 * tensor.sum()
+    return out
 
 
 def _check_plain(mixer, context, cache_layer) -> None:
@@ -259,9 +349,13 @@ def supported_mixers() -> dict[type, callable]:
     """Mixer class -> its context-parallel forward(mixer, cp, hidden_states, context, cache_layer)."""
     from ..layers.forgetting_attention import ForgettingAttention
     from ..layers.rat_attention import RatAttention
+    from ..layers.residual_linear_attention import RattentionGlobalAttention, RattentionLocalAttention
     from ..models.se_hybrid.modeling_se_hybrid import SEMambaMixer
 
-    return {RatAttention: _rat_forward, SEMambaMixer: _mamba2_forward, ForgettingAttention: _fox_forward}
+    return {
+        RatAttention: _rat_forward, SEMambaMixer: _mamba2_forward, ForgettingAttention: _fox_forward,
+        RattentionLocalAttention: _rattention_local_forward, RattentionGlobalAttention: _rattention_global_forward,
+    }
 
 
 @contextlib.contextmanager

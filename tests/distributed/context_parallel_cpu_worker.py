@@ -30,6 +30,8 @@ MODELS = {
     "fox_llama": ("fox_llama", {}),
     "fox_pro": ("fox_pro", {}),
     "fox_pro_rope": ("fox_pro", {"use_rope": True}),
+    "rattention": ("rattention", {}),
+    "rattention_linear": ("rattention", {"window_size": -1, "layer_types": ["local", "local"]}),
 }
 # name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
 # hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).
@@ -45,7 +47,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
 
     full = model(input_ids=ids, labels=labels)
     full.loss.backward()
-    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
 
     targets = cp.shard_labels(labels)
@@ -61,12 +63,12 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     diffs = torch.tensor([
         (loss - full.loss.detach()).abs().item(),
         (out.logits.detach() - cp.shard(full.logits.detach())).abs().max().item(),
-        max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters()),
+        max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters() if n in reference_grads),
         max(g.abs().max().item() for g in reference_grads.values()),
         (alone - cp.shard(full.logits.detach())).abs().max().item(),
     ])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
-    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    missing = [n for n, p in model.named_parameters() if (p.grad is None) != (n not in reference_grads)]
     return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
             "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "loss": full.loss.item(),
             "missing_grads": missing}

@@ -4,7 +4,9 @@ every gradient of one process on the whole sequence.
 
 Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered), FoX (whole models, llama
 and pro blocks, with and without RoPE: keys, values and forget-gate sums gathered, the KV-shift's
-one-token halo) and the Mamba-2 layer of SE hybrids (one layer alone: the conv halo and the SSM
+one-token halo), RATTENTION (whole models with local and global layers, and pure linear
+attention: the window halo, the residual linear attention's state from the earlier shards, the
+global layers' keys and values gathered) and the Mamba-2 layer of SE hybrids (one layer alone: the conv halo and the SSM
 state passed on; the SE attention layers beside it have no exchange yet). A control run of each shard without the exchange differs, so the
 comparison sees a missing exchange. The ranks run context_parallel_cpu_worker.py under torchrun.
 """
@@ -18,7 +20,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "fox_llama", "fox_pro", "fox_pro_rope", "mamba2_layer"]
+CHECKS = ["rat", "rat_nope", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "mamba2_layer"]
 _results = {}
 
 
@@ -54,6 +56,6 @@ def test_uncovered_mixer_is_named():
     from hf_hybrid.distributed.context_parallel import ContextParallelGroup, context_parallel
 
     cp = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=0, world_size=2)  # never communicates here
-    with pytest.raises(NotImplementedError, match="RattentionLocalAttention.*supported mixers"):
-        with context_parallel(tiny_model("rattention"), cp):
+    with pytest.raises(NotImplementedError, match="RatPlusAttention.*supported mixers"):
+        with context_parallel(tiny_model("rat_plus"), cp):
             pass
