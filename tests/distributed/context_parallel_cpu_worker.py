@@ -1,6 +1,7 @@
 """One rank of the CPU context-parallelism check (tests/distributed/test_context_parallel_cpu.py):
 
     torchrun --standalone --nproc-per-node N tests/distributed/context_parallel_cpu_worker.py OUT_DIR [MODEL ...]
+        [--device cuda --dtype bfloat16 --seq 2048 --hidden 256]    (GPUs: tests/gpu/context_parallel_gpu_check.py)
 
 Per model (float32, reference kernels): one process runs the whole sequence (logits, loss and
 every parameter's gradient), then the ranks run it split over the gloo group with
@@ -22,7 +23,19 @@ from tiny_models import random_ids, tiny_model  # noqa: E402
 from hf_hybrid.distributed.context_parallel import ContextParallelGroup, context_parallel  # noqa: E402
 from hf_hybrid.layers.context import SequenceContext  # noqa: E402
 
-BATCH, SEQ = 2, 32
+BATCH = 2
+# Set by the command line: CPU float32 at the tiny size by default; GPUs run wider heads (the
+# Triton kernels take head_dim 16 .. 256) and longer rows in bf16.
+SETTINGS = {"device": "cpu", "dtype": "float32", "seq": 32, "hidden": 0}
+
+
+def build(model_type: str, **overrides):
+    if SETTINGS["hidden"]:
+        hidden = SETTINGS["hidden"]
+        overrides = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4) | overrides
+    backend = {} if SETTINGS["device"] != "cpu" else {"kernel_backend": "reference"}
+    model = tiny_model(model_type, **backend, **overrides).train()
+    return model.to(SETTINGS["device"], getattr(torch, SETTINGS["dtype"]))
 # name -> (tiny model type, overrides): whole models whose every mixer context parallelism covers.
 MODELS = {
     "rat": ("rat", {}),
@@ -40,8 +53,8 @@ LAYERS = {"mamba2_layer": ("se_hybrid", 0)}
 
 def check(name: str, cp: ContextParallelGroup) -> dict:
     model_type, overrides = MODELS[name]
-    model = tiny_model(model_type, kernel_backend="reference", **overrides).train()
-    ids = random_ids(BATCH, SEQ, seed=11)
+    model = build(model_type, **overrides)
+    ids = random_ids(BATCH, SETTINGS["seq"], seed=11).to(SETTINGS["device"])
     labels = ids.clone()
     labels[0, 5] = -100  # an ignored target: the counts must come from the whole sequence
 
@@ -60,7 +73,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=cp.group)
 
-    diffs = torch.tensor([
+    diffs = torch.tensor(device=SETTINGS["device"], data=[
         (loss - full.loss.detach()).abs().item(),
         (out.logits.detach() - cp.shard(full.logits.detach())).abs().max().item(),
         max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters() if n in reference_grads),
@@ -78,9 +91,11 @@ def check_layer(name: str, cp: ContextParallelGroup) -> dict:
     """One DecoderLayer on random hidden states: its output, the input's gradient and every
     parameter's gradient, whole sequence vs split."""
     model_type, index = LAYERS[name]
-    layer = tiny_model(model_type, kernel_backend="reference").train().model.layers[index]
-    hidden = torch.randn(BATCH, SEQ, layer.mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(3))
+    layer = build(model_type).model.layers[index]
+    param = next(layer.parameters())
+    hidden = torch.randn(BATCH, SETTINGS["seq"], layer.mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(3))
     weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(4))
+    hidden, weights = hidden.to(param.device, param.dtype), weights.to(param.device, param.dtype)
 
     def run(x):
         context = SequenceContext.build(x.shape[0], x.shape[1], 0, None, None, x.device)
@@ -99,7 +114,7 @@ def check_layer(name: str, cp: ContextParallelGroup) -> dict:
     cp.all_reduce_gradients(layer)
     with torch.no_grad():  # control: the shard alone, no exchange (must differ beyond the first rank)
         alone = run(cp.shard(hidden))
-    diffs = torch.tensor([
+    diffs = torch.tensor(device=SETTINGS["device"], data=[
         0.0,
         (out.detach() - cp.shard(full.detach())).abs().max().item(),
         max([(p.grad - reference_grads[n]).abs().max().item() for n, p in layer.named_parameters()]
@@ -114,9 +129,20 @@ def check_layer(name: str, cp: ContextParallelGroup) -> dict:
 
 
 def main() -> None:
-    out_dir, names = sys.argv[1], sys.argv[2:] or [*MODELS, *LAYERS]
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    args = sys.argv[1:]
+    while "--" in " ".join(args):  # --name value pairs anywhere after OUT_DIR
+        index = next(i for i, a in enumerate(args) if a.startswith("--"))
+        key, value = args[index][2:], args[index + 1]
+        SETTINGS[key] = type(SETTINGS[key])(value)
+        del args[index : index + 2]
+    out_dir, names = args[0], args[1:] or [*MODELS, *LAYERS]
+    if SETTINGS["device"] == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        SETTINGS["device"] = f"cuda:{torch.cuda.current_device()}"
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
     cp = ContextParallelGroup.from_group()
     results = {name: (check if name in MODELS else check_layer)(name, cp) for name in names}
     if cp.rank == 0:
