@@ -27,6 +27,9 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   residual linear attention starts from the state of every token before that halo: the sum of
   the earlier shards' phi(k) v^T (all-gathered, one state per shard; the sums have no decay) less
   the halo's own. Global layers (``RattentionGlobalAttention``): keys and values all-gathered.
+- Softmax attention (``SoftmaxAttention``: the sliding-window and full layers of RAT hybrids):
+  a window of w tokens reads the previous shard's last w - 1 keys and values (a halo); full
+  attention gathers the keys and values of the shards before.
 - Mamba-2 (``SEMambaMixer``, the SSM layers of SE hybrids): the causal conv reads the last K - 1
   inputs of the previous shard (a halo), and the scan starts from the state the earlier shards
   leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
@@ -318,6 +321,46 @@ def _rattention_global_forward(mixer, cp: ContextParallelGroup, hidden_states, c
     return mixer.o_proj(out.reshape(batch, seq, -1))
 
 
+# ------------------------------------------------------------------------- softmax attention
+
+
+def _softmax_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
+    from torch.nn import functional as F
+
+    from ..layers.rotary import apply_rotary, rotary_tables
+
+    _check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    heads, kv_heads, dim = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
+    q = mixer.q_proj(hidden_states).view(batch, seq, heads, dim)
+    k = mixer.k_proj(hidden_states).view(batch, seq, kv_heads, dim)
+    v = mixer.v_proj(hidden_states).view(batch, seq, kv_heads, dim)
+    start = cp.rank * seq
+    positions = torch.arange(start, start + seq, device=q.device)[None]
+    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", start))
+    q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+    window = mixer.sliding_window
+    unused_halos = []
+    if window is None:  # full attention: the keys and values of every shard up to this one
+        held = start
+        keys, values = cp.all_gather(k, dim=1)[:, : start + seq], cp.all_gather(v, dim=1)[:, : start + seq]
+    else:  # a window of w tokens (itself included) reaches w - 1 tokens into the previous shard
+        halo = window - 1
+        if seq < halo:
+            raise ValueError(f"context parallelism with a sliding window of {window}: each shard needs at least {halo} tokens.")
+        held = halo if cp.rank > 0 else 0
+        previous = _previous_rank_only(cp, q.device)
+        halo_k, halo_v = (torch.einsum("r,rb...->b...", previous.to(t.dtype), cp.from_previous_ranks(t[:, seq - halo:])) for t in (k, v))
+        keys, values = torch.cat([halo_k, k], 1)[:, halo - held:], torch.cat([halo_v, v], 1)[:, halo - held:]
+        unused_halos = [halo_k, halo_v] if held == 0 else []
+    mask = _window_mask(start, seq, held, window, q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+        scale=mixer.scaling, enable_gqa=heads != kv_heads,
+    ).transpose(1, 2)
+    return _keep_in_graph(mixer.o_proj(out.reshape(batch, seq, -1)), unused_halos)
+
+
 # --------------------------------------------------------------------------------- plumbing
 
 
@@ -347,6 +390,7 @@ def _check_plain(mixer, context, cache_layer) -> None:
 
 def supported_mixers() -> dict[type, callable]:
     """Mixer class -> its context-parallel forward(mixer, cp, hidden_states, context, cache_layer)."""
+    from ..layers.attention import SoftmaxAttention
     from ..layers.forgetting_attention import ForgettingAttention
     from ..layers.rat_attention import RatAttention
     from ..layers.residual_linear_attention import RattentionGlobalAttention, RattentionLocalAttention
@@ -355,6 +399,7 @@ def supported_mixers() -> dict[type, callable]:
     return {
         RatAttention: _rat_forward, SEMambaMixer: _mamba2_forward, ForgettingAttention: _fox_forward,
         RattentionLocalAttention: _rattention_local_forward, RattentionGlobalAttention: _rattention_global_forward,
+        SoftmaxAttention: _softmax_forward,
     }
 
 

@@ -40,6 +40,8 @@ def build(model_type: str, **overrides):
 MODELS = {
     "rat": ("rat", {}),
     "rat_nope": ("rat", {"use_rope": False}),
+    "rat_swa": ("rat_swa", {}),
+    "rat_full_attention": ("rat", {"layer_types": ["rat", "full_attention"]}),
     "fox_llama": ("fox_llama", {}),
     "fox_pro": ("fox_pro", {}),
     "fox_pro_rope": ("fox_pro", {"use_rope": True}),

@@ -2,7 +2,8 @@
 split over the ranks (hf_hybrid.distributed.context_parallel) gives the forward, the loss and
 every gradient of one process on the whole sequence.
 
-Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered), FoX (whole models, llama
+Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered; hybrids with sliding-window
+and full softmax layers: the window halo, the earlier keys gathered), FoX (whole models, llama
 and pro blocks, with and without RoPE: keys, values and forget-gate sums gathered, the KV-shift's
 one-token halo), RATTENTION (whole models with local and global layers, and pure linear
 attention: the window halo, the residual linear attention's state from the earlier shards, the
@@ -20,7 +21,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "mamba2_layer"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "mamba2_layer"]
 _results = {}
 
 
