@@ -17,6 +17,12 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
 - RAT (``RatAttention``): a query sees its own chunk's recurrent state and the end of every
   earlier chunk. The recurrence restarts at every chunk, so a shard of whole chunks computes its
   own k~, v~; the ranks all-gather their chunk ends (1/L of the keys and values).
+- RAT+ (``RatPlusAttention``): the gated recurrence runs over the whole sequence, so each shard
+  scans from zero, the ranks all-gather (final state, product of the gates), and each carries the
+  earlier shards' states through into its own initial state and scans again from it. The keys
+  and values of the earlier shards are all-gathered (dense and dilated patterns, windows and sinks
+  read them through the pattern's mask; gathering only the dilated 1/D is left to do). Top-k
+  patterns raise.
 - FoX (``ForgettingAttention``): query i weighs key j by exp(c_i - c_j), c the running sum of
   log forget gates over the whole sequence. Each shard's c is its own running sum plus the earlier
   shards' totals (all-gathered, one number per row and head); keys, values and c are all-gathered
@@ -244,6 +250,74 @@ def _fox_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_
     return mixer.o_proj(o)
 
 
+# --------------------------------------------------------------------------------------- RAT+
+
+
+def _rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, sparse_config=None, **unused):
+    from ..kernels.fused_norm import rotary
+    from ..kernels.gated_recurrence import gated_recurrence
+    from ..layers.rat_plus_attention import DENSE, select_kv_heads
+    from ..layers.rotary import rotary_tables
+
+    _check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    heads, kv, dim = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
+    groups = (sparse_config or DENSE).layer_groups(mixer.layer_idx, heads)
+    if any(pattern.kind == "topk" for pattern, _ in groups):
+        raise NotImplementedError("context parallelism with RAT+: top-k block patterns have no exchange yet (dense and dilated do).")
+    rep = heads // kv
+    group_kv = [sorted({h // rep for h in group_heads}) for _, group_heads in groups]
+    q, k, v, gate_z = (proj(hidden_states) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.z_proj))
+    q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv, dim), v.view(batch, seq, kv, dim)
+    start, end = cp.rank * seq, (cp.rank + 1) * seq
+    unused_gathers = []
+    if mixer.use_recurrence:
+        # The recurrence runs over the whole sequence: the state entering this shard is the earlier
+        # shards' final states (each from zero) carried through the later shards' gate products.
+        gate = torch.sigmoid(mixer.g_proj(hidden_states).float()).view(batch, seq, kv, dim)
+        products = cp.from_previous_ranks(gate.prod(dim=1))  # [ranks, batch, kv, dim]
+        tilde = []
+        for x in (k, v):
+            finals = cp.from_previous_ranks(gated_recurrence(x, gate, 0, 0, None, backend=mixer.backend, out_dtype=torch.float32)[:, -1])
+            state = torch.zeros_like(finals[0])
+            for j in range(cp.rank):
+                state = products[j] * state + finals[j]
+            tilde.append(gated_recurrence(x, gate, 0, 0, state, backend=mixer.backend, out_dtype=torch.float32))
+            unused_gathers.append(finals)
+        unused_gathers.append(products)
+        k_tilde, v_tilde = tilde
+    else:
+        k_tilde, v_tilde = k.float(), v.float()
+    positions = torch.arange(start, end, device=q.device)[None]
+    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", start))
+    rope_backend = mixer.backend if mixer.backend in ("reference", "triton") else "auto"
+    q = rotary(q, cos_sin, backend=rope_backend)
+    k_rot = rotary(k_tilde.to(q.dtype), cos_sin, backend=rope_backend)
+    # The keys and values of every shard up to this one (the patterns read the earlier ones through
+    # their dilation, window and sinks; dense groups read them all).
+    keys = cp.all_gather(k_rot, dim=1)[:, :end]
+    values = cp.all_gather(v_tilde.to(q.dtype), dim=1)[:, :end]
+    q_pos = positions.expand(batch, seq)
+    k_pos = torch.arange(end, device=q.device)[None].expand(batch, end)
+    y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
+    for (pattern, group_heads), kv_heads in zip(groups, group_kv):
+        q_group = q if len(groups) == 1 else q[:, :, list(group_heads)]
+        pick = lambda x: select_kv_heads(x, kv_heads, mixer._index_tensor)  # noqa: E731
+        out = mixer._group_attention(pattern, group_heads, kv_heads, q_group, pick(keys), pick(values), q_pos, k_pos, None, False)
+        if y is None:
+            y = out
+        else:
+            y[:, :, list(group_heads)] = out
+    out = mixer.o_proj(sigmoid_gate_of(mixer, gate_z, y))
+    return _keep_in_graph(out, unused_gathers if cp.rank == 0 else [])
+
+
+def sigmoid_gate_of(mixer, gate_z, y):
+    from ..kernels.output_gate import sigmoid_gate
+
+    return sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=mixer.backend)
+
+
 # ---------------------------------------------------------------------------------- RATTENTION
 
 
@@ -393,13 +467,14 @@ def supported_mixers() -> dict[type, callable]:
     from ..layers.attention import SoftmaxAttention
     from ..layers.forgetting_attention import ForgettingAttention
     from ..layers.rat_attention import RatAttention
+    from ..layers.rat_plus_attention import RatPlusAttention
     from ..layers.residual_linear_attention import RattentionGlobalAttention, RattentionLocalAttention
     from ..models.se_hybrid.modeling_se_hybrid import SEMambaMixer
 
     return {
         RatAttention: _rat_forward, SEMambaMixer: _mamba2_forward, ForgettingAttention: _fox_forward,
         RattentionLocalAttention: _rattention_local_forward, RattentionGlobalAttention: _rattention_global_forward,
-        SoftmaxAttention: _softmax_forward,
+        SoftmaxAttention: _softmax_forward, RatPlusAttention: _rat_plus_forward,
     }
 
 

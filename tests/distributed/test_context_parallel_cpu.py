@@ -3,7 +3,9 @@ split over the ranks (hf_hybrid.distributed.context_parallel) gives the forward,
 every gradient of one process on the whole sequence.
 
 Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered; hybrids with sliding-window
-and full softmax layers: the window halo, the earlier keys gathered), FoX (whole models, llama
+and full softmax layers: the window halo, the earlier keys gathered), RAT+ (its joint objective of a
+dense and a dilated pattern, sinks and local windows, with and without the recurrence: the
+recurrent state carried through the earlier shards, the earlier keys gathered), FoX (whole models, llama
 and pro blocks, with and without RoPE: keys, values and forget-gate sums gathered, the KV-shift's
 one-token halo), RATTENTION (whole models with local and global layers, and pure linear
 attention: the window halo, the residual linear attention's state from the earlier shards, the
@@ -21,7 +23,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "mamba2_layer"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "mamba2_layer"]
 _results = {}
 
 
@@ -57,6 +59,6 @@ def test_uncovered_mixer_is_named():
     from hf_hybrid.distributed.context_parallel import ContextParallelGroup, context_parallel
 
     cp = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=0, world_size=2)  # never communicates here
-    with pytest.raises(NotImplementedError, match="RatPlusAttention.*supported mixers"):
-        with context_parallel(tiny_model("rat_plus"), cp):
+    with pytest.raises(NotImplementedError, match="SpanExpandedAttention.*supported mixers"):
+        with context_parallel(tiny_model("se_hybrid"), cp):
             pass
