@@ -256,6 +256,7 @@ def _fox_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_
 def _rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, sparse_config=None, **unused):
     from ..kernels.fused_norm import rotary
     from ..kernels.gated_recurrence import gated_recurrence
+    from ..kernels.output_gate import sigmoid_gate
     from ..layers.rat_plus_attention import DENSE, select_kv_heads
     from ..layers.rotary import rotary_tables
 
@@ -308,14 +309,8 @@ def _rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, c
             y = out
         else:
             y[:, :, list(group_heads)] = out
-    out = mixer.o_proj(sigmoid_gate_of(mixer, gate_z, y))
+    out = mixer.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=mixer.backend))
     return _keep_in_graph(out, unused_gathers if cp.rank == 0 else [])
-
-
-def sigmoid_gate_of(mixer, gate_z, y):
-    from ..kernels.output_gate import sigmoid_gate
-
-    return sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=mixer.backend)
 
 
 # ---------------------------------------------------------------------------------- RATTENTION

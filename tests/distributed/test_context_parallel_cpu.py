@@ -36,7 +36,7 @@ def results(tmp_path_factory, ranks: int) -> dict:
     return _results[ranks]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~35 s more
 @pytest.mark.parametrize("name", CHECKS)
 def test_split_sequence_matches_one_process(tmp_path_factory, ranks, name):
     result = results(tmp_path_factory, ranks)[name]

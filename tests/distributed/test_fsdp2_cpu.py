@@ -2,6 +2,7 @@
 the loss of every step equals one process on the whole global batch (float32), a sharded
 checkpoint written mid-run resumes to the same losses bit for bit, and the gathered final state
 dict loads into a plain CPU model bit for bit and survives save_pretrained / from_pretrained.
+One variant per architecture by default, every tiny variant with HF_HYBRID_SLOW=1.
 The ranks run tests/distributed/fsdp2_cpu_worker.py under torchrun; this test compares its results.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ CHECKPOINT_AFTER = 2  # as in the worker
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
-    torchrun(WORKER, 2, str(out))
+    torchrun(WORKER, 2, str(out), *TINY_TYPES)
     with open(out / "results.json") as file:
         return json.load(file)
 
