@@ -36,6 +36,10 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
 - Softmax attention (``SoftmaxAttention``: the sliding-window and full layers of RAT hybrids):
   a window of w tokens reads the previous shard's last w - 1 keys and values (a halo); full
   attention gathers the keys and values of the shards before.
+- SE attention (``SpanExpandedAttention``, the attention layers of SE hybrids; full, swa, se and
+  se_nomem modes): the keys and values of the shards before are all-gathered; which blocks a
+  group of queries retrieves is chosen from the earlier queries and keys (gathered without
+  gradient), the same causal choice one process makes. se_random raises.
 - Mamba-2 (``SEMambaMixer``, the SSM layers of SE hybrids): the causal conv reads the last K - 1
   inputs of the previous shard (a halo), and the scan starts from the state the earlier shards
   leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
@@ -43,7 +47,10 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
 
 Every exchange is an all-gather whose backward sums the gradient over the ranks and keeps the
 own part, so forward, loss and every gradient equal one process on the whole sequence. A model
-with another mixer raises NotImplementedError naming it (see ``supported_mixers``).
+with another mixer raises NotImplementedError naming it (see ``supported_mixers``). Where the
+keys and values of the earlier shards are gathered whole (FoX, RAT+, full softmax and SE layers),
+each rank holds the keys of the sequence up to its shard: exact, but not yet the memory of a
+ring, which passes them block by block.
 """
 from __future__ import annotations
 
@@ -159,6 +166,51 @@ def _rat_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_
     v_ends = cp.all_gather(chunk_ends(v_tilde, L), dim=1)
     y = chunk_end_attention(q, k_rot, v_tilde, k_ends, v_ends, query_chunk=chunk_index.expand(batch, seq), backend=mixer.backend)
     return mixer._output(gate_z, y)
+
+
+# ------------------------------------------------------------------------------ SE attention
+
+
+def _se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None,
+                          attention_mode=None, se_chunk_size=None, **unused):
+    from ..kernels.span_expanded_attention import MODES, RETRIEVAL_MODES, retrieved_block_table, span_expanded_mask
+    from ..kernels.span_expanded_attention.reference import masked_attention, selection_for_sequence
+    from ..layers.rotary import rotary_tables
+
+    _check_plain(mixer, context, cache_layer)
+    mode = mixer.settings.mode if attention_mode is None else attention_mode
+    if mode not in MODES or mode == "se_random":
+        raise NotImplementedError(f"context parallelism with SE attention: mode {mode!r} has no exchange yet.")
+    settings = mixer.settings
+    if se_chunk_size is None and mixer.training and len(settings.chunk_sizes) > 1 and mode in RETRIEVAL_MODES:
+        raise ValueError("context parallelism with SE attention: train with one se_chunk_sizes entry (every rank must chunk alike).")
+    chunk_size = mixer._chunk_size(se_chunk_size, mode, cached=False)
+    batch, seq, _ = hidden_states.shape
+    q = mixer.q_proj(hidden_states).view(batch, seq, mixer.num_heads, mixer.head_dim)
+    k = mixer.k_proj(hidden_states).view(batch, seq, mixer.num_kv_heads, mixer.head_dim)
+    v = mixer.v_proj(hidden_states).view(batch, seq, mixer.num_kv_heads, mixer.head_dim)
+    start, end = cp.rank * seq, (cp.rank + 1) * seq
+    positions = torch.arange(start, end, device=q.device)[None]
+    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", start))
+    q, k = mixer._rotate(q, cos_sin), mixer._rotate(k, cos_sin)
+    # The keys and values of every shard up to this one; the retrieval (which blocks each group of
+    # queries reads) is chosen from the queries and keys before, gathered without gradient.
+    keys, values = cp.all_gather(k, dim=1)[:, :end], cp.all_gather(v, dim=1)[:, :end]
+    retrieved = None
+    if mode in RETRIEVAL_MODES:
+        with torch.no_grad():
+            queries = cp.all_gather(q.detach(), dim=1)[:, :end]
+            indices, valid, _ = selection_for_sequence(
+                queries, keys.detach(), values.detach(), mode=mode, chunk_size=chunk_size, block_size=settings.block_size,
+                top_k=settings.top_k, select_every=settings.select_every, seed=settings.seed,
+            )
+            retrieved = retrieved_block_table(indices, valid, end // settings.block_size)
+    mask = span_expanded_mask(
+        mode, seq, end, query_start=start, chunk_size=chunk_size, block_size=settings.block_size,
+        select_every=settings.select_every, window=settings.window, retrieved=retrieved,
+    ).to(q.device)
+    out = masked_attention(q, keys, values, mask)
+    return mixer.o_proj(out.reshape(batch, seq, -1))
 
 
 # ------------------------------------------------------------------------------------ Mamba-2
@@ -464,12 +516,14 @@ def supported_mixers() -> dict[type, callable]:
     from ..layers.rat_attention import RatAttention
     from ..layers.rat_plus_attention import RatPlusAttention
     from ..layers.residual_linear_attention import RattentionGlobalAttention, RattentionLocalAttention
+    from ..layers.span_expanded_attention import SpanExpandedAttention
     from ..models.se_hybrid.modeling_se_hybrid import SEMambaMixer
 
     return {
         RatAttention: _rat_forward, SEMambaMixer: _mamba2_forward, ForgettingAttention: _fox_forward,
         RattentionLocalAttention: _rattention_local_forward, RattentionGlobalAttention: _rattention_global_forward,
         SoftmaxAttention: _softmax_forward, RatPlusAttention: _rat_plus_forward,
+        SpanExpandedAttention: _se_attention_forward,
     }
 
 

@@ -50,6 +50,9 @@ MODELS = {
     "fox_pro_rope": ("fox_pro", {"use_rope": True}),
     "rattention": ("rattention", {}),
     "rattention_linear": ("rattention", {"window_size": -1, "layer_types": ["local", "local"]}),
+    "se_hybrid": ("se_hybrid", {}),
+    "se_hybrid_full": ("se_hybrid", {"attention_mode": "full"}),
+    "se_hybrid_swa": ("se_hybrid", {"attention_mode": "swa"}),
 }
 # name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
 # hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).

@@ -9,8 +9,10 @@ recurrent state carried through the earlier shards, the earlier keys gathered), 
 and pro blocks, with and without RoPE: keys, values and forget-gate sums gathered, the KV-shift's
 one-token halo), RATTENTION (whole models with local and global layers, and pure linear
 attention: the window halo, the residual linear attention's state from the earlier shards, the
-global layers' keys and values gathered) and the Mamba-2 layer of SE hybrids (one layer alone: the conv halo and the SSM
-state passed on; the SE attention layers beside it have no exchange yet). A control run of each shard without the exchange differs, so the
+global layers' keys and values gathered), SE hybrids (whole models, SE retrieval, full and
+sliding-window modes: the Mamba-2 conv halo and SSM state passed on, the attention layers' earlier
+keys gathered and their retrieval chosen from the earlier queries) and, alone, the Mamba-2 layer
+at a larger gradient scale. A control run of each shard without the exchange differs, so the
 comparison sees a missing exchange. The ranks run context_parallel_cpu_worker.py under torchrun.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "mamba2_layer"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer"]
 _results = {}
 
 
@@ -48,17 +50,30 @@ def test_split_sequence_matches_one_process(tmp_path_factory, ranks, name):
     assert result["no_exchange_logits_diff"] > 1e-3
 
 
-def test_uncovered_mixer_is_named():
+def test_uncovered_patterns_are_named():
+    """SE's random retrieval and RAT+'s top-k patterns have no exchange: they raise before any
+    collective, naming what is missing."""
     import sys
 
+    import torch
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "features"))
     from tiny_models import tiny_model
 
     from hf_hybrid.distributed.context_parallel import ContextParallelGroup, context_parallel
+    from hf_hybrid.layers.context import SequenceContext
+    from hf_hybrid.sparse import SparseInferenceConfig
 
     cp = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=0, world_size=2)  # never communicates here
-    with pytest.raises(NotImplementedError, match="SpanExpandedAttention.*supported mixers"):
-        with context_parallel(tiny_model("se_hybrid"), cp):
-            pass
+    hidden = torch.randn(1, 8, 32)
+    context = SequenceContext.build(1, 8, 0, None, None, hidden.device)
+    se_attention_layer = tiny_model("se_hybrid").model.layers[1]
+    assert type(se_attention_layer.self_attn).__name__ == "SpanExpandedAttention"
+    with context_parallel(se_attention_layer, cp):
+        with pytest.raises(NotImplementedError, match="se_random"):
+            se_attention_layer.self_attn(hidden, context, attention_mode="se_random")
+    rat_plus_layer = tiny_model("rat_plus").model.layers[0]
+    with context_parallel(rat_plus_layer, cp):
+        with pytest.raises(NotImplementedError, match="top-k"):
+            rat_plus_layer.self_attn(hidden, context, sparse_config=SparseInferenceConfig(top_k=2, block_size=2))
