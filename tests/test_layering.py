@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
         "peft": ("hf_hybrid.peft",),
         "conversion": ("hf_hybrid.conversion",),
         "adapt": ("hf_hybrid.adapt",),
+        "distributed": ("hf_hybrid.distributed",),
     }),
     ("package", {"package": ("hf_hybrid",)}),  # hf_hybrid/__init__.py alone: registration and exports
     ("tools", {  # what users run

@@ -74,3 +74,39 @@ def test_our_configs_validate_their_own_layer_types(name, tmp_path):
     config.layer_types = ["llama"] + list(config.layer_types[1:])
     with pytest.raises(ValueError, match="layer_types"):
         config.save_pretrained(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("name", ["rat_swa", "rattention", "se_hybrid"])
+def test_generic_config_class_reads_our_config(name, tmp_path):
+    """transformers' generic PreTrainedConfig reads our config.json (Trainer does, to resume from a
+    checkpoint), and still refuses kinds that are not the architecture's own."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "features"))
+    from tiny_models import tiny_config
+    from transformers import PreTrainedConfig
+
+    config = tiny_config(name)
+    config.save_pretrained(tmp_path)
+    generic = PreTrainedConfig.from_json_file(str(tmp_path / "config.json"))
+    assert len(generic.layer_types) == len(config.layer_types)  # (transformers renames mamba -> linear_attention)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["layer_types"] = ["sliding_window_llama"] + data["layer_types"][1:]
+    with pytest.raises(Exception, match="layer_types"):
+        PreTrainedConfig(**data)
+
+
+def test_trainer_resumes_from_a_checkpoint(tmp_path):
+    """Trainer(resume_from_checkpoint=...) on an hf-hybrid model: the checkpoint's config is read and
+    training continues from the saved step."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "features"))
+    import torch
+    from tiny_models import tiny_model
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(1, 61, (8, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, save_steps=2, report_to=[], use_cpu=True,
+                learning_rate=1e-3, save_strategy="steps", dataloader_num_workers=0)
+    Trainer(model=tiny_model("rattention").train(), args=TrainingArguments(max_steps=2, **args), train_dataset=data).train()
+    trainer = Trainer(model=tiny_model("rattention").train(), args=TrainingArguments(max_steps=4, **args), train_dataset=data)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert trainer.state.global_step == 4

@@ -9,6 +9,8 @@ own path on any other version; DESIGN.md ("Patches of other libraries") has the 
 - transformers_stop_check.py: transformers' DeferredStopCheck.is_supported wrapped on the class.
 - gluon_tma.py: the TMA reduce-add of Gluon, as a builtin on the private builder where Triton has
   no public wrapper yet.
+- transformers_layer_types.py: transformers' layer-type validator wrapped: configs of our model
+  types are checked against their architecture's own kinds (others unchanged).
 - peft_weight_tying.py: peft's LoraModel._check_tied_modules wrapped on the class: HyLoRA configs
   tie embeddings only on models whose embeddings are tied.
 

@@ -84,7 +84,9 @@ def lm_head_and_loss(model, hidden_states, labels, logits_to_keep, kwargs: dict)
     has_targets = labels is not None or "shift_labels" in loss_kwargs
     # logits_to_keep: an int keeps the last N positions (0 = all), a tensor selects indices.
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    plain_head = type(model.lm_head) is nn.Linear and model.lm_head.bias is None
+    # A head with hooks (PEFT, accelerate offload, DeepSpeed ZeRO-3's gather) must be called, not read.
+    head = model.lm_head
+    plain_head = type(head) is nn.Linear and head.bias is None and not (head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook"))
     if plain_head and _fuse_loss(model, hidden_states, has_targets, logits_to_keep, skip_logits):
         return None, causal_lm_loss_from_hidden(hidden_states[:, keep, :], model.lm_head.weight, labels, **loss_kwargs)
     logits = model.lm_head(hidden_states[:, keep, :])

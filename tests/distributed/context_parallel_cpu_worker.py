@@ -1,0 +1,163 @@
+"""One rank of the CPU context-parallelism check (tests/distributed/test_context_parallel_cpu.py):
+
+    torchrun --standalone --nproc-per-node N tests/distributed/context_parallel_cpu_worker.py OUT_DIR [MODEL ...]
+        [--device cuda --dtype bfloat16 --seq 2048 --hidden 256]    (GPUs: tests/gpu/context_parallel_gpu_check.py)
+
+Per model (float32, reference kernels): one process runs the whole sequence (logits, loss and
+every parameter's gradient), then the ranks run it split over the gloo group with
+hf_hybrid.distributed.context_parallel (each rank its shard, labels pre-shifted, gradients summed
+over the group). The largest differences over all ranks go to OUT_DIR/results-N.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "features"))
+from tiny_models import random_ids, tiny_model  # noqa: E402
+
+from hf_hybrid.distributed.context_parallel import ContextParallelGroup, context_parallel  # noqa: E402
+from hf_hybrid.layers.context import SequenceContext  # noqa: E402
+
+BATCH = 2
+# Set by the command line: CPU float32 at the tiny size by default; GPUs run wider heads (the
+# Triton kernels take head_dim 16 .. 256) and longer rows in bf16.
+SETTINGS = {"device": "cpu", "dtype": "float32", "seq": 32, "hidden": 0}
+
+
+def build(model_type: str, **overrides):
+    if SETTINGS["hidden"]:
+        hidden = SETTINGS["hidden"]
+        overrides = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4) | overrides
+    backend = {} if SETTINGS["device"] != "cpu" else {"kernel_backend": "reference"}
+    model = tiny_model(model_type, **backend, **overrides).train()
+    return model.to(SETTINGS["device"], getattr(torch, SETTINGS["dtype"]))
+# name -> (tiny model type, overrides): whole models whose every mixer context parallelism covers.
+MODELS = {
+    "rat": ("rat", {}),
+    "rat_nope": ("rat", {"use_rope": False}),
+    "rat_swa": ("rat_swa", {}),
+    "rat_full_attention": ("rat", {"layer_types": ["rat", "full_attention"]}),
+    "rat_plus": ("rat_plus", {}),
+    "rat_plus_sinks": ("rat_plus", {"training_dilations": [1, {"dilation": 4, "local_window": 2, "num_sink_tokens": 1}]}),
+    "rat_plus_no_recurrence": ("rat_plus", {"use_recurrence": False}),
+    "fox_llama": ("fox_llama", {}),
+    "fox_pro": ("fox_pro", {}),
+    "fox_pro_rope": ("fox_pro", {"use_rope": True}),
+    "rattention": ("rattention", {}),
+    "rattention_linear": ("rattention", {"window_size": -1, "layer_types": ["local", "local"]}),
+    "se_hybrid": ("se_hybrid", {}),
+    "se_hybrid_full": ("se_hybrid", {"attention_mode": "full"}),
+    "se_hybrid_swa": ("se_hybrid", {"attention_mode": "swa"}),
+}
+# name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
+# hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).
+LAYERS = {"mamba2_layer": ("se_hybrid", 0)}
+
+
+def check(name: str, cp: ContextParallelGroup) -> dict:
+    model_type, overrides = MODELS[name]
+    model = build(model_type, **overrides)
+    ids = random_ids(BATCH, SETTINGS["seq"], seed=11).to(SETTINGS["device"])
+    labels = ids.clone()
+    labels[0, 5] = -100  # an ignored target: the counts must come from the whole sequence
+
+    full = model(input_ids=ids, labels=labels)
+    full.loss.backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    targets = cp.shard_labels(labels)
+    with context_parallel(model, cp):
+        out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False)
+    out.loss.backward()
+    cp.all_reduce_gradients(model)
+    with torch.no_grad():  # control: the shard alone, no exchange (must differ beyond the first rank)
+        alone = model(input_ids=cp.shard(ids), use_cache=False).logits
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=cp.group)
+
+    diffs = torch.tensor(device=SETTINGS["device"], data=[
+        (loss - full.loss.detach()).abs().item(),
+        (out.logits.detach() - cp.shard(full.logits.detach())).abs().max().item(),
+        max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters() if n in reference_grads),
+        max(g.abs().max().item() for g in reference_grads.values()),
+        (alone - cp.shard(full.logits.detach())).abs().max().item(),
+    ])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
+    missing = [n for n, p in model.named_parameters() if (p.grad is None) != (n not in reference_grads)]
+    return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
+            "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "loss": full.loss.item(),
+            "missing_grads": missing}
+
+
+def check_layer(name: str, cp: ContextParallelGroup) -> dict:
+    """One DecoderLayer on random hidden states: its output, the input's gradient and every
+    parameter's gradient, whole sequence vs split."""
+    model_type, index = LAYERS[name]
+    layer = build(model_type).model.layers[index]
+    param = next(layer.parameters())
+    hidden = torch.randn(BATCH, SETTINGS["seq"], layer.mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(4))
+    hidden, weights = hidden.to(param.device, param.dtype), weights.to(param.device, param.dtype)
+
+    def run(x):
+        context = SequenceContext.build(x.shape[0], x.shape[1], 0, None, None, x.device)
+        return layer(x, context)
+
+    full_input = hidden.clone().requires_grad_()
+    full = run(full_input)
+    (full * weights).sum().backward()
+    reference_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+
+    shard_input = cp.shard(hidden).requires_grad_()
+    with context_parallel(layer, cp):
+        out = run(shard_input)
+    (out * cp.shard(weights)).sum().backward()
+    cp.all_reduce_gradients(layer)
+    with torch.no_grad():  # control: the shard alone, no exchange (must differ beyond the first rank)
+        alone = run(cp.shard(hidden))
+    diffs = torch.tensor(device=SETTINGS["device"], data=[
+        0.0,
+        (out.detach() - cp.shard(full.detach())).abs().max().item(),
+        max([(p.grad - reference_grads[n]).abs().max().item() for n, p in layer.named_parameters()]
+            + [(shard_input.grad - cp.shard(full_input.grad)).abs().max().item()]),
+        max(g.abs().max().item() for g in reference_grads.values()),
+        (alone - cp.shard(full.detach())).abs().max().item(),
+    ])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
+    missing = [n for n, p in layer.named_parameters() if p.grad is None]
+    return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
+            "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "missing_grads": missing}
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    while "--" in " ".join(args):  # --name value pairs anywhere after OUT_DIR
+        index = next(i for i, a in enumerate(args) if a.startswith("--"))
+        key, value = args[index][2:], args[index + 1]
+        SETTINGS[key] = type(SETTINGS[key])(value)
+        del args[index : index + 2]
+    out_dir, names = args[0], args[1:] or [*MODELS, *LAYERS]
+    if SETTINGS["device"] == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        SETTINGS["device"] = f"cuda:{torch.cuda.current_device()}"
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+    cp = ContextParallelGroup.from_group()
+    results = {name: (check if name in MODELS else check_layer)(name, cp) for name in names}
+    if cp.rank == 0:
+        with open(os.path.join(out_dir, f"results-{cp.world_size}.json"), "w") as file:
+            json.dump(results, file, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

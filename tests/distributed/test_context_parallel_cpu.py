@@ -1,0 +1,79 @@
+"""Context parallelism on CPU (gloo, 2 and 4 processes, float32, reference kernels): one sequence
+split over the ranks (hf_hybrid.distributed.context_parallel) gives the forward, the loss and
+every gradient of one process on the whole sequence.
+
+Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered; hybrids with sliding-window
+and full softmax layers: the window halo, the earlier keys gathered), RAT+ (its joint objective of a
+dense and a dilated pattern, sinks and local windows, with and without the recurrence: the
+recurrent state carried through the earlier shards, the earlier keys gathered), FoX (whole models, llama
+and pro blocks, with and without RoPE: keys, values and forget-gate sums gathered, the KV-shift's
+one-token halo), RATTENTION (whole models with local and global layers, and pure linear
+attention: the window halo, the residual linear attention's state from the earlier shards, the
+global layers' keys and values gathered), SE hybrids (whole models, SE retrieval, full and
+sliding-window modes: the Mamba-2 conv halo and SSM state passed on, the attention layers' earlier
+keys gathered and their retrieval chosen from the earlier queries) and, alone, the Mamba-2 layer
+at a larger gradient scale. A control run of each shard without the exchange differs, so the
+comparison sees a missing exchange. The ranks run context_parallel_cpu_worker.py under torchrun.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from distributed_launch import torchrun
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer"]
+_results = {}
+
+
+def results(tmp_path_factory, ranks: int) -> dict:
+    if ranks not in _results:
+        out = tmp_path_factory.mktemp(f"cp{ranks}")
+        torchrun(WORKER, ranks, str(out), *CHECKS)
+        with open(out / f"results-{ranks}.json") as file:
+            _results[ranks] = json.load(file)
+    return _results[ranks]
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~35 s more
+@pytest.mark.parametrize("name", CHECKS)
+def test_split_sequence_matches_one_process(tmp_path_factory, ranks, name):
+    result = results(tmp_path_factory, ranks)[name]
+    assert result["missing_grads"] == []
+    assert result["loss_diff"] <= 1e-5
+    assert result["logits_diff"] <= 1e-5
+    # Gradients: 1e-5 relative to the largest gradient (Mamba-2's reach ~100 on these inputs).
+    assert result["grad_diff"] <= 1e-5 * max(1.0, result["grad_scale"])
+    assert result["no_exchange_logits_diff"] > 1e-3
+
+
+def test_uncovered_patterns_are_named():
+    """SE's random retrieval and RAT+'s top-k patterns have no exchange: they raise before any
+    collective, naming what is missing."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "features"))
+    from tiny_models import tiny_model
+
+    from hf_hybrid.distributed.context_parallel import ContextParallelGroup, context_parallel
+    from hf_hybrid.layers.context import SequenceContext
+    from hf_hybrid.sparse import SparseInferenceConfig
+
+    cp = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=0, world_size=2)  # never communicates here
+    hidden = torch.randn(1, 8, 32)
+    context = SequenceContext.build(1, 8, 0, None, None, hidden.device)
+    se_attention_layer = tiny_model("se_hybrid").model.layers[1]
+    assert type(se_attention_layer.self_attn).__name__ == "SpanExpandedAttention"
+    with context_parallel(se_attention_layer, cp):
+        with pytest.raises(NotImplementedError, match="se_random"):
+            se_attention_layer.self_attn(hidden, context, attention_mode="se_random")
+    rat_plus_layer = tiny_model("rat_plus").model.layers[0]
+    with context_parallel(rat_plus_layer, cp):
+        with pytest.raises(NotImplementedError, match="top-k"):
+            rat_plus_layer.self_attn(hidden, context, sparse_config=SparseInferenceConfig(top_k=2, block_size=2))
