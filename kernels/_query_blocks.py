@@ -28,8 +28,10 @@ from torch.nn import functional as F
 SCORE_BUDGET = 1 << 23
 
 
-def query_block_size(num_queries: int, num_keys: int, batch_heads: int, budget: int = SCORE_BUDGET) -> int:
-    """Queries per block so that batch_heads x block x num_keys stays within ``budget`` (at least 1)."""
+def query_block_size(num_queries: int, num_keys: int, batch_heads: int, budget: int | None = None) -> int:
+    """Queries per block so that batch_heads x block x num_keys stays within ``budget`` (default
+    SCORE_BUDGET, read at the call) and at least 1."""
+    budget = SCORE_BUDGET if budget is None else budget
     return max(1, min(num_queries, budget // max(1, batch_heads * num_keys)))
 
 
@@ -114,7 +116,7 @@ def sdpa_in_query_blocks(
     key_range: Callable[[int, int], tuple[int, int]] | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
-    budget: int = SCORE_BUDGET,
+    budget: int | None = None,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` with a boolean mask, block by block over the queries.
 
