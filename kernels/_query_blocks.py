@@ -11,8 +11,9 @@ scores (``SCORE_BUDGET`` elements):
   reference does, then casting once. Row-wise ops (softmax per query) give the same rows; only the
   summation order of the shared inputs' gradients differs.
 * :func:`sdpa_in_query_blocks` runs ``scaled_dot_product_attention`` with a boolean mask block by
-  block, building only the block's mask rows (PyTorch's CPU kernel is memory-efficient without a
-  mask, but a dense [T, T] mask is 256 MB as bool and 1 GB once turned into float32).
+  block the same way, building only the block's mask rows over the keys it can see (PyTorch's CPU
+  kernel is memory-efficient without a mask, but a dense [T, T] mask is 256 MB as bool and 1 GB
+  once turned into float32).
 
 When one block holds every query the function is called once, exactly as before.
 """
@@ -48,8 +49,9 @@ def _pieces(tensors, start: int, end: int, num_per_query: int, causal: bool):
 
 class _QueryBlocks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, attend, block, causal, num_per_query, *tensors):
+    def forward(ctx, attend, block, causal, upcast, num_per_query, *tensors):
         ctx.attend, ctx.block, ctx.causal, ctx.num_per_query = attend, block, causal, num_per_query
+        ctx.upcast = upcast
         ctx.save_for_backward(*tensors)
         num_queries = tensors[0].shape[1]
         outs = [attend(start, *_pieces(tensors, start, end, num_per_query, causal)) for start, end in _blocks(num_queries, block)]
@@ -58,7 +60,7 @@ class _QueryBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         tensors = ctx.saved_tensors
-        needs = ctx.needs_input_grad[4:]
+        needs = ctx.needs_input_grad[5:]
         # float32 (float64 for float64) accumulators: a 16-bit input's gradient is rounded once, at the end.
         grads = [torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device) if need else None
                  for t, need in zip(tensors, needs)]
@@ -66,7 +68,8 @@ class _QueryBlocks(torch.autograd.Function):
             pieces = _pieces(tensors, start, end, ctx.num_per_query, ctx.causal)
             # Leaves in the accumulation dtype: the references upcast first, so the forward values are
             # the same and the gradients come back unrounded.
-            leaves = [p.detach().to(g.dtype).requires_grad_() if g is not None else p for p, g in zip(pieces, grads)]
+            leaves = [(p.detach().to(g.dtype) if ctx.upcast else p.detach()).requires_grad_() if g is not None else p
+                      for p, g in zip(pieces, grads)]
             with torch.enable_grad():
                 out = ctx.attend(start, *leaves)
             wanted = [leaf for leaf, g in zip(leaves, grads) if g is not None]
@@ -80,9 +83,9 @@ class _QueryBlocks(torch.autograd.Function):
                 if index < ctx.num_per_query:
                     g[:, start:end] += piece_grad
                 else:
-                    g[:, : piece_grad.shape[1]] += piece_grad
+                    g[:, : piece_grad.shape[1]] += piece_grad  # causal: the keys up to the block's end
         grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, tensors)]
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
 def attend_in_query_blocks(
@@ -92,6 +95,7 @@ def attend_in_query_blocks(
     *,
     block: int,
     causal: bool = False,
+    upcast: bool = True,
 ) -> torch.Tensor:
     """``attend(query_start, *per_query_block, *shared)`` over blocks of ``block`` queries, concatenated.
 
@@ -99,39 +103,43 @@ def attend_in_query_blocks(
     such as chunk indices too); shared: tensors [batch, num_keys, ...] every block reads (with
     ``causal``, queries and keys aligned, only keys [0, block end) are passed). ``attend`` must be a
     pure function of its tensor arguments that upcasts them before computing (the references do),
-    returning [batch, block, ...]. Differentiable in every floating input.
+    returning [batch, block, ...]. Differentiable in every floating input. ``upcast=False``
+    recomputes the backward in the inputs' dtype (for fused kernels that compute in it).
     """
     num_queries = per_query[0].shape[1]
     if block >= num_queries:
         return attend(0, *per_query, *shared)
-    return _QueryBlocks.apply(attend, block, causal, len(per_query), *per_query, *shared)
+    return _QueryBlocks.apply(attend, block, causal, upcast, len(per_query), *per_query, *shared)
 
 
 def sdpa_in_query_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask_rows: Callable[[int, int], torch.Tensor],
+    mask_rows: Callable[[int, int, int, int], torch.Tensor],
     *,
-    key_range: Callable[[int, int], tuple[int, int]] | None = None,
+    key_start: Callable[[int], int] | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
     budget: int | None = None,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with a boolean mask, block by block over the queries.
+    """Causal ``scaled_dot_product_attention`` with a boolean mask, block by block over the queries.
 
-    q [B, H, Tq, D], k/v [B, Hkv, Tk, D] (SDPA's layout). ``mask_rows(start, end)`` gives the mask
-    of queries [start, end): broadcastable to [B, H, end - start, Tk]. ``key_range(start, end)``
-    (optional) gives the key columns [lo, hi) outside which those queries see nothing (a causal
-    band), so a block reads only them. Autograd differentiates each block's SDPA call.
+    q [B, Tq, H, D], k/v [B, Tk, Hkv, D] with queries and keys aligned (query t is key t; the
+    kernels' layout, not SDPA's). ``mask_rows(start, end, lo, hi)`` gives the mask of queries
+    [start, end) over keys [lo, hi), broadcastable to [B, H, end - start, hi - lo]; a block reads
+    keys from ``key_start(start)`` (default 0: a band's first key) to its last query. Each block's
+    SDPA runs once in the forward and again in the backward, so only q, k, v are kept.
     """
-    num_queries, num_keys = q.shape[2], k.shape[2]
-    block = query_block_size(num_queries, num_keys, q.shape[0] * q.shape[1], budget)
-    outs = []
-    for start, end in _blocks(num_queries, block):
-        lo, hi = (0, num_keys) if key_range is None else key_range(start, end)
-        mask = mask_rows(start, end)[..., lo:hi]
-        outs.append(F.scaled_dot_product_attention(
-            q[:, :, start:end], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-        ))
-    return torch.cat(outs, dim=2)
+    block = query_block_size(q.shape[1], k.shape[1], q.shape[0] * q.shape[2], budget)
+
+    def attend(start, q_block, k_seen, v_seen):
+        end = start + q_block.shape[1]
+        lo = 0 if key_start is None else key_start(start)
+        out = F.scaled_dot_product_attention(
+            q_block.transpose(1, 2), k_seen[:, lo:].transpose(1, 2), v_seen[:, lo:].transpose(1, 2),
+            attn_mask=mask_rows(start, end, lo, end), scale=scale, enable_gqa=enable_gqa,
+        )
+        return out.transpose(1, 2)
+
+    return attend_in_query_blocks(attend, [q], [k, v], block=block, causal=True, upcast=False)

@@ -36,9 +36,9 @@ def sliding_window_attention_sdpa(q, k, v, window_size: int, scale: float | None
     if window_size >= seq - 1:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     elif q.device.type == "cpu" and not torch.compiler.is_compiling():
-        out = sdpa_in_query_blocks(
-            qt, kt, vt, lambda start, end: band_mask(seq, window_size, q.device, start, end - start),
-            key_range=lambda start, end: (max(0, start - window_size), end), scale=scale, enable_gqa=gqa,
+        return sdpa_in_query_blocks(
+            q, k, v, lambda start, end, lo, hi: band_mask(hi, window_size, q.device, start, end - start)[:, lo:],
+            key_start=lambda start: max(0, start - window_size), scale=scale, enable_gqa=gqa,
         )
     else:
         mask = band_mask(seq, window_size, q.device)
