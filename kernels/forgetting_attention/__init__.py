@@ -233,8 +233,25 @@ def forgetting_attention_with_cache(
         return forgetting_attention_decode_op(q, k, v, c_q, c_k, length, key_mask, scale, window_size)
     if impl == "triton":
         impl = "sdpa"
-    fn = forgetting_attention_with_cache_sdpa if impl == "sdpa" else forgetting_attention_with_cache_reference
-    return fn(q, k, v, c_q, c_k, key_mask, scale, window_size)
+    if impl == "sdpa":
+        return forgetting_attention_with_cache_sdpa(q, k, v, c_q, c_k, key_mask, scale, window_size)
+    if tq == tk:  # a whole (padded) segment: its rows over blocks of queries, memory linear in T
+        return _with_cache_query_blocks(q, k, v, c_q, c_k, key_mask, scale, window_size)
+    return forgetting_attention_with_cache_reference(q, k, v, c_q, c_k, key_mask, scale, window_size)
+
+
+def _with_cache_query_blocks(q, k, v, c_q, c_k, key_mask, scale, window_size, query_block: int | None = None):
+    """:func:`forgetting_attention_with_cache_reference` for queries aligned with the keys (Tq = Tk),
+    over blocks of queries: block [s, e) is the same call on the keys [0, e), whose last e - s
+    positions are those queries."""
+    seq = q.shape[1]
+    block = query_block_size(seq, seq, q.shape[0] * q.shape[2]) if query_block is None else query_block
+    shared = [k, v, c_k] + ([] if key_mask is None else [key_mask])
+
+    def attend(start, q_block, c_block, k_seen, v_seen, c_seen, mask_seen=None):
+        return forgetting_attention_with_cache_reference(q_block, k_seen, v_seen, c_block, c_seen, mask_seen, scale, window_size)
+
+    return attend_in_query_blocks(attend, [q, c_q], shared, block=block, causal=True)
 
 
 def forgetting_attention_decode(
