@@ -37,8 +37,9 @@ SCORE_BUDGET = 1 << 23
 # 16-32 MiB (activations of T = 16K tokens), after which same-sized activations land in the heap
 # and stay resident once freed: 0.5-1 GB more peak RSS at T = 16K on the models' small shape.
 # Blocks from 4 MiB up therefore stay mmapped (returned to the system when freed); smaller ones are
-# unaffected. Set once per process, the first time attention runs over query blocks on CPU;
-# HF_HYBRID_KEEP_MALLOC=1 leaves malloc as it is.
+# unaffected. Set once per process, the first time attention runs over query blocks on CPU or a
+# decoder layer runs a long CPU training forward (layers/backbone.py); HF_HYBRID_KEEP_MALLOC=1
+# leaves malloc as it is.
 _MMAP_THRESHOLD = 4 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 _MALLOC_SET: list[bool] = []
