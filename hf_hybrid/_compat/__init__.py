@@ -11,6 +11,7 @@ own path on any other version; DESIGN.md ("Patches of other libraries") has the 
   no public wrapper yet.
 - transformers_layer_types.py: transformers' layer-type validator wrapped: configs of our model
   types are checked against their architecture's own kinds (others unchanged).
+- glibc_malloc.py: glibc's mmap threshold fixed at 4 MiB for long CPU training steps (mallopt).
 - peft_weight_tying.py: peft's LoraModel._check_tied_modules wrapped on the class: HyLoRA configs
   tie embeddings only on models whose embeddings are tied.
 

@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
+from ..kernels._query_blocks import query_block_size, sdpa_in_query_blocks
 from .context import SequenceContext
 from .projections import project_few_rows
 from .rotary import apply_rotary, build_rotary, rotary_tables
@@ -99,6 +100,37 @@ def _block_sparse(implementation: str, query: torch.Tensor) -> bool:
     return True
 
 
+def _sdpa_in_blocks(implementation: str, query: torch.Tensor, num_keys: int, key_start: int,
+                    context: SequenceContext, window: int | None) -> bool:
+    """Whether a masked SDPA call runs over blocks of queries (CPU, a whole sequence from position 0
+    that needs a mask, more than one block's worth of scores) instead of with a dense [T, T] mask."""
+    seq = query.shape[2]
+    return (
+        implementation == "sdpa" and query.device.type == "cpu" and not torch.compiler.is_compiling()
+        and seq > 1 and key_start == context.past_length == 0 and num_keys == seq
+        and context.needs_mask(num_keys, key_start, window)
+        and query_block_size(seq, num_keys, query.shape[0] * query.shape[1]) < seq
+    )
+
+
+def _masked_sdpa_in_blocks(query, key, value, context: SequenceContext, window: int | None, scaling) -> torch.Tensor:
+    """SDPA over blocks of queries with the context's mask rows (and, with a window, only the keys
+    in the band): memory and work linear in T where the dense mask would be [T, T]."""
+    num_keys = key.shape[2]
+    band = context.effective_window(num_keys, 0, window)
+
+    def rows(start, end, lo, hi):
+        return context.mask_rows(num_keys, 0, window, start, end, lo, hi)
+
+    out = sdpa_in_query_blocks(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), rows,
+        key_start=None if band is None else (lambda start: max(0, start - band + 1)),
+        scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+    )
+    context.record_attention_weights(None)
+    return out
+
+
 def softmax_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -132,6 +164,8 @@ def softmax_attention(
     ):
         interface = ALL_ATTENTION_FUNCTIONS.get_interface("flex_attention", eager_attention_forward)
         mask = context.block_mask(num_keys, key_start, window)
+    elif _sdpa_in_blocks(implementation, query, num_keys, key_start, context, window):
+        return _masked_sdpa_in_blocks(query, key, value, context, window, scaling)
     else:
         # SDPA (flex decode steps too) or a user-registered function: a boolean mask, None = causal.
         name = "sdpa" if implementation == "flex_attention" else implementation

@@ -13,6 +13,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..kernels._backend import resolve_backend
+from .._compat.glibc_malloc import keep_large_blocks_out_of_the_heap
 from ..kernels.residual_norm import add_rms_norm, add_rms_norm_supported
 from .backbone_fusion import fused_decode_active
 from .context import SequenceContext
@@ -22,6 +23,11 @@ from .norm import RMSNorm
 # The residual add + RMSNorm kernel of generate()'s static decode step (kernels/residual_norm):
 # "auto" runs it on CUDA only; tests set "triton" (Triton's CPU interpreter); "reference" turns it off.
 ADD_NORM_BACKEND = "auto"
+
+# From this many tokens per forward, a CPU training step fixes glibc's mmap threshold
+# (hf_hybrid/_compat/glibc_malloc.py): its activations are large enough
+# that freed ones would otherwise stay resident.
+LONG_CPU_STEP_TOKENS = 4096
 
 
 def _plain(module: nn.Module) -> bool:
@@ -56,6 +62,9 @@ class DecoderLayer(GradientCheckpointingLayer):
         self.mlp = build_mlp(hidden_size, intermediate_size, mlp_type, hidden_act, mlp_bias)
 
     def forward(self, hidden_states: torch.Tensor, context: SequenceContext, cache_layer=None, **mixer_kwargs) -> torch.Tensor:
+        if (hidden_states.device.type == "cpu" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and hidden_states.shape[0] * hidden_states.shape[1] >= LONG_CPU_STEP_TOKENS):
+            keep_large_blocks_out_of_the_heap()
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, cache_layer, **mixer_kwargs)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 

@@ -167,19 +167,26 @@ class SequenceContext:
         window = self.effective_window(num_keys, key_start, window)
         key = ("dense", num_keys, key_start, window)
         if key not in self._masks:
-            seq_length = self.positions.shape[1]
-            device = self.positions.device
-            query_index = torch.arange(self.past_length, self.past_length + seq_length, device=device)[:, None]
-            key_index = torch.arange(key_start, key_start + num_keys, device=device)[None, :]
-            visible = key_index <= query_index
-            if window is not None:
-                visible = visible & (query_index - key_index < window)
-            visible = visible[None, None]
-            if self.key_valid is not None:
-                valid = self.key_valid[:, key_start : key_start + num_keys]
-                visible = visible & valid[:, None, None, :]
-            self._masks[key] = visible | (key_index == query_index)[None, None]
+            self._masks[key] = self.mask_rows(num_keys, key_start, window, 0, self.positions.shape[1])
         return self._masks[key]
+
+    def mask_rows(self, num_keys: int, key_start: int, window: int | None, row_start: int, row_end: int,
+                  key_lo: int = 0, key_hi: int | None = None) -> torch.Tensor:
+        """Rows [row_start, row_end) and key columns [key_lo, key_hi) of ``dense_mask`` (not memoised):
+        what attention over blocks of queries builds instead of the whole [seq, num_keys] mask."""
+        window = self.effective_window(num_keys, key_start, window)
+        key_hi = num_keys if key_hi is None else key_hi
+        device = self.positions.device
+        query_index = torch.arange(self.past_length + row_start, self.past_length + row_end, device=device)[:, None]
+        key_index = torch.arange(key_start + key_lo, key_start + key_hi, device=device)[None, :]
+        visible = key_index <= query_index
+        if window is not None:
+            visible = visible & (query_index - key_index < window)
+        visible = visible[None, None]
+        if self.key_valid is not None:
+            valid = self.key_valid[:, key_start + key_lo : key_start + key_hi]
+            visible = visible & valid[:, None, None, :]
+        return visible | (key_index == query_index)[None, None]
 
     def block_mask(self, num_keys: int, key_start: int, window: int | None = None):
         """The same visibility as a flex_attention ``BlockMask`` (blocks of 128 x 128; blocks entirely

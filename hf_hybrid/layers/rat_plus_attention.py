@@ -28,7 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..kernels._backend import resolve_backend
-from ..kernels.chunk_attention import block_end_attention, rat_plus_decode_step
+from ..kernels._query_blocks import sdpa_in_query_blocks
+from ..kernels.chunk_attention import block_end_attention, block_end_mask, rat_plus_decode_step
 from ..kernels.chunk_attention.rat_decode import decode_head_dim_supported
 from ..kernels.fused_norm import rotary
 from ..kernels.gated_recurrence import gated_recurrence
@@ -159,6 +160,13 @@ class RatPlusAttention(nn.Module):
                 and resolve_backend(self.backend, q.device, "block_end_attention") == "triton"
             ):
                 return block_end_attention(q, k, v, pattern.dilation, pattern.local_window, pattern.num_sink_tokens, backend=self.backend)
+            if fresh and not reference and q.device.type == "cpu" and not torch.compiler.is_compiling():
+                # SDPA over blocks of queries with their rows of the pattern: no [T, T] mask.
+                def rows(start, end, lo, hi):
+                    return block_end_mask(end - start, hi, pattern.dilation, pattern.local_window,
+                                          pattern.num_sink_tokens, query_start=start, device=q.device)[:, lo:]
+
+                return sdpa_in_query_blocks(q, k, v, rows)
             if summary is STORED_ARE_VISIBLE:  # the static decode store: no pattern mask to build
                 return attend(q, k, v, (k_pos >= 0)[:, None, None, :], reference)
             mask = dilated_mask(q_pos, k_pos, pattern.dilation, pattern.local_window, pattern.num_sink_tokens)

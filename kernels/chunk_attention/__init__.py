@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._query_blocks import attend_in_query_blocks, query_block_size
 from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad, optional, placeholder
 from .._common import expand_groups
 from ..output_gate import sigmoid_gate_reference
@@ -25,6 +26,7 @@ __all__ = [
     "block_end_attention_reference",
     "block_end_mask",
     "chunk_end_attention",
+    "chunk_end_attention_query_blocks",
     "chunk_end_attention_reference",
     "chunk_end_mask",
     "chunk_ends",
@@ -116,7 +118,20 @@ def chunk_end_attention(
         if q.shape[1] == 1 and not needs_grad(q, k_own, v_own, k_ends, v_ends):
             return chunk_end_decode(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
         return chunk_end_attention_fwd(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)[0]
-    return chunk_end_attention_reference(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
+    return chunk_end_attention_query_blocks(q, k_own, v_own, k_ends, v_ends, query_chunk, scale)
+
+
+def chunk_end_attention_query_blocks(q, k_own, v_own, k_ends, v_ends, query_chunk, scale=None,
+                                     query_block: int | None = None) -> torch.Tensor:
+    """:func:`chunk_end_attention_reference` over blocks of ``query_block`` queries (default: a
+    block's T x C scores within _query_blocks.SCORE_BUDGET), so memory grows linearly in T."""
+    seq = q.shape[1]
+    block = query_block_size(seq, k_ends.shape[1] + 1, q.shape[0] * q.shape[2]) if query_block is None else query_block
+
+    def attend(start, q_block, k_block, v_block, chunk_block, k_ends, v_ends):
+        return chunk_end_attention_reference(q_block, k_block, v_block, k_ends, v_ends, chunk_block, scale)
+
+    return attend_in_query_blocks(attend, [q, k_own, v_own, query_chunk], [k_ends, v_ends], block=block)
 
 
 def block_end_attention(

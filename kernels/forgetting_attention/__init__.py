@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend, triton_interpreting
+from .._query_blocks import attend_in_query_blocks, query_block_size
 from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad
 from .decode import (
     forgetting_attention_decode_reference,
@@ -22,6 +23,7 @@ from .sdpa import applies as sdpa_applies
 from .sdpa import forgetting_attention_sdpa
 from .reference import (
     cumulative_log_forget,
+    masked_softmax_attention,
     cumulative_log_forget_by_head,
     forgetting_attention_reference,
     row_boundaries,
@@ -34,6 +36,7 @@ __all__ = [
     "forgetting_attention",
     "forgetting_attention_decode",
     "forgetting_attention_decode_reference",
+    "forgetting_attention_query_blocks",
     "forgetting_attention_reference",
     "forgetting_attention_with_cache",
     "forgetting_attention_with_cache_reference",
@@ -135,7 +138,28 @@ def forgetting_attention(
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         c_by_head = _cumulative_log_forget(log_f, cu_seqlens)
         return forgetting_attention_fwd(q, k, v, c_by_head, cu_seqlens, scale, window_size)[0]
-    return forgetting_attention_reference(q, k, v, log_f, scale, window_size, cu_seqlens)
+    return forgetting_attention_query_blocks(q, k, v, log_f, scale, window_size, cu_seqlens)
+
+
+def forgetting_attention_query_blocks(q, k, v, log_f, scale=None, window_size=None, cu_seqlens=None,
+                                      query_block: int | None = None) -> torch.Tensor:
+    """The reference's math over blocks of ``query_block`` queries (default: a block's scores within
+    _query_blocks.SCORE_BUDGET), so memory grows linearly in T: c = cumsum(log f) once, then per
+    block the bias c_i - c_j, :func:`visibility_mask` rows and the masked softmax over the keys up
+    to the block's end."""
+    seq = q.shape[1]
+    block = query_block_size(seq, seq, q.shape[0] * q.shape[2]) if query_block is None else query_block
+    if block >= seq:
+        return forgetting_attention_reference(q, k, v, log_f, scale, window_size, cu_seqlens)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    c = cumulative_log_forget(log_f, cu_seqlens)  # [B, T, HQ] float32, differentiable
+
+    def attend(start, q_block, c_block, k_seen, v_seen, c_seen):
+        bias = c_block.permute(0, 2, 1)[..., :, None] - c_seen.permute(0, 2, 1)[..., None, :]
+        visible = visibility_mask(q_block.shape[1], k_seen.shape[1], start, window_size, cu_seqlens, q.device)
+        return masked_softmax_attention(q_block, k_seen, v_seen, bias.masked_fill(~visible, 0.0), visible, scale)
+
+    return attend_in_query_blocks(attend, [q, c], [k, v, c], block=block, causal=True)
 
 
 def _cumulative_log_forget(log_f: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -209,8 +233,25 @@ def forgetting_attention_with_cache(
         return forgetting_attention_decode_op(q, k, v, c_q, c_k, length, key_mask, scale, window_size)
     if impl == "triton":
         impl = "sdpa"
-    fn = forgetting_attention_with_cache_sdpa if impl == "sdpa" else forgetting_attention_with_cache_reference
-    return fn(q, k, v, c_q, c_k, key_mask, scale, window_size)
+    if impl == "sdpa":
+        return forgetting_attention_with_cache_sdpa(q, k, v, c_q, c_k, key_mask, scale, window_size)
+    if tq == tk:  # a whole (padded) segment: its rows over blocks of queries, memory linear in T
+        return _with_cache_query_blocks(q, k, v, c_q, c_k, key_mask, scale, window_size)
+    return forgetting_attention_with_cache_reference(q, k, v, c_q, c_k, key_mask, scale, window_size)
+
+
+def _with_cache_query_blocks(q, k, v, c_q, c_k, key_mask, scale, window_size, query_block: int | None = None):
+    """:func:`forgetting_attention_with_cache_reference` for queries aligned with the keys (Tq = Tk),
+    over blocks of queries: block [s, e) is the same call on the keys [0, e), whose last e - s
+    positions are those queries."""
+    seq = q.shape[1]
+    block = query_block_size(seq, seq, q.shape[0] * q.shape[2]) if query_block is None else query_block
+    shared = [k, v, c_k] + ([] if key_mask is None else [key_mask])
+
+    def attend(start, q_block, c_block, k_seen, v_seen, c_seen, mask_seen=None):
+        return forgetting_attention_with_cache_reference(q_block, k_seen, v_seen, c_block, c_seen, mask_seen, scale, window_size)
+
+    return attend_in_query_blocks(attend, [q, c_q], shared, block=block, causal=True)
 
 
 def forgetting_attention_decode(

@@ -28,6 +28,7 @@ because phi(k) v^T is the same for every query head of a group.
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 FEATURE_MAPS = ("softmax", "relu", "identity")
 
@@ -93,6 +94,39 @@ def residual_linear_attention_reference(
     return o.to(q.dtype), final
 
 
+# Chunks per activation-checkpointed segment of the chunked path: its backward keeps the raw
+# inputs and one state per segment, and recomputes a segment's feature maps and tiles at a time.
+CHUNKS_PER_SEGMENT = 16
+
+
+def _rla_segment(q, k_shifted, v_shifted, state, num_zero_rows: int, feature_map: str, chunk_size: int):
+    """One segment of :func:`residual_linear_attention_chunked`: rows p of q with the shifted keys
+    and values k_{p - L}, v_{p - L} (their first ``num_zero_rows`` rows lie before the sequence and
+    read as zero), from the entry ``state``. Returns (o float32, exit state)."""
+    batch, seq, heads, dim = q.shape
+    kv_heads = k_shifted.shape[2]
+    qf = feature_map_fn(q, feature_map)
+    features = qf.shape[-1]
+    kf = feature_map_fn(k_shifted[:, num_zero_rows:], feature_map)
+    vf = v_shifted[:, num_zero_rows:].float()
+    if num_zero_rows:
+        kf = torch.cat([kf.new_zeros(batch, num_zero_rows, kv_heads, features), kf], dim=1)
+        vf = torch.cat([vf.new_zeros(batch, num_zero_rows, kv_heads, dim), vf], dim=1)
+    group = heads // kv_heads
+    outputs = []
+    causal = torch.ones(chunk_size, chunk_size, device=q.device).tril()
+    for start in range(0, seq, chunk_size):
+        stop = min(start + chunk_size, seq)
+        qc = qf[:, start:stop].reshape(batch, stop - start, kv_heads, group, features)
+        kc, vc = kf[:, start:stop], vf[:, start:stop]
+        inter = torch.einsum("btngf,bnfd->btngd", qc, state)
+        scores = torch.einsum("btngf,bsnf->bngts", qc, kc) * causal[: stop - start, : stop - start]
+        intra = torch.einsum("bngts,bsnd->btngd", scores, vc)
+        outputs.append((inter + intra).reshape(batch, stop - start, heads, dim))
+        state = state + torch.einsum("bsnf,bsnd->bnfd", kc, vc)
+    return torch.cat(outputs, dim=1), state
+
+
 def residual_linear_attention_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -108,37 +142,37 @@ def residual_linear_attention_chunked(
     sequence delayed by L (k'_p = k_{p - L}, and v'_p = 0 for p < L, so those rows add nothing).
     Chunkwise form (paper Eq. 2-3) on the shifted sequence, chunk c = rows [cC, cC + C):
         o_c = phi(Q_c) S_c + (phi(Q_c) phi(K'_c)^T * causal) V'_c,   S_{c+1} = S_c + phi(K'_c)^T V'_c.
-    Pure PyTorch and differentiable by autograd: the CPU fast path ("auto" off CUDA).
+    Pure PyTorch and differentiable by autograd: the CPU fast path ("auto" off CUDA). With
+    gradients, segments of CHUNKS_PER_SEGMENT chunks run under activation checkpointing (the
+    backward keeps q, the shifted k, v and one state per segment: memory linear in T, small).
     """
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     lag = window_size + 1
-    qf = feature_map_fn(q, feature_map)
-    features = qf.shape[-1]
+    features = feature_dim(feature_map, dim)
     state = (
         torch.zeros(batch, kv_heads, features, dim, device=q.device)
         if initial_state is None else initial_state.float()
     )
-    # Shifted key/value streams of length T (only keys 0 .. T - 1 - L are ever read).
+    # Shifted key/value streams of length T (only keys 0 .. T - 1 - L are ever read); the first
+    # `pad` rows are placeholders that each segment reads as zero.
     kept = max(seq - lag, 0)
-    kf = feature_map_fn(k[:, :kept], feature_map)
-    vf = v[:, :kept].float()
     pad = seq - kept
-    kf = torch.cat([kf.new_zeros(batch, pad, kv_heads, features), kf], dim=1)
-    vf = torch.cat([vf.new_zeros(batch, pad, kv_heads, dim), vf], dim=1)
-    group = heads // kv_heads
+    k_shifted = torch.cat([k.new_zeros(batch, pad, kv_heads, dim), k[:, :kept]], dim=1)
+    v_shifted = torch.cat([v.new_zeros(batch, pad, kv_heads, dim), v[:, :kept]], dim=1)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, initial_state))
+    segment = chunk_size * CHUNKS_PER_SEGMENT
     outputs = []
-    causal = torch.ones(chunk_size, chunk_size, device=q.device).tril()
-    for start in range(0, seq, chunk_size):
-        stop = min(start + chunk_size, seq)
-        qc = qf[:, start:stop].reshape(batch, stop - start, kv_heads, group, features)
-        kc, vc = kf[:, start:stop], vf[:, start:stop]
-        inter = torch.einsum("btngf,bnfd->btngd", qc, state)
-        scores = torch.einsum("btngf,bsnf->bngts", qc, kc) * causal[: stop - start, : stop - start]
-        intra = torch.einsum("bngts,bsnd->btngd", scores, vc)
-        outputs.append((inter + intra).reshape(batch, stop - start, heads, dim))
-        state = state + torch.einsum("bsnf,bsnd->bnfd", kc, vc)
-    o = torch.cat(outputs, dim=1) if outputs else qf.new_zeros(batch, 0, heads, dim)
+    for start in range(0, seq, segment):
+        stop = min(start + segment, seq)
+        args = (q[:, start:stop], k_shifted[:, start:stop], v_shifted[:, start:stop], state,
+                min(max(pad - start, 0), stop - start), feature_map, chunk_size)
+        if grads:
+            o, state = checkpoint(_rla_segment, *args, use_reentrant=False)
+        else:
+            o, state = _rla_segment(*args)
+        outputs.append(o)
+    o = torch.cat(outputs, dim=1) if outputs else q.new_zeros(batch, 0, heads, dim, dtype=torch.float32)
     return o.to(q.dtype), state
 
 

@@ -4,8 +4,10 @@
   ~ T (w + tile) instead of T^2 / 2. Compiled once per process on CUDA (eager elsewhere, which
   materialises the scores: fine for tests only). Block masks are cached per (T, w, device); inside
   torch.compile(model) both are traced into the model's graph instead.
-* SDPA with a dense boolean band mask: any device, O(T^2) work; and SDPA's causal kernel when
-  the window covers the whole sequence (w >= T - 1), where the band is just the causal mask.
+* SDPA with a boolean band mask: any device; and SDPA's causal kernel when the window covers the
+  whole sequence (w >= T - 1), where the band is just the causal mask. On CPU it runs over blocks
+  of queries, each over its band of keys with its rows of the mask (memory and work ~ T (w +
+  block)); elsewhere with the dense [T, T] mask (O(T^2)).
 Both take [B, T, H, D] tensors (GQA through enable_gqa) and return [B, T, H, D].
 """
 from __future__ import annotations
@@ -15,10 +17,14 @@ import functools
 import torch
 from torch.nn import functional as F
 
+from .._query_blocks import sdpa_in_query_blocks
 
-def band_mask(seq: int, window_size: int, device) -> torch.Tensor:
-    """[seq, seq] bool, True where 0 <= i - j <= window_size."""
-    i = torch.arange(seq, device=device)[:, None]
+
+def band_mask(seq: int, window_size: int, device, query_start: int = 0, num_queries: int | None = None) -> torch.Tensor:
+    """[num_queries, seq] bool (num_queries defaults to seq), True where 0 <= i - j <= window_size,
+    for queries i = query_start .. query_start + num_queries - 1 and keys j = 0 .. seq - 1."""
+    num_queries = seq - query_start if num_queries is None else num_queries
+    i = torch.arange(query_start, query_start + num_queries, device=device)[:, None]
     j = torch.arange(seq, device=device)[None, :]
     return (j <= i) & (i - j <= window_size)
 
@@ -29,6 +35,11 @@ def sliding_window_attention_sdpa(q, k, v, window_size: int, scale: float | None
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if window_size >= seq - 1:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif q.device.type == "cpu" and not torch.compiler.is_compiling():
+        return sdpa_in_query_blocks(
+            q, k, v, lambda start, end, lo, hi: band_mask(hi, window_size, q.device, start, end - start)[:, lo:],
+            key_start=lambda start: max(0, start - window_size), scale=scale, enable_gqa=gqa,
+        )
     else:
         mask = band_mask(seq, window_size, q.device)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._query_blocks import attend_in_query_blocks, query_block_size
 from .chunked import span_expanded_attention_chunked
 from .reference import (
     MODES,
@@ -33,6 +34,7 @@ __all__ = [
     "select_blocks",
     "selection_for_sequence",
     "span_expanded_attention",
+    "span_expanded_attention_query_blocks",
     "span_expanded_attention_reference",
     "span_expanded_mask",
 ]
@@ -84,8 +86,9 @@ def span_expanded_attention(
     q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim] (heads % kv_heads == 0).
     chunk_size M, block_size S, top_k k and select_every G configure ``se``/``se_random``/
     ``se_nomem``; ``window`` configures ``swa``; ``seed`` fixes ``se_random``'s draw.
-    backend: ``"reference"`` (dense T x T oracle), ``"sdpa"`` (fused kernels, chunked, never T x T;
-    any device), or ``"auto"`` (``"sdpa"`` on CUDA, the reference elsewhere).
+    backend: ``"reference"`` (the dense oracle's math, run over blocks of queries when T x T would be
+    large: memory linear in T), ``"sdpa"`` (fused kernels, chunked, never T x T; any device), or
+    ``"auto"`` (``"sdpa"`` on CUDA, the reference elsewhere).
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(
@@ -106,5 +109,35 @@ def span_expanded_attention(
         window=window, seed=seed, scale=scale,
     )
     if impl == "reference":
-        return span_expanded_attention_reference(q, k, v, **kwargs)
+        return span_expanded_attention_query_blocks(q, k, v, **kwargs)
     return span_expanded_attention_chunked(q, k, v, **kwargs)
+
+
+def span_expanded_attention_query_blocks(q, k, v, *, mode, chunk_size, block_size, top_k, select_every, window, seed,
+                                         scale, query_block: int | None = None) -> torch.Tensor:
+    """The reference's math over blocks of ``query_block`` queries (default: a block's scores within
+    _query_blocks.SCORE_BUDGET): the same retrieval for the whole sequence, then per block the rows
+    of :func:`span_expanded_mask` and :func:`masked_attention` over the keys up to the block's end."""
+    seq = q.shape[1]
+    block = query_block_size(seq, seq, q.shape[0] * q.shape[2]) if query_block is None else query_block
+    if block >= seq:
+        return span_expanded_attention_reference(
+            q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k,
+            select_every=select_every, window=window, seed=seed, scale=scale,
+        )
+    retrieved = None
+    if mode in RETRIEVAL_MODES:
+        indices, valid, _ = selection_for_sequence(
+            q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k,
+            select_every=select_every, seed=seed, scale=scale,
+        )
+        retrieved = retrieved_block_table(indices, valid, seq // block_size)
+
+    def attend(start, q_block, k_seen, v_seen):
+        mask = span_expanded_mask(
+            mode, q_block.shape[1], k_seen.shape[1], query_start=start, chunk_size=chunk_size, block_size=block_size,
+            select_every=select_every, window=window, retrieved=retrieved,
+        ).to(q.device)
+        return masked_attention(q_block, k_seen, v_seen, mask, scale)
+
+    return attend_in_query_blocks(attend, [q], [k, v], block=block, causal=True)

@@ -101,6 +101,21 @@ def test_float32_states_from_bf16_inputs(backend, chunk_size, start):
         gated_recurrence(x, g, backend=backend, out_dtype=torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size,start,with_state", [(0, 0, False), (0, 3, True), (8, 0, False), (8, 5, True), (8, 8, True)])
+def test_scan_backward_is_the_loop_gradient(chunk_size, start, with_state, dtype):
+    """The scan's backward (the reverse recurrence, not autograd through its log-depth steps) gives
+    the loop oracle's gradients, restarts and the carried state included, at an odd length."""
+    x, g, state = _inputs(2, 53, (3, 4), dtype, with_state, seed=7)
+    weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.device)
+    want = _run("reference", x, g, chunk_size, start, state, weight)
+    got = _run("scan", x, g, chunk_size, start, state, weight)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for name, a, b in zip(["h", "dx", "dg", "d_initial_state"], got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+
+
 def test_dispatch_and_errors():
     x, g, _ = _inputs(1, 5, (2,), torch.float32, False)
     with pytest.raises(ValueError, match="same shape"):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -104,6 +105,19 @@ class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
 class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
     base_model_class = RatPlusModel
 
+    def _rebuilds_earlier_patterns(self, num_patterns: int, kwargs: dict) -> bool:
+        """Whether the joint objective's earlier patterns run under activation checkpointing: on CPU,
+        with gradients and more than one pattern (and no hidden states / attentions asked for, which
+        would be kept anyway). Their graphs would otherwise stay alive while the last pattern runs,
+        so a step held one forward's activations per pattern; the backward runs the last pattern's
+        graph first and then rebuilds the others one at a time, so it holds one, for one more forward
+        per earlier pattern. On GPUs the kernels keep little and the extra forward costs time: no."""
+        return (
+            num_patterns > 1 and torch.is_grad_enabled() and self.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and not kwargs.get("output_hidden_states") and not kwargs.get("output_attentions")
+        )
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -130,7 +144,14 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         if past_key_values is not None:
             raise ValueError("The joint training objective runs full forwards; do not pass past_key_values with it.")
         patterns, weights = self.config.training_patterns(training_dilations)
-        outputs = [super(RatPlusForCausalLM, self).forward(use_cache=False, sparse_config=p, **common) for p in patterns]
+        def pattern_forward(pattern):
+            return super(RatPlusForCausalLM, self).forward(use_cache=False, sparse_config=pattern, **common)
+
+        rebuild = self._rebuilds_earlier_patterns(len(patterns), kwargs)
+        outputs = [
+            checkpoint(pattern_forward, p, use_reentrant=False) if rebuild and i < len(patterns) - 1 else pattern_forward(p)
+            for i, p in enumerate(patterns)
+        ]
         loss = sum(w * out.loss for w, out in zip(weights, outputs))
         return RatPlusCausalLMOutput(
             loss=loss,
