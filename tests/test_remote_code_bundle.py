@@ -67,31 +67,36 @@ def test_a_saved_checkpoint_carries_a_handful_of_modules(model_type, tmp_path):
     assert not any(f"SOURCES['models.{other}." in bundle for other in others), model_type
 
 
+_OWN_NAMES_SCRIPT = """
+import importlib, inspect, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+(root / "pkg" / "__init__.py").write_text("")
+sys.path.insert(0, str(root))
+modeling = importlib.import_module("pkg.modeling_rat")
+norm = importlib.import_module("pkg.hf_hybrid_bundle.layers.norm")
+from hf_hybrid.layers.norm import RMSNorm
+
+assert modeling.RatForCausalLM.__module__ == "pkg.modeling_rat"
+assert norm.RMSNorm is not RMSNorm and norm.RMSNorm.__module__ == "pkg.hf_hybrid_bundle.layers.norm"
+assert inspect.getsource(norm.RMSNorm) == inspect.getsource(RMSNorm)
+# A bundled module's relative import reaches the bundled module, not the installed package.
+assert modeling.RatModel.cache_class.__module__ == "pkg.hf_hybrid_bundle.models.rat.cache_rat"
+print("ok")
+"""
+
+
 def test_the_bundle_runs_the_package_modules_under_their_own_names(tmp_path):
     """Loaded through the bundle, a module keeps its namespace, its relative imports and its source
-    (inspect finds it, as Triton's JIT needs)."""
-    import importlib
-    import inspect
+    (inspect finds it, as Triton's JIT needs). In its own process: the bundle's kernel modules
+    register the package's custom ops again, which must not outlive the test in a shared worker."""
+    import subprocess
     import sys
 
     model = AutoModelForCausalLM.from_config(tiny_config("rat"))
     model.save_pretrained(tmp_path / "pkg")
-    (tmp_path / "pkg" / "__init__.py").write_text("")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        modeling = importlib.import_module("pkg.modeling_rat")
-        norm = importlib.import_module("pkg.hf_hybrid_bundle.layers.norm")
-        from hf_hybrid.layers.norm import RMSNorm
-
-        assert modeling.RatForCausalLM.__module__ == "pkg.modeling_rat"
-        assert norm.RMSNorm is not RMSNorm and norm.RMSNorm.__module__ == "pkg.hf_hybrid_bundle.layers.norm"
-        assert inspect.getsource(norm.RMSNorm) == inspect.getsource(RMSNorm)
-        # A bundled module's relative import reaches the bundled module, not the installed package.
-        assert modeling.RatModel.cache_class.__module__ == "pkg.hf_hybrid_bundle.models.rat.cache_rat"
-    finally:
-        sys.path.remove(str(tmp_path))
-        for name in [name for name in sys.modules if name == "pkg" or name.startswith("pkg.")]:
-            del sys.modules[name]
+    out = subprocess.run([sys.executable, "-c", _OWN_NAMES_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 _RESAVE_SCRIPT = """

@@ -115,6 +115,8 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         return (
             num_patterns > 1 and torch.is_grad_enabled() and self.device.type == "cpu"
             and not torch.compiler.is_compiling()
+            and getattr(self, "context_parallel_group", None) is None  # (hf_hybrid.distributed.context_parallel)
+            and not self.model.gradient_checkpointing  # checkpointed layers keep nothing a rebuild would free
             and not kwargs.get("output_hidden_states") and not kwargs.get("output_attentions")
         )
 
