@@ -2,7 +2,7 @@
 CPU paths that make it so compute the dense references' results and gradients.
 
 The memory checks run one forward + backward (hidden 256, 4 layers, vocab 256, float32, batch 1)
-in a fresh interpreter each (hf_hybrid/bench/cpu_step_memory.py) and read its peak RSS, imports
+in a fresh interpreter each (benchmarks/cpu_step_memory.py) and read its peak RSS, imports
 included. The SE-Attn hybrid in ``se`` mode runs in every test run; the other models (one to two
 minutes each on two cores) run with HF_HYBRID_SLOW=1.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_hybrid.bench.cpu_step_memory import MODELS, measure_in_subprocess
 from hf_hybrid.kernels import _query_blocks
 from hf_hybrid.kernels.chunk_attention import (
     block_end_mask,
@@ -27,6 +26,11 @@ from hf_hybrid.kernels.span_expanded_attention import (
 )
 from hf_hybrid.layers.attention import softmax_attention
 from hf_hybrid.layers.context import SequenceContext
+
+from benchmark_modules import load
+
+_cpu_step_memory = load("cpu_step_memory")
+MODELS, measure_in_subprocess = _cpu_step_memory.MODELS, _cpu_step_memory.measure_in_subprocess
 
 SEQ = 16384
 LIMIT = 3 * 2**30

@@ -6,8 +6,8 @@ the process's peak RSS (``ru_maxrss``) after the step, imports included, so it i
 process needs. Attention-like ops run over blocks of queries on CPU (kernels/_query_blocks.py),
 so the peak grows linearly in T.
 
-    python -m hf_hybrid.bench.cpu_step_memory                      every model at T = 16384
-    python -m hf_hybrid.bench.cpu_step_memory --models se --seq 4096
+    python -m benchmarks.cpu_step_memory                      every model at T = 16384
+    python -m benchmarks.cpu_step_memory --models se --seq 4096
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -70,8 +71,16 @@ def train_step(name: str, seq: int, seed: int = 0) -> dict:
 
 def measure_in_subprocess(name: str, seq: int, timeout: float | None = None) -> dict:
     """:func:`train_step` in a fresh interpreter (its own peak RSS); returns its JSON result."""
-    code = f"import json; from hf_hybrid.bench.cpu_step_memory import train_step; print(json.dumps(train_step({name!r}, {seq})))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    # This file loaded by path, from a neutral folder: neither benchmarks/ (its profile.py would
+    # shadow the standard library's) nor the repository root (its kernels/ folder) goes on sys.path.
+    code = (
+        "import importlib.util, json, sys; "
+        f"spec = importlib.util.spec_from_file_location('cpu_step_memory', {__file__!r}); "
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        f"print(json.dumps(module.train_step({name!r}, {seq})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          cwd=tempfile.gettempdir())
     if done.returncode != 0:
         raise RuntimeError(f"{name} at T={seq} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
