@@ -262,8 +262,7 @@ def _mamba2_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cac
 
 def _fox_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
     from ..kernels.forgetting_attention import forgetting_attention_with_cache
-    from ..kernels.output_gate import sigmoid_gate
-    from ..layers.fused_norms import norm_backend, norm_rotary, qk_norm_rotary
+    from ..layers.fused_norms import norm_backend, qk_norm_rotary
     from ..layers.rotary import apply_rotary, rotary_tables
 
     _check_plain(mixer, context, cache_layer)
@@ -294,12 +293,7 @@ def _fox_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_
     end = (cp.rank + 1) * seq
     keys, values, c_keys = (cp.all_gather(t, dim=1)[:, :end] for t in (k, v, c))
     o = forgetting_attention_with_cache(q, keys, values, c, c_keys, None, backend=mixer.backend)
-    if mixer.o_norm is not None:
-        o = norm_rotary(o, mixer.o_norm, None, norms)
-    o = o.reshape(batch, seq, heads * dim)
-    if gate is not None:
-        o = sigmoid_gate(gate, o, backend=norms)
-    return mixer.o_proj(o)
+    return mixer.output(o, gate, norms)
 
 
 # --------------------------------------------------------------------------------------- RAT+

@@ -211,6 +211,12 @@ class ForgettingAttention(nn.Module):
                 q, keys, values, c_keys[:, -seq:], c_keys, context.key_valid, backend=self.backend
             )
 
+        return self.output(o, gate, norms)
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None, norms: str) -> torch.Tensor:
+        """o_proj(gate * norm(o)) of the attention output o [batch, seq, heads, dim] (Pro's output
+        norm and gate where the block has them)."""
+        batch, seq, heads, dim = o.shape
         if self.o_norm is not None:
             o = norm_rotary(o, self.o_norm, None, norms)
         o = o.reshape(batch, seq, heads * dim)

@@ -15,6 +15,7 @@ from .reference import (
     group_relevancy_queries,
     masked_attention,
     retrieved_block_table,
+    retrieved_blocks_of_sequence,
     select_blocks,
     selection_for_sequence,
     span_expanded_attention_reference,
@@ -125,13 +126,7 @@ def span_expanded_attention_query_blocks(q, k, v, *, mode, chunk_size, block_siz
             q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k,
             select_every=select_every, window=window, seed=seed, scale=scale,
         )
-    retrieved = None
-    if mode in RETRIEVAL_MODES:
-        indices, valid, _ = selection_for_sequence(
-            q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k,
-            select_every=select_every, seed=seed, scale=scale,
-        )
-        retrieved = retrieved_block_table(indices, valid, seq // block_size)
+    retrieved = retrieved_blocks_of_sequence(q, k, v, mode, chunk_size, block_size, top_k, select_every, seed, scale)
 
     def attend(start, q_block, k_seen, v_seen):
         mask = span_expanded_mask(

@@ -168,6 +168,17 @@ def select_blocks(
     return indices, valid[None, None].expand(batch, num_heads, groups, kk)
 
 
+def retrieved_blocks_of_sequence(q, k, v, mode, chunk_size, block_size, top_k, select_every, seed, scale):
+    """retrieved_block_table of the blocks each selection group retrieves (None in modes without retrieval)."""
+    if mode not in RETRIEVAL_MODES:
+        return None
+    indices, valid, _ = selection_for_sequence(
+        q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k,
+        select_every=select_every, seed=seed, scale=scale,
+    )
+    return retrieved_block_table(indices, valid, q.shape[1] // block_size)
+
+
 def selection_for_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -279,13 +290,7 @@ def span_expanded_attention_reference(
     q [b, s, h, d], k/v [b, s, hk, d], positions 0..s-1. For tests and short sequences only.
     """
     seq = q.shape[1]
-    retrieved = None
-    if mode in RETRIEVAL_MODES:
-        indices, valid, _ = selection_for_sequence(
-            q, k, v, mode=mode, chunk_size=chunk_size, block_size=block_size, top_k=top_k,
-            select_every=select_every, seed=seed, scale=scale,
-        )
-        retrieved = retrieved_block_table(indices, valid, seq // block_size)
+    retrieved = retrieved_blocks_of_sequence(q, k, v, mode, chunk_size, block_size, top_k, select_every, seed, scale)
     mask = span_expanded_mask(
         mode, seq, seq, chunk_size=chunk_size, block_size=block_size, select_every=select_every,
         window=window, retrieved=retrieved,
