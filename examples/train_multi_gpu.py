@@ -83,6 +83,8 @@ def train_one(args, model_type: str) -> dict:
     config = build_config(args, model_type)
     torch.manual_seed(args.seed)  # the same initial weights in every process and every run
     model = AutoModelForCausalLM.from_config(config)
+    if args.bf16_weights:
+        model = model.to(torch.bfloat16)
     if uses_deepspeed():
         from hf_hybrid.distributed import gather_whole_decoder_layers
 
@@ -93,7 +95,7 @@ def train_one(args, model_type: str) -> dict:
         output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         logging_steps=1, save_strategy="steps", save_steps=args.save_steps, save_only_model=False,
-        bf16=args.bf16, report_to=[], seed=args.seed, disable_tqdm=True, dataloader_drop_last=True,
+        bf16=args.bf16 and not args.bf16_weights, report_to=[], seed=args.seed, disable_tqdm=True, dataloader_drop_last=True,
     )
     if training_args.world_size != world_size:
         raise RuntimeError(
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--save-steps", type=int, default=10)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the accelerate configs set it too)")
+    parser.add_argument("--bf16-weights", action="store_true",
+                        help="bf16 weights without autocast (the forward ZeRO-3's bf16 mode computes; a reference run)")
     parser.add_argument("--resume-from-checkpoint", default=None,
                         help="a checkpoint-N folder of an earlier run; {model_type} in it names each model type's")
     parser.add_argument("--output-dir", default="multi_gpu_output")

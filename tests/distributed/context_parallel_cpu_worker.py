@@ -66,14 +66,14 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     labels = ids.clone()
     labels[0, 5] = -100  # an ignored target: the counts must come from the whole sequence
 
-    full = model(input_ids=ids, labels=labels)
+    full = model(input_ids=ids, labels=labels, skip_logits=False)
     full.loss.backward()
     reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
 
     targets = cp.shard_labels(labels)
     with context_parallel(model, cp):
-        out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False)
+        out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False, skip_logits=False)
     out.loss.backward()
     cp.all_reduce_gradients(model)
     with torch.no_grad():  # control: the shard alone, no exchange (must differ beyond the first rank)
