@@ -1,0 +1,95 @@
+"""Context-parallel forwards of RAT (chunk ends all-gathered) and RAT+ (recurrent state carried
+through the earlier shards; the keys and values the attention patterns read)."""
+from __future__ import annotations
+
+import torch
+
+from .group import ContextParallelGroup, check_plain, keep_in_graph
+
+
+def rat_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
+    from ...kernels._common import expand_groups
+    from ...kernels.chunk_attention import chunk_end_attention, chunk_ends
+    from ...kernels.fused_norm import rotary as rotate
+    from ...layers.rotary import rotary_tables
+
+    check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    heads, dim, L, groups = mixer.num_heads, mixer.head_dim, mixer.chunk_size, mixer.num_qk_groups
+    if seq % L:
+        raise ValueError(f"context parallelism with RAT: each shard ({seq} tokens) must hold whole chunks of {L}.")
+    q, k, v, gate_logits, gate_z = (proj(hidden_states) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.g_proj, mixer.z_proj))
+    q, k = q.view(batch, seq, groups, dim), k.view(batch, seq, groups, dim)
+    v, gate_logits = v.view(batch, seq, heads, dim), gate_logits.view(batch, seq, heads, dim)
+    start = cp.rank * seq
+    positions = torch.arange(start, start + seq, device=hidden_states.device)[None]
+    chunk_index = torch.div(positions, L, rounding_mode="floor")
+    cos_sin = rotary_tables(mixer.rotary, context, chunk_index, tag=("context parallel chunk", L, start))
+    # Chunk-local recurrences: a shard of whole chunks starts at a restart.
+    k_tilde, v_tilde = mixer._recurrences(k, v, gate_logits, start, positions, None)
+    k_rot = rotate(k_tilde, cos_sin, backend=mixer.backend)
+    q = expand_groups(rotate(q, cos_sin, backend=mixer.backend), heads)
+    k_ends = cp.all_gather(chunk_ends(k_rot, L), dim=1)  # every chunk's end, in order
+    v_ends = cp.all_gather(chunk_ends(v_tilde, L), dim=1)
+    y = chunk_end_attention(q, k_rot, v_tilde, k_ends, v_ends, query_chunk=chunk_index.expand(batch, seq), backend=mixer.backend)
+    return mixer._output(gate_z, y)
+
+
+def rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, sparse_config=None, **unused):
+    from ...kernels.fused_norm import rotary
+    from ...kernels.gated_recurrence import gated_recurrence
+    from ...kernels.output_gate import sigmoid_gate
+    from ...layers.rat_plus_attention import DENSE, select_kv_heads
+    from ...layers.rotary import rotary_tables
+
+    check_plain(mixer, context, cache_layer)
+    batch, seq, _ = hidden_states.shape
+    heads, kv, dim = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
+    groups = (sparse_config or DENSE).layer_groups(mixer.layer_idx, heads)
+    if any(pattern.kind == "topk" for pattern, _ in groups):
+        raise NotImplementedError("context parallelism with RAT+: top-k block patterns have no exchange yet (dense and dilated do).")
+    rep = heads // kv
+    group_kv = [sorted({h // rep for h in group_heads}) for _, group_heads in groups]
+    q, k, v, gate_z = (proj(hidden_states) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.z_proj))
+    q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv, dim), v.view(batch, seq, kv, dim)
+    start, end = cp.rank * seq, (cp.rank + 1) * seq
+    unused_gathers = []
+    if mixer.use_recurrence:
+        # The recurrence runs over the whole sequence: the state entering this shard is the earlier
+        # shards' final states (each from zero) carried through the later shards' gate products.
+        gate = torch.sigmoid(mixer.g_proj(hidden_states).float()).view(batch, seq, kv, dim)
+        products = cp.from_previous_ranks(gate.prod(dim=1))  # [ranks, batch, kv, dim]
+        tilde = []
+        for x in (k, v):
+            finals = cp.from_previous_ranks(gated_recurrence(x, gate, 0, 0, None, backend=mixer.backend, out_dtype=torch.float32)[:, -1])
+            state = torch.zeros_like(finals[0])
+            for j in range(cp.rank):
+                state = products[j] * state + finals[j]
+            tilde.append(gated_recurrence(x, gate, 0, 0, state, backend=mixer.backend, out_dtype=torch.float32))
+            unused_gathers.append(finals)
+        unused_gathers.append(products)
+        k_tilde, v_tilde = tilde
+    else:
+        k_tilde, v_tilde = k.float(), v.float()
+    positions = torch.arange(start, end, device=q.device)[None]
+    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", start))
+    rope_backend = mixer.backend if mixer.backend in ("reference", "triton") else "auto"
+    q = rotary(q, cos_sin, backend=rope_backend)
+    k_rot = rotary(k_tilde.to(q.dtype), cos_sin, backend=rope_backend)
+    # The keys and values of every shard up to this one (the patterns read the earlier ones through
+    # their dilation, window and sinks; dense groups read them all).
+    keys = cp.all_gather(k_rot, dim=1)[:, :end]
+    values = cp.all_gather(v_tilde.to(q.dtype), dim=1)[:, :end]
+    q_pos = positions.expand(batch, seq)
+    k_pos = torch.arange(end, device=q.device)[None].expand(batch, end)
+    y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
+    for (pattern, group_heads), kv_heads in zip(groups, group_kv):
+        q_group = q if len(groups) == 1 else q[:, :, list(group_heads)]
+        pick = lambda x: select_kv_heads(x, kv_heads, mixer._index_tensor)  # noqa: E731
+        out = mixer._group_attention(pattern, group_heads, kv_heads, q_group, pick(keys), pick(values), q_pos, k_pos, None, False)
+        if y is None:
+            y = out
+        else:
+            y[:, :, list(group_heads)] = out
+    out = mixer.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=mixer.backend))
+    return keep_in_graph(out, unused_gathers if cp.rank == 0 else [])
