@@ -6,8 +6,9 @@ Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered; hybrids 
 and full softmax layers: the window halo, the earlier keys gathered), RAT+ (its joint objective of a
 dense and a dilated pattern, sinks and local windows, with and without the recurrence: the
 recurrent state carried through the earlier shards, the earlier keys gathered), FoX (whole models, llama
-and pro blocks, with and without RoPE: keys, values and forget-gate sums gathered, the KV-shift's
-one-token halo), RATTENTION (whole models with local and global layers, and pure linear
+and pro blocks, with and without RoPE: ring attention over the shards' keys, values and cumulative
+forget-gate sums, the KV-shift's one-token halo; and the ring alone on its Triton blocks, in
+Triton's CPU interpreter, with grouped query heads), RATTENTION (whole models with local and global layers, and pure linear
 attention: the window halo, the residual linear attention's state from the earlier shards, the
 global layers' keys and values gathered), SE hybrids (whole models, SE retrieval, full and
 sliding-window modes: the Mamba-2 conv halo and SSM state passed on, the attention layers' earlier
@@ -25,7 +26,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer", "fox_ring_triton"]
 _results = {}
 
 
