@@ -25,9 +25,11 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   patterns raise.
 - FoX (``ForgettingAttention``): query i weighs key j by exp(c_i - c_j), c the running sum of
   log forget gates over the whole sequence. Each shard's c is its own running sum plus the earlier
-  shards' totals (all-gathered, one number per row and head); keys, values and c are all-gathered
-  (each rank attends over the prefix up to its shard's end: the memory of the keys of the whole
-  sequence, not a ring yet), and the KV-shift reads the previous shard's last key and value.
+  shards' totals (all-gathered, one number per row and head). Ring attention (fox.py): the keys,
+  values and c of each shard travel rank to rank, one block per step, each rank attending to the
+  block in hand (the diagonal causally) and merging the partial outputs by their log-sum-exps; the
+  backward passes the blocks again with their dK, dV, dc accumulators. A rank holds two blocks of
+  keys, never the prefix. The KV-shift reads the previous shard's last key and value.
 - RATTENTION local layers (``RattentionLocalAttention``): the sliding window of the shard's first
   tokens reaches w + 1 tokens into the previous shard (a halo of keys and values), and the
   residual linear attention starts from the state of every token before that halo: the sum of
@@ -45,8 +47,16 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
   and each combines the earlier shards' states into its initial state and scans again from it.
 
-Every exchange is an all-gather whose backward sums the gradient over the ranks and keeps the
-own part, so forward, loss and every gradient equal one process on the whole sequence. A model
+Every other exchange is an all-gather whose backward sums the gradient over the ranks and keeps
+the own part, so forward, loss and every gradient equal one process on the whole sequence. A
+model with another mixer raises NotImplementedError naming it (see ``supported_mixers``). Where
+the keys and values of the earlier shards are gathered whole (RAT+, full softmax, RATTENTION's
+global and SE layers), each rank holds the keys of the sequence up to its shard: exact, but not
+the memory of FoX's ring. Shards are contiguous, so the last rank does the most causal work; a
+balanced layout (two chunks per rank) would change every mixer's sharding and is not done.
+
+Modules: group.py (the group, its all-gather, shared helpers), ring.py (point-to-point passes),
+one module per mixer family (rat.py, fox.py, rattention.py, softmax.py, se_hybrid.py).
 """
 from __future__ import annotations
 
