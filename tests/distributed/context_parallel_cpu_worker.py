@@ -45,6 +45,8 @@ MODELS = {
     "rat_plus": ("rat_plus", {}),
     "rat_plus_sinks": ("rat_plus", {"training_dilations": [1, {"dilation": 4, "local_window": 2, "num_sink_tokens": 1}]}),
     "rat_plus_no_recurrence": ("rat_plus", {"use_recurrence": False}),
+    # one dilated pattern alone (its logits compared): the shards exchange only chunk ends, halo and sinks
+    "rat_plus_dilated": ("rat_plus", {"training_dilations": [{"dilation": 4, "local_window": 2, "num_sink_tokens": 2}]}),
     "fox_llama": ("fox_llama", {}),
     "fox_pro": ("fox_pro", {}),
     "fox_pro_rope": ("fox_pro", {"use_rope": True}),

@@ -4,8 +4,9 @@ every gradient of one process on the whole sequence.
 
 Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered; hybrids with sliding-window
 and full softmax layers: the window halo, the earlier keys gathered), RAT+ (its joint objective of a
-dense and a dilated pattern, sinks and local windows, with and without the recurrence: the
-recurrent state carried through the earlier shards, the earlier keys gathered), FoX (whole models, llama
+dense and a dilated pattern, sinks and local windows, with and without the recurrence, and a
+dilated pattern alone: the recurrent state carried through the earlier shards, the earlier keys
+gathered, of dilated patterns only the chunk ends, window halo and sinks), FoX (whole models, llama
 and pro blocks, with and without RoPE: ring attention over the shards' keys, values and cumulative
 forget-gate sums, the KV-shift's one-token halo; and the ring alone on its Triton blocks, in
 Triton's CPU interpreter, with grouped query heads), RATTENTION (whole models with local and global layers, and pure linear
@@ -26,7 +27,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer", "fox_ring_triton"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer", "fox_ring_triton"]
 _results = {}
 
 
@@ -78,3 +79,17 @@ def test_uncovered_patterns_are_named():
     with context_parallel(rat_plus_layer, cp):
         with pytest.raises(NotImplementedError, match="top-k"):
             rat_plus_layer.self_attn(hidden, context, sparse_config=SparseInferenceConfig(top_k=2, block_size=2))
+
+
+def test_dilated_patterns_gather_only_what_they_read():
+    """A shard of 16 tokens under dilation 4, a local window of 2 and one sink: later shards read its
+    chunk ends 3, 7, 11, 15, the halo 14, 15 and the sink 0 (6 of 16 keys); a dense pattern, or a
+    dilation that does not divide the shard, gathers every key (None)."""
+    from hf_hybrid.distributed.context_parallel.rat import shard_tokens_read
+    from hf_hybrid.sparse import AttentionPattern
+
+    dilated = AttentionPattern(dilation=4, local_window=2, num_sink_tokens=1)
+    assert shard_tokens_read([dilated], 16) == [0, 3, 7, 11, 14, 15]
+    assert shard_tokens_read([dilated, AttentionPattern(dilation=8, num_sink_tokens=0)], 16) == [0, 3, 7, 11, 14, 15]
+    assert shard_tokens_read([dilated, AttentionPattern(dilation=1)], 16) is None
+    assert shard_tokens_read([AttentionPattern(dilation=3)], 16) is None

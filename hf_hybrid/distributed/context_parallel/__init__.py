@@ -19,10 +19,12 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   own k~, v~; the ranks all-gather their chunk ends (1/L of the keys and values).
 - RAT+ (``RatPlusAttention``): the gated recurrence runs over the whole sequence, so each shard
   scans from zero, the ranks all-gather (final state, product of the gates), and each carries the
-  earlier shards' states through into its own initial state and scans again from it. The keys
-  and values of the earlier shards are all-gathered (dense and dilated patterns, windows and sinks
-  read them through the pattern's mask; gathering only the dilated 1/D is left to do). Top-k
-  patterns raise.
+  earlier shards' states through into its own initial state and scans again from it. Dilated
+  patterns (rat.py, ``shard_tokens_read``): each shard's chunk ends (1/D of its keys and values),
+  its last local_window tokens (the next shard's window halo) and the first shard's sinks are
+  all-gathered, read through the pattern's mask at their positions. Dense patterns (D = 1), and
+  dilated ones whose D does not divide the shard (or whose window or sinks pass a shard), gather
+  the earlier shards' keys and values whole. Top-k patterns raise.
 - FoX (``ForgettingAttention``): query i weighs key j by exp(c_i - c_j), c the running sum of
   log forget gates over the whole sequence. Each shard's c is its own running sum plus the earlier
   shards' totals (all-gathered, one number per row and head). Ring attention (fox.py): the keys,
@@ -50,8 +52,8 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
 Every other exchange is an all-gather whose backward sums the gradient over the ranks and keeps
 the own part, so forward, loss and every gradient equal one process on the whole sequence. A
 model with another mixer raises NotImplementedError naming it (see ``supported_mixers``). Where
-the keys and values of the earlier shards are gathered whole (RAT+, full softmax, RATTENTION's
-global and SE layers), each rank holds the keys of the sequence up to its shard: exact, but not
+the keys and values of the earlier shards are gathered whole (RAT+'s dense pattern, full
+softmax, RATTENTION's global and SE layers), each rank holds the keys of the sequence up to its shard: exact, but not
 the memory of FoX's ring. Shards are contiguous, so the last rank does the most causal work; a
 balanced layout (two chunks per rank) would change every mixer's sharding and is not done.
 

@@ -1,5 +1,6 @@
 """Context-parallel forwards of RAT (chunk ends all-gathered) and RAT+ (recurrent state carried
-through the earlier shards; the keys and values the attention patterns read)."""
+through the earlier shards; of the earlier keys and values, what the attention patterns read: a
+dilated pattern's chunk ends, window halo and sinks, a dense pattern's all)."""
 from __future__ import annotations
 
 import torch
@@ -76,12 +77,24 @@ def rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, ca
     rope_backend = mixer.backend if mixer.backend in ("reference", "triton") else "auto"
     q = rotary(q, cos_sin, backend=rope_backend)
     k_rot = rotary(k_tilde.to(q.dtype), cos_sin, backend=rope_backend)
-    # The keys and values of every shard up to this one (the patterns read the earlier ones through
-    # their dilation, window and sinks; dense groups read them all).
-    keys = cp.all_gather(k_rot, dim=1)[:, :end]
-    values = cp.all_gather(v_tilde.to(q.dtype), dim=1)[:, :end]
+    # The earlier shards' keys and values the patterns read: for dilated groups only each shard's
+    # chunk ends, window halo and sinks (shard_tokens_read); dense groups read them all.
+    values = v_tilde.to(q.dtype)
+    read = shard_tokens_read([pattern for pattern, _ in groups], seq)
+    if read is None:
+        keys, values = cp.all_gather(k_rot, dim=1)[:, :end], cp.all_gather(values, dim=1)[:, :end]
+        k_pos = torch.arange(end, device=q.device)
+    else:
+        index = torch.tensor(read, device=q.device)
+        earlier = cp.rank * len(read)
+        gathered = [cp.all_gather(t[:, index], dim=1) for t in (k_rot, values)]
+        keys, values = (torch.cat([g[:, :earlier], t], dim=1) for g, t in zip(gathered, (k_rot, values)))
+        ranks_before = torch.arange(cp.rank, device=q.device)[:, None]
+        k_pos = torch.cat([(ranks_before * seq + index).flatten(), positions[0]])
+        if cp.rank == 0:
+            unused_gathers += gathered
     q_pos = positions.expand(batch, seq)
-    k_pos = torch.arange(end, device=q.device)[None].expand(batch, end)
+    k_pos = k_pos[None].expand(batch, -1)
     y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
     for (pattern, group_heads), kv_heads in zip(groups, group_kv):
         q_group = q if len(groups) == 1 else q[:, :, list(group_heads)]
@@ -93,3 +106,21 @@ def rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, ca
             y[:, :, list(group_heads)] = out
     out = mixer.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=mixer.backend))
     return keep_in_graph(out, unused_gathers if cp.rank == 0 else [])
+
+
+def shard_tokens_read(patterns, seq: int) -> list[int] | None:
+    """Indices within a shard of ``seq`` tokens of the keys that later shards' queries read under
+    dilated ``patterns`` (the union over them): the chunk ends ((position + 1) % D == 0), the last
+    ``local_window`` tokens (the window of the next shard's first queries) and the first
+    ``num_sink_tokens`` (read from the first shard only; the later shards' are masked). The same on
+    every rank when D divides ``seq``. None where every earlier key must be gathered: a dense
+    pattern, or a dilation, window or sink count that does not fit a shard."""
+    read = set()
+    for pattern in patterns:
+        if pattern.kind != "dilated":
+            return None
+        dilation, window, sinks = pattern.dilation, pattern.local_window, pattern.num_sink_tokens
+        if seq % dilation or window > seq or sinks > seq:
+            return None
+        read |= set(range(dilation - 1, seq, dilation)) | set(range(seq - window, seq)) | set(range(sinks))
+    return sorted(read)
