@@ -30,7 +30,7 @@ def _tiles(q: torch.Tensor) -> tuple[int, int, int]:
         return 16, 16, 4
     if q.dtype == torch.float32 or q.shape[-1] > 128:
         return 32, 32, 4
-    return 64, 64, 4
+    return 64, 64, 8 if q.shape[-1] == 128 else 4
 
 
 @triton.jit
