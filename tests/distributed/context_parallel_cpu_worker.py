@@ -47,6 +47,8 @@ MODELS = {
     "rat_plus_no_recurrence": ("rat_plus", {"use_recurrence": False}),
     # one dilated pattern alone (its logits compared): the shards exchange only chunk ends, halo and sinks
     "rat_plus_dilated": ("rat_plus", {"training_dilations": [{"dilation": 4, "local_window": 2, "num_sink_tokens": 2}]}),
+    # heads of one layer on both exchanges: head 1 dense (the ring, its key head repeated), 0, 2, 3 dilated
+    "rat_plus_mixed_heads": ("rat_plus", {"training_dilations": [{"dilation": 4, "num_sink_tokens": 1, "head_overrides": {1: "dense"}}]}),
     "fox_llama": ("fox_llama", {}),
     "fox_pro": ("fox_pro", {}),
     "fox_pro_rope": ("fox_pro", {"use_rope": True}),

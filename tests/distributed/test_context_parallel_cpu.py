@@ -3,19 +3,20 @@ split over the ranks (hf_hybrid.distributed.context_parallel) gives the forward,
 every gradient of one process on the whole sequence.
 
 Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered; hybrids with sliding-window
-and full softmax layers: the window halo, the earlier keys gathered), RAT+ (its joint objective of a
-dense and a dilated pattern, sinks and local windows, with and without the recurrence, and a
-dilated pattern alone: the recurrent state carried through the earlier shards, the earlier keys
-gathered, of dilated patterns only the chunk ends, window halo and sinks), FoX (whole models, llama
-and pro blocks, with and without RoPE: ring attention over the shards' keys, values and cumulative
-forget-gate sums, the KV-shift's one-token halo; and the ring alone on its Triton blocks, in
-Triton's CPU interpreter, with grouped query heads), RATTENTION (whole models with local and global layers, and pure linear
-attention: the window halo, the residual linear attention's state from the earlier shards, the
-global layers' keys and values gathered), SE hybrids (whole models, SE retrieval, full and
-sliding-window modes: the Mamba-2 conv halo and SSM state passed on, the attention layers' earlier
-keys gathered and their retrieval chosen from the earlier queries) and, alone, the Mamba-2 layer
-at a larger gradient scale. A control run of each shard without the exchange differs, so the
-comparison sees a missing exchange. The ranks run context_parallel_cpu_worker.py under torchrun.
+and full softmax layers: the window halo, ring attention), RAT+ (its joint objective of a dense and
+a dilated pattern, sinks and local windows, with and without the recurrence, a dilated pattern
+alone, and dense and dilated heads in one layer: the recurrent state carried through the earlier
+shards, ring attention for dense heads, of dilated patterns only the chunk ends, window halo and
+sinks gathered), FoX (whole models, llama and pro blocks, with and without RoPE: ring attention
+over the shards' keys, values and cumulative forget-gate sums, the KV-shift's one-token halo; and
+the ring alone on its Triton blocks, in Triton's CPU interpreter, with grouped query heads),
+RATTENTION (whole models with local and global layers, and pure linear attention: the window halo,
+the residual linear attention's state from the earlier shards, ring attention in the global
+layers), SE hybrids (whole models, SE retrieval, full and sliding-window modes: the Mamba-2 conv
+halo and SSM state passed on, the attention layers' earlier keys gathered and their retrieval
+chosen from the earlier queries) and, alone, the Mamba-2 layer at a larger gradient scale. A
+control run of each shard without the exchange differs, so the comparison sees a missing
+exchange. The ranks run context_parallel_cpu_worker.py under torchrun.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer", "fox_ring_triton"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "rat_plus_mixed_heads", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer", "fox_ring_triton"]
 _results = {}
 
 

@@ -22,12 +22,12 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   earlier shards' states through into its own initial state and scans again from it. Dilated
   patterns (rat.py, ``shard_tokens_read``): each shard's chunk ends (1/D of its keys and values),
   its last local_window tokens (the next shard's window halo) and the first shard's sinks are
-  all-gathered, read through the pattern's mask at their positions. Dense patterns (D = 1), and
-  dilated ones whose D does not divide the shard (or whose window or sinks pass a shard), gather
-  the earlier shards' keys and values whole. Top-k patterns raise.
+  all-gathered, read through the pattern's mask at their positions (dilated ones whose D does not
+  divide the shard, or whose window or sinks pass a shard, gather the earlier keys whole). Dense
+  patterns (D = 1) read every earlier key: ring attention (below, with c = 0). Top-k patterns raise.
 - FoX (``ForgettingAttention``): query i weighs key j by exp(c_i - c_j), c the running sum of
   log forget gates over the whole sequence. Each shard's c is its own running sum plus the earlier
-  shards' totals (all-gathered, one number per row and head). Ring attention (fox.py): the keys,
+  shards' totals (all-gathered, one number per row and head). Ring attention (ring.py): the keys,
   values and c of each shard travel rank to rank, one block per step, each rank attending to the
   block in hand (the diagonal causally) and merging the partial outputs by their log-sum-exps; the
   backward passes the blocks again with their dK, dV, dc accumulators. A rank holds two blocks of
@@ -36,10 +36,10 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   tokens reaches w + 1 tokens into the previous shard (a halo of keys and values), and the
   residual linear attention starts from the state of every token before that halo: the sum of
   the earlier shards' phi(k) v^T (all-gathered, one state per shard; the sums have no decay) less
-  the halo's own. Global layers (``RattentionGlobalAttention``): keys and values all-gathered.
+  the halo's own. Global layers (``RattentionGlobalAttention``): ring attention (c = 0).
 - Softmax attention (``SoftmaxAttention``: the sliding-window and full layers of RAT hybrids):
   a window of w tokens reads the previous shard's last w - 1 keys and values (a halo); full
-  attention gathers the keys and values of the shards before.
+  attention is ring attention (c = 0).
 - SE attention (``SpanExpandedAttention``, the attention layers of SE hybrids; full, swa, se and
   se_nomem modes): the keys and values of the shards before are all-gathered; which blocks a
   group of queries retrieves is chosen from the earlier queries and keys (gathered without
@@ -51,14 +51,15 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
 
 Every other exchange is an all-gather whose backward sums the gradient over the ranks and keeps
 the own part, so forward, loss and every gradient equal one process on the whole sequence. A
-model with another mixer raises NotImplementedError naming it (see ``supported_mixers``). Where
-the keys and values of the earlier shards are gathered whole (RAT+'s dense pattern, full
-softmax, RATTENTION's global and SE layers), each rank holds the keys of the sequence up to its shard: exact, but not
-the memory of FoX's ring. Shards are contiguous, so the last rank does the most causal work; a
-balanced layout (two chunks per rank) would change every mixer's sharding and is not done.
+model with another mixer raises NotImplementedError naming it (see ``supported_mixers``). SE
+attention still gathers the earlier keys and values whole (its retrieval mask is no causal
+block pattern): each rank holds the keys up to its shard, exact but not the memory of a ring.
+Shards are contiguous, so the last rank does the most causal work; a balanced layout (two chunks
+per rank) would change every mixer's sharding and is not done.
 
-Modules: group.py (the group, its all-gather, shared helpers), ring.py (point-to-point passes),
-one module per mixer family (rat.py, fox.py, rattention.py, softmax.py, se_hybrid.py).
+Modules: group.py (the group, its all-gather, shared helpers), ring.py (ring attention and its
+point-to-point passes), one module per mixer family (rat.py, fox.py, rattention.py, softmax.py,
+se_hybrid.py).
 """
 from __future__ import annotations
 

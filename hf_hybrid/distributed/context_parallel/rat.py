@@ -1,11 +1,13 @@
 """Context-parallel forwards of RAT (chunk ends all-gathered) and RAT+ (recurrent state carried
 through the earlier shards; of the earlier keys and values, what the attention patterns read: a
-dilated pattern's chunk ends, window halo and sinks, a dense pattern's all)."""
+dilated pattern's chunk ends, window halo and sinks all-gathered, a dense pattern's all through
+ring attention)."""
 from __future__ import annotations
 
 import torch
 
 from .group import ContextParallelGroup, check_plain, keep_in_graph
+from .ring import ring_softmax_attention
 
 
 def rat_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
@@ -77,29 +79,36 @@ def rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, ca
     rope_backend = mixer.backend if mixer.backend in ("reference", "triton") else "auto"
     q = rotary(q, cos_sin, backend=rope_backend)
     k_rot = rotary(k_tilde.to(q.dtype), cos_sin, backend=rope_backend)
-    # The earlier shards' keys and values the patterns read: for dilated groups only each shard's
-    # chunk ends, window halo and sinks (shard_tokens_read); dense groups read them all.
-    values = v_tilde.to(q.dtype)
-    read = shard_tokens_read([pattern for pattern, _ in groups], seq)
-    if read is None:
-        keys, values = cp.all_gather(k_rot, dim=1)[:, :end], cp.all_gather(values, dim=1)[:, :end]
-        k_pos = torch.arange(end, device=q.device)
-    else:
-        index = torch.tensor(read, device=q.device)
-        earlier = cp.rank * len(read)
-        gathered = [cp.all_gather(t[:, index], dim=1) for t in (k_rot, values)]
-        keys, values = (torch.cat([g[:, :earlier], t], dim=1) for g, t in zip(gathered, (k_rot, values)))
-        ranks_before = torch.arange(cp.rank, device=q.device)[:, None]
-        k_pos = torch.cat([(ranks_before * seq + index).flatten(), positions[0]])
-        if cp.rank == 0:
-            unused_gathers += gathered
-    q_pos = positions.expand(batch, seq)
-    k_pos = k_pos[None].expand(batch, -1)
+    # Dense groups (D = 1) read every earlier key: ring attention (ring.py). Dilated groups read
+    # each earlier shard's chunk ends, window halo and sinks (shard_tokens_read), all-gathered.
+    own_values = v_tilde.to(q.dtype)
+    dilated = [pattern for pattern, _ in groups if pattern.kind == "dilated"]
+    if dilated:
+        read = shard_tokens_read(dilated, seq)
+        if read is None:  # a dilation, window or sink count that does not fit a shard: every key
+            keys, values = cp.all_gather(k_rot, dim=1)[:, :end], cp.all_gather(own_values, dim=1)[:, :end]
+            k_pos = torch.arange(end, device=q.device)
+        else:
+            index = torch.tensor(read, device=q.device)
+            earlier = cp.rank * len(read)
+            gathered = [cp.all_gather(t[:, index], dim=1) for t in (k_rot, own_values)]
+            keys, values = (torch.cat([g[:, :earlier], t], dim=1) for g, t in zip(gathered, (k_rot, own_values)))
+            ranks_before = torch.arange(cp.rank, device=q.device)[:, None]
+            k_pos = torch.cat([(ranks_before * seq + index).flatten(), positions[0]])
+            if cp.rank == 0:
+                unused_gathers += gathered
+        q_pos, k_pos = positions.expand(batch, seq), k_pos[None].expand(batch, -1)
     y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
     for (pattern, group_heads), kv_heads in zip(groups, group_kv):
         q_group = q if len(groups) == 1 else q[:, :, list(group_heads)]
         pick = lambda x: select_kv_heads(x, kv_heads, mixer._index_tensor)  # noqa: E731
-        out = mixer._group_attention(pattern, group_heads, kv_heads, q_group, pick(keys), pick(values), q_pos, k_pos, None, False)
+        if pattern.kind == "dense":
+            # The ring takes grouped heads as they are where the group's query heads are whole
+            # GQA groups, else one key head per query head.
+            per_query = lambda x: x if _whole_kv_groups(group_heads, kv_heads, rep) else mixer._expand(x, kv_heads, group_heads)  # noqa: E731
+            out = ring_softmax_attention(q_group, per_query(pick(k_rot)), per_query(pick(own_values)), cp, dim**-0.5, mixer.backend)
+        else:
+            out = mixer._group_attention(pattern, group_heads, kv_heads, q_group, pick(keys), pick(values), q_pos, k_pos, None, False)
         if y is None:
             y = out
         else:
@@ -124,3 +133,8 @@ def shard_tokens_read(patterns, seq: int) -> list[int] | None:
             return None
         read |= set(range(dilation - 1, seq, dilation)) | set(range(seq - window, seq)) | set(range(sinks))
     return sorted(read)
+
+
+def _whole_kv_groups(heads, kv_heads, rep: int) -> bool:
+    """Whether query ``heads`` are exactly the query heads of ``kv_heads`` in order (rep per key head)."""
+    return len(heads) == rep * len(kv_heads) and all(h // rep == kv_heads[i // rep] for i, h in enumerate(heads))

@@ -1,10 +1,11 @@
 """Context-parallel forwards of RATTENTION's local (window halo, residual linear attention state)
-and global layers."""
+and global (ring attention) layers."""
 from __future__ import annotations
 
 import torch
 
 from .group import ContextParallelGroup, check_plain, keep_in_graph, previous_rank_only, window_mask
+from .ring import ring_softmax_attention
 
 
 def rattention_local_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
@@ -57,14 +58,10 @@ def rattention_local_forward(mixer, cp: ContextParallelGroup, hidden_states, con
 
 
 def rattention_global_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
-    from ...layers.residual_linear_attention import _attend
-
+    """Global layers: causal softmax attention over the whole sequence, as ring attention (ring.py)."""
     check_plain(mixer, context, cache_layer)
     batch, seq, _ = hidden_states.shape
     q, k, v = mixer.project(hidden_states)
     q, k = mixer.normed(q, k)
-    end = (cp.rank + 1) * seq
-    keys, values = cp.all_gather(k, dim=1)[:, :end], cp.all_gather(v, dim=1)[:, :end]
-    mask = window_mask(cp.rank * seq, seq, cp.rank * seq, None, q.device)
-    out = _attend(q, keys, values, mask, mixer.num_heads, mixer.num_kv_heads)
+    out = ring_softmax_attention(q, k, v, cp, q.shape[-1] ** -0.5, mixer.backend)
     return mixer.o_proj(out.reshape(batch, seq, -1))
