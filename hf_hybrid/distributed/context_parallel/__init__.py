@@ -30,8 +30,8 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   shards' totals (all-gathered, one number per row and head). Ring attention (ring.py): the keys,
   values and c of each shard travel rank to rank, one block per step, each rank attending to the
   block in hand (the diagonal causally) and merging the partial outputs by their log-sum-exps; the
-  backward passes the blocks again with their dK, dV, dc accumulators. A rank holds two blocks of
-  keys, never the prefix. The KV-shift reads the previous shard's last key and value.
+  backward passes the blocks again with their dK, dV, dc accumulators. A rank holds its own block
+  and two in transit, never the prefix. The KV-shift reads the previous shard's last key and value.
 - RATTENTION local layers (``RattentionLocalAttention``): the sliding window of the shard's first
   tokens reaches w + 1 tokens into the previous shard (a halo of keys and values), and the
   residual linear attention starts from the state of every token before that halo: the sum of

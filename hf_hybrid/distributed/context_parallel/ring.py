@@ -7,7 +7,7 @@ block per step (``RingPass``: point-to-point sends to the next rank, receives fr
 asynchronous, so a rank computes on the block it holds while the next one travels). Each rank
 attends to its own block causally and to each earlier shard's block whole
 (kernels/forgetting_attention/blocks.py) and merges the partial outputs by their log-sum-exps; it
-holds two blocks of keys at a time.
+holds its own block and two in transit, never the prefix.
 
 The backward passes the blocks around again, each with float32 accumulators of its dK, dV and dc:
 every rank adds its share (from the merged output and log-sum-exp it saved) and passes the
@@ -63,10 +63,10 @@ class _RingForgettingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, c, cp, scale, backend):
         from ...kernels.forgetting_attention.blocks import forgetting_block_attention
 
-        o, lse = forgetting_block_attention(q, k, v, c, c, causal=True, scale=scale, backend=backend)
-        o = o.float()
         # Step s: this rank holds the block of rank (rank - s) mod ranks; only earlier ranks' count.
         transfer = RingPass(cp, (k, v, c)) if cp.world_size > 1 else None
+        o, lse = forgetting_block_attention(q, k, v, c, c, causal=True, scale=scale, backend=backend)
+        o = o.float()
         for step in range(1, cp.world_size):
             held = transfer.wait()
             transfer = RingPass(cp, held) if step + 1 < cp.world_size else None
@@ -90,19 +90,20 @@ class _RingForgettingAttention(torch.autograd.Function):
         delta = (grad.float() * o.float()).sum(-1).transpose(1, 2)  # rowsum(dO * O) [B, HQ, S]
         block_grads = lambda k_held, v_held, c_held, causal: forgetting_block_attention_backward(  # noqa: E731
             grad, q, k_held, v_held, c, c_held, o, lse, delta, causal=causal, scale=scale, backend=ctx.backend)
-        dq, dk, dv, dc, _ = (t.float() if t is not None else None for t in block_grads(k, v, c, True))
         # Each block travels with the accumulated dK, dV, dc of the ranks it has passed.
         kv_transfer = RingPass(cp, (k, v, c)) if cp.world_size > 1 else None
+        dq, dk, dv, dc, _ = (t.float() if t is not None else None for t in block_grads(k, v, c, True))
         sums_transfer = None
         for step in range(1, cp.world_size):
             held = kv_transfer.wait()
             kv_transfer = RingPass(cp, held) if step + 1 < cp.world_size else None
+            parts = block_grads(*held, False) if step <= cp.rank else None  # while the sums travel
             if sums_transfer is None:  # the block's own rank adds nothing to the sums it sends on
                 sums = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in held)
             else:
                 sums = sums_transfer.wait()
-            if step <= cp.rank:
-                dq_block, dk_block, dv_block, dc_q, dc_k = block_grads(*held, False)
+            if parts is not None:
+                dq_block, dk_block, dv_block, dc_q, dc_k = parts
                 dq += dq_block
                 dc += dc_q
                 sums = tuple(total + part for total, part in zip(sums, (dk_block, dv_block, dc_k)))
