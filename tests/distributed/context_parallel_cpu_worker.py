@@ -6,10 +6,14 @@
 Per model (float32, reference kernels): one process runs the whole sequence (logits, loss and
 every parameter's gradient), then the ranks run it split over the gloo group with
 hf_hybrid.distributed.context_parallel (each rank its shard, labels pre-shifted, gradients summed
-over the group). The largest differences over all ranks go to OUT_DIR/results-N.json.
+over the group). The largest differences over all ranks go to OUT_DIR/results-N.json, with the
+largest share of a shard's tokens any all-gather along the sequence took (what a rank holds of the
+others' keys). Single layers (LAYERS) and FoX's ring alone on random inputs (RINGS) are checked
+the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -67,6 +71,25 @@ LAYERS = {"mamba2_layer": ("se_hybrid", 0)}
 RINGS = {"fox_ring_triton": "triton"}
 
 
+@contextlib.contextmanager
+def gathered_tokens(shard_len: int):
+    """Records, for every all-gather along the sequence (dim 1) in the block, the share of a
+    shard's tokens each rank contributed (sums and states, gathered along dim 0, count 0): what a
+    rank ends up holding of the other shards' keys and values, as a fraction of a shard each."""
+    shares = []
+    original = ContextParallelGroup.all_gather
+
+    def recording(self, tensor, dim):
+        shares.append(tensor.shape[dim] / shard_len if dim == 1 else 0.0)
+        return original(self, tensor, dim)
+
+    ContextParallelGroup.all_gather = recording
+    try:
+        yield shares
+    finally:
+        ContextParallelGroup.all_gather = original
+
+
 def check(name: str, cp: ContextParallelGroup) -> dict:
     model_type, overrides = MODELS[name]
     model = build(model_type, **overrides)
@@ -80,7 +103,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     model.zero_grad()
 
     targets = cp.shard_labels(labels)
-    with context_parallel(model, cp):
+    with context_parallel(model, cp), gathered_tokens(SETTINGS["seq"] // cp.world_size) as gathered:
         out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False)
     out.loss.backward()
     cp.all_reduce_gradients(model)
@@ -100,7 +123,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     missing = [n for n, p in model.named_parameters() if (p.grad is None) != (n not in reference_grads)]
     return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
             "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "loss": full.loss.item(),
-            "missing_grads": missing}
+            "missing_grads": missing, "largest_gather": max(gathered, default=0.0)}
 
 
 def check_layer(name: str, cp: ContextParallelGroup) -> dict:

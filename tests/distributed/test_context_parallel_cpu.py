@@ -53,6 +53,29 @@ def test_split_sequence_matches_one_process(tmp_path_factory, ranks, name):
     assert result["no_exchange_logits_diff"] > 1e-3
 
 
+# The largest share of a shard's tokens any all-gather along the sequence takes from each rank:
+# ring attention gathers none (its blocks pass point to point), RAT its chunk ends (1/L, L = 4),
+# a dilated RAT+ pattern its chunk ends, window halo and sinks; SE attention gathers whole shards.
+LARGEST_GATHER = {
+    "fox_llama": 0.0, "fox_pro": 0.0, "fox_pro_rope": 0.0, "rat_full_attention": 1 / 4, "rattention": 0.0,
+    "rattention_linear": 0.0, "rat": 1 / 4, "rat_nope": 1 / 4,
+}
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ring_mixers_gather_no_keys_of_the_prefix(tmp_path_factory, ranks):
+    shard = 32 // ranks
+    for name, largest in LARGEST_GATHER.items():
+        assert results(tmp_path_factory, ranks)[name]["largest_gather"] == pytest.approx(largest), name
+    # RAT+ (dense heads on the ring) with dilation D, window w and s sinks: each shard's D-th keys,
+    # its last w and its first s
+    dilated = {"rat_plus": (8, 0, 0), "rat_plus_dilated": (4, 2, 2), "rat_plus_mixed_heads": (4, 0, 1)}
+    for name, (dilation, window, sinks) in dilated.items():
+        read = set(range(dilation - 1, shard, dilation)) | set(range(shard - window, shard)) | set(range(sinks))
+        assert results(tmp_path_factory, ranks)[name]["largest_gather"] == pytest.approx(len(read) / shard), name
+    assert results(tmp_path_factory, ranks)["se_hybrid"]["largest_gather"] == 1.0
+
+
 def test_uncovered_patterns_are_named():
     """SE's random retrieval and RAT+'s top-k patterns have no exchange: they raise before any
     collective, naming what is missing."""
