@@ -24,7 +24,7 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   its last local_window tokens (the next shard's window halo) and the first shard's sinks are
   all-gathered, read through the pattern's mask at their positions (dilated ones whose D does not
   divide the shard, or whose window or sinks pass a shard, gather the earlier keys whole). Dense
-  patterns (D = 1) read every earlier key: ring attention (below, with c = 0). Top-k patterns raise.
+  patterns (D = 1) read every earlier key: ring attention (below). Top-k patterns raise.
 - FoX (``ForgettingAttention``): query i weighs key j by exp(c_i - c_j), c the running sum of
   log forget gates over the whole sequence. Each shard's c is its own running sum plus the earlier
   shards' totals (all-gathered, one number per row and head). Ring attention (ring.py): the keys,
@@ -36,10 +36,10 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   tokens reaches w + 1 tokens into the previous shard (a halo of keys and values), and the
   residual linear attention starts from the state of every token before that halo: the sum of
   the earlier shards' phi(k) v^T (all-gathered, one state per shard; the sums have no decay) less
-  the halo's own. Global layers (``RattentionGlobalAttention``): ring attention (c = 0).
+  the halo's own. Global layers (``RattentionGlobalAttention``): ring attention.
 - Softmax attention (``SoftmaxAttention``: the sliding-window and full layers of RAT hybrids):
   a window of w tokens reads the previous shard's last w - 1 keys and values (a halo); full
-  attention is ring attention (c = 0).
+  attention is ring attention.
 - SE attention (``SpanExpandedAttention``, the attention layers of SE hybrids; full, swa, se and
   se_nomem modes): the keys and values of the shards before are all-gathered; which blocks a
   group of queries retrieves is chosen from the earlier queries and keys (gathered without
