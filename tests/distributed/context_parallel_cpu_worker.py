@@ -6,10 +6,14 @@
 Per model (float32, reference kernels): one process runs the whole sequence (logits, loss and
 every parameter's gradient), then the ranks run it split over the gloo group with
 hf_hybrid.distributed.context_parallel (each rank its shard, labels pre-shifted, gradients summed
-over the group). The largest differences over all ranks go to OUT_DIR/results-N.json.
+over the group). The largest differences over all ranks go to OUT_DIR/results-N.json, with the
+largest share of a shard's tokens any all-gather along the sequence took (what a rank holds of the
+others' keys). Single layers (LAYERS) and FoX's ring alone on random inputs (RINGS) are checked
+the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -32,9 +36,9 @@ SETTINGS = {"device": "cpu", "dtype": "float32", "seq": 32, "hidden": 0}
 def build(model_type: str, **overrides):
     if SETTINGS["hidden"]:
         hidden = SETTINGS["hidden"]
-        overrides = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4) | overrides
+        overrides = overrides | dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4)
     backend = {} if SETTINGS["device"] != "cpu" else {"kernel_backend": "reference"}
-    model = tiny_model(model_type, **backend, **overrides).train()
+    model = tiny_model(model_type, **(backend | overrides)).train()
     return model.to(SETTINGS["device"], getattr(torch, SETTINGS["dtype"]))
 # name -> (tiny model type, overrides): whole models whose every mixer context parallelism covers.
 MODELS = {
@@ -45,6 +49,10 @@ MODELS = {
     "rat_plus": ("rat_plus", {}),
     "rat_plus_sinks": ("rat_plus", {"training_dilations": [1, {"dilation": 4, "local_window": 2, "num_sink_tokens": 1}]}),
     "rat_plus_no_recurrence": ("rat_plus", {"use_recurrence": False}),
+    # one dilated pattern alone (its logits compared): the shards exchange only chunk ends, halo and sinks
+    "rat_plus_dilated": ("rat_plus", {"training_dilations": [{"dilation": 4, "local_window": 2, "num_sink_tokens": 2}]}),
+    # heads of one layer on both exchanges: head 1 dense (the ring, its key head repeated), 0, 2, 3 dilated
+    "rat_plus_mixed_heads": ("rat_plus", {"training_dilations": [{"dilation": 4, "num_sink_tokens": 1, "head_overrides": {1: "dense"}}]}),
     "fox_llama": ("fox_llama", {}),
     "fox_pro": ("fox_pro", {}),
     "fox_pro_rope": ("fox_pro", {"use_rope": True}),
@@ -57,6 +65,29 @@ MODELS = {
 # name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
 # hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).
 LAYERS = {"mamba2_layer": ("se_hybrid", 0)}
+# name -> the ring's block backend: FoX's ring attention alone on random inputs (4 query heads
+# over 2 key heads of 16), against the reference on the whole sequence. On CPU the Triton blocks
+# run in Triton's interpreter: cheaper here than a whole layer of Triton kernels.
+RINGS = {"fox_ring_triton": "triton"}
+
+
+@contextlib.contextmanager
+def gathered_tokens(shard_len: int):
+    """Records, for every all-gather along the sequence (dim 1) in the block, the share of a
+    shard's tokens each rank contributed (sums and states, gathered along dim 0, count 0): what a
+    rank ends up holding of the other shards' keys and values, as a fraction of a shard each."""
+    shares = []
+    original = ContextParallelGroup.all_gather
+
+    def recording(self, tensor, dim):
+        shares.append(tensor.shape[dim] / shard_len if dim == 1 else 0.0)
+        return original(self, tensor, dim)
+
+    ContextParallelGroup.all_gather = recording
+    try:
+        yield shares
+    finally:
+        ContextParallelGroup.all_gather = original
 
 
 def check(name: str, cp: ContextParallelGroup) -> dict:
@@ -72,7 +103,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     model.zero_grad()
 
     targets = cp.shard_labels(labels)
-    with context_parallel(model, cp):
+    with context_parallel(model, cp), gathered_tokens(SETTINGS["seq"] // cp.world_size) as gathered:
         out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False, skip_logits=False)
     out.loss.backward()
     cp.all_reduce_gradients(model)
@@ -92,7 +123,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     missing = [n for n, p in model.named_parameters() if (p.grad is None) != (n not in reference_grads)]
     return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
             "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "loss": full.loss.item(),
-            "missing_grads": missing}
+            "missing_grads": missing, "largest_gather": max(gathered, default=0.0)}
 
 
 def check_layer(name: str, cp: ContextParallelGroup) -> dict:
@@ -136,6 +167,43 @@ def check_layer(name: str, cp: ContextParallelGroup) -> dict:
             "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "missing_grads": missing}
 
 
+def check_ring(name: str, cp: ContextParallelGroup) -> dict:
+    """ring_forgetting_attention on each rank's shard (every gradient summed over the ranks) vs
+    forgetting_attention_reference on the whole sequence: output, dq, dk, dv and d log f."""
+    from torch.nn import functional as F
+
+    from hf_hybrid.distributed.context_parallel.fox import ring_forgetting_attention
+    from hf_hybrid.kernels.forgetting_attention import cumulative_log_forget, forgetting_attention_reference
+
+    device, dtype = SETTINGS["device"], getattr(torch, SETTINGS["dtype"])
+    g = torch.Generator().manual_seed(5)
+    seq, heads, kv_heads, dim = SETTINGS["seq"], 4, 2, 16
+    shapes = [(BATCH, seq, heads, dim), (BATCH, seq, kv_heads, dim), (BATCH, seq, kv_heads, dim)]
+    q, k, v = (torch.randn(shape, generator=g).to(device, dtype) for shape in shapes)
+    log_f = F.logsigmoid(torch.randn(BATCH, seq, heads, generator=g) * 2 + 1.5).to(device)
+    weights = torch.randn(BATCH, seq, heads, dim, generator=g).to(device, dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, log_f)]
+    full = forgetting_attention_reference(*leaves)
+    full_grads = torch.autograd.grad((full.float() * weights.float()).sum(), leaves)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, log_f)]
+    c = cp.shard(cumulative_log_forget(leaves[3]))  # the whole sequence's c at this shard's tokens
+    out = ring_forgetting_attention(*(cp.shard(t) for t in leaves[:3]), c, cp, dim**-0.5, RINGS[name])
+    grads = torch.autograd.grad((out.float() * cp.shard(weights).float()).sum(), leaves)
+    for grad in grads:
+        dist.all_reduce(grad, group=cp.group)
+    alone = forgetting_attention_reference(*(cp.shard(t) for t in (q, k, v, log_f)))  # control: no exchange
+    diffs = torch.tensor(device=device, data=[
+        0.0,
+        (out.float() - cp.shard(full.detach()).float()).abs().max().item(),
+        max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, full_grads)),
+        max(b.abs().max().item() for b in full_grads),
+        (alone.float() - cp.shard(full.detach()).float()).abs().max().item(),
+    ])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
+    return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
+            "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "missing_grads": []}
+
+
 def main() -> None:
     args = sys.argv[1:]
     while "--" in " ".join(args):  # --name value pairs anywhere after OUT_DIR
@@ -143,7 +211,7 @@ def main() -> None:
         key, value = args[index][2:], args[index + 1]
         SETTINGS[key] = type(SETTINGS[key])(value)
         del args[index : index + 2]
-    out_dir, names = args[0], args[1:] or [*MODELS, *LAYERS]
+    out_dir, names = args[0], args[1:] or [*MODELS, *LAYERS, *RINGS]
     if SETTINGS["device"] == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         SETTINGS["device"] = f"cuda:{torch.cuda.current_device()}"
@@ -152,7 +220,8 @@ def main() -> None:
         dist.init_process_group("gloo")
         torch.set_num_threads(1)
     cp = ContextParallelGroup.from_group()
-    results = {name: (check if name in MODELS else check_layer)(name, cp) for name in names}
+    checks = {**dict.fromkeys(MODELS, check), **dict.fromkeys(LAYERS, check_layer), **dict.fromkeys(RINGS, check_ring)}
+    results = {name: checks[name](name, cp) for name in names}
     if cp.rank == 0:
         with open(os.path.join(out_dir, f"results-{cp.world_size}.json"), "w") as file:
             json.dump(results, file, indent=1)

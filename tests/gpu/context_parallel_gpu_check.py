@@ -4,7 +4,10 @@
 
 Runs tests/distributed/context_parallel_cpu_worker.py under torchrun with NCCL, one GPU per rank,
 in bf16 with the Triton kernels (hidden 256 = 4 heads of 64): for every covered mixer, one process
-on the whole sequence vs the sequence split over the ranks (forward, loss, every gradient).
+on the whole sequence vs the sequence split over the ranks (forward, loss, every gradient). Ring
+attention runs its FoX blocks on the Triton kernels (the diagonal on the causal ones, Hopper's
+where they apply) and its softmax blocks on cuDNN / FlashAttention-2; ``fox_ring_triton`` checks
+the ring alone against the float32 reference.
 Prints a table; exit status 1 if a tolerance is missed.
 
 bf16 tolerances (the two runs round differently: the split runs gather bf16 keys, combine

@@ -1,0 +1,128 @@
+"""Context parallelism: one sequence split contiguously over the ranks of a process group, each
+token mixer exchanging only what its math needs across the shard borders.
+
+    cp = ContextParallelGroup.from_mesh(mesh)               # a 1-D DeviceMesh (or .from_group)
+    ids, targets = cp.shard(input_ids), cp.shard_labels(labels)   # targets: already shifted
+    with context_parallel(model, cp):
+        loss = model(input_ids=ids, shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False).loss
+    loss.backward()                                          # then sum each gradient over the group
+    cp.all_reduce_gradients(model)
+
+Rank r holds tokens [r S, (r + 1) S) of every row (S = seq / ranks). The labels are shifted
+before they are split (``shift_labels``), so the target of a shard's last token is the next
+shard's first token and the loss is exact at the borders; with ``num_items_in_batch`` set to the
+group's count of targets, each rank's loss is its share of the global mean and the shares add
+up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
+
+- RAT (``RatAttention``): a query sees its own chunk's recurrent state and the end of every
+  earlier chunk. The recurrence restarts at every chunk, so a shard of whole chunks computes its
+  own k~, v~; the ranks all-gather their chunk ends (1/L of the keys and values).
+- RAT+ (``RatPlusAttention``): the gated recurrence runs over the whole sequence, so each shard
+  scans from zero, the ranks all-gather (final state, product of the gates), and each carries the
+  earlier shards' states through into its own initial state and scans again from it. Dilated
+  patterns (rat.py, ``shard_tokens_read``): each shard's chunk ends (1/D of its keys and values),
+  its last local_window tokens (the next shard's window halo) and the first shard's sinks are
+  all-gathered, read through the pattern's mask at their positions (dilated ones whose D does not
+  divide the shard, or whose window or sinks pass a shard, gather the earlier keys whole). Dense
+  patterns (D = 1) read every earlier key: ring attention (below). Top-k patterns raise.
+- FoX (``ForgettingAttention``): query i weighs key j by exp(c_i - c_j), c the running sum of
+  log forget gates over the whole sequence. Each shard's c is its own running sum plus the earlier
+  shards' totals (all-gathered, one number per row and head). Ring attention (ring.py): the keys,
+  values and c of each shard travel rank to rank, one block per step, each rank attending to the
+  block in hand (the diagonal causally) and merging the partial outputs by their log-sum-exps; the
+  backward passes the blocks again with their dK, dV, dc accumulators. A rank holds its own block
+  and two in transit, never the prefix. The KV-shift reads the previous shard's last key and value.
+- RATTENTION local layers (``RattentionLocalAttention``): the sliding window of the shard's first
+  tokens reaches w + 1 tokens into the previous shard (a halo of keys and values), and the
+  residual linear attention starts from the state of every token before that halo: the sum of
+  the earlier shards' phi(k) v^T (all-gathered, one state per shard; the sums have no decay) less
+  the halo's own. Global layers (``RattentionGlobalAttention``): ring attention.
+- Softmax attention (``SoftmaxAttention``: the sliding-window and full layers of RAT hybrids):
+  a window of w tokens reads the previous shard's last w - 1 keys and values (a halo); full
+  attention is ring attention.
+- SE attention (``SpanExpandedAttention``, the attention layers of SE hybrids; full, swa, se and
+  se_nomem modes): the keys and values of the shards before are all-gathered; which blocks a
+  group of queries retrieves is chosen from the earlier queries and keys (gathered without
+  gradient), the same causal choice one process makes. se_random raises.
+- Mamba-2 (``SEMambaMixer``, the SSM layers of SE hybrids): the causal conv reads the last K - 1
+  inputs of the previous shard (a halo), and the scan starts from the state the earlier shards
+  leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
+  and each combines the earlier shards' states into its initial state and scans again from it.
+
+Every other exchange is an all-gather whose backward sums the gradient over the ranks and keeps
+the own part, so forward, loss and every gradient equal one process on the whole sequence. A
+model with another mixer raises NotImplementedError naming it (see ``supported_mixers``). SE
+attention still gathers the earlier keys and values whole (its retrieval mask is no causal
+block pattern): each rank holds the keys up to its shard, exact but not the memory of a ring.
+Shards are contiguous, so the last rank does the most causal work; a balanced layout (two chunks
+per rank) would change every mixer's sharding and is not done.
+
+Modules: group.py (the group, its all-gather, shared helpers), ring.py (ring attention and its
+point-to-point passes), one module per mixer family (rat.py, fox.py, rattention.py, softmax.py,
+se_hybrid.py).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+from ...layers.backbone import DecoderLayer
+from .group import ContextParallelGroup
+
+__all__ = ["ContextParallelGroup", "context_parallel", "supported_mixers"]
+
+
+def supported_mixers() -> dict[type, callable]:
+    """Mixer class -> its context-parallel forward(mixer, cp, hidden_states, context, cache_layer)."""
+    from ...layers.attention import SoftmaxAttention
+    from ...layers.forgetting_attention import ForgettingAttention
+    from ...layers.rat_attention import RatAttention
+    from ...layers.rat_plus_attention import RatPlusAttention
+    from ...layers.residual_linear_attention import RattentionGlobalAttention, RattentionLocalAttention
+    from ...layers.span_expanded_attention import SpanExpandedAttention
+    from ...models.se_hybrid.modeling_se_hybrid import SEMambaMixer
+    from .fox import fox_forward
+    from .rat import rat_forward, rat_plus_forward
+    from .rattention import rattention_global_forward, rattention_local_forward
+    from .se_hybrid import mamba2_forward, se_attention_forward
+    from .softmax import softmax_forward
+
+    return {
+        RatAttention: rat_forward, SEMambaMixer: mamba2_forward, ForgettingAttention: fox_forward,
+        RattentionLocalAttention: rattention_local_forward, RattentionGlobalAttention: rattention_global_forward,
+        SoftmaxAttention: softmax_forward, RatPlusAttention: rat_plus_forward,
+        SpanExpandedAttention: se_attention_forward,
+    }
+
+
+@contextlib.contextmanager
+def context_parallel(model: nn.Module, cp: ContextParallelGroup):
+    """Within the block, every DecoderLayer's mixer of ``model`` runs its context-parallel forward
+    over ``cp`` (feed the model this rank's shard, ``ContextParallelGroup.shard``)."""
+    forwards = supported_mixers()
+    mixers = [layer.self_attn for layer in model.modules() if isinstance(layer, DecoderLayer)]
+    if not mixers:
+        raise ValueError(f"context_parallel: {type(model).__name__} has no DecoderLayer; pass an hf-hybrid model.")
+    missing = sorted({type(m).__name__ for m in mixers if type(m) not in forwards})
+    if missing:
+        raise NotImplementedError(
+            f"context_parallel: no context-parallel exchange for {', '.join(missing)} yet; "
+            f"supported mixers: {', '.join(sorted(cls.__name__ for cls in forwards))}."
+        )
+    for mixer in mixers:
+        forward = forwards[type(mixer)]
+        mixer.forward = lambda *args, _mixer=mixer, _forward=forward, **kwargs: _forward(_mixer, cp, *args, **kwargs)
+    # Models that would rebuild a forward in the backward (RAT+'s joint objective on CPU) must not:
+    # a rebuilt forward would run the exchange's collectives out of step with the other ranks.
+    models = [m for m in model.modules() if hasattr(m, "config") and hasattr(m, "base_model_prefix")]
+    for m in models:
+        m.context_parallel_group = cp
+    try:
+        yield model
+    finally:
+        for mixer in mixers:
+            del mixer.forward
+        for m in models:
+            del m.context_parallel_group
+

@@ -1,0 +1,158 @@
+"""Ring attention over a context-parallel group: causal attention (Forgetting Attention, or plain
+softmax attention) of each rank's queries over the keys of its own and every earlier shard,
+without any rank holding the prefix.
+
+The keys, values and c (the cumulative log forget) of each shard travel around the ring, one
+block per step (``RingPass``: point-to-point sends to the next rank, receives from the previous,
+asynchronous, so a rank computes on the block it holds while the next one travels). Each rank
+attends to its own block causally and to each earlier shard's block whole
+(kernels/forgetting_attention/blocks.py; softmax blocks on kernels/_lse_attention.py) and merges
+the partial outputs by their log-sum-exps; it holds its own block and two in transit, never the
+prefix.
+
+The backward passes the blocks around again, each with float32 accumulators of its dK, dV (and dc):
+every rank adds its share (from the merged output and log-sum-exp it saved) and passes the
+accumulators on; after a full turn they reach the block's own rank. Later shards' blocks pass
+through a rank untouched, so with contiguous shards the last rank does the most work (a balanced
+"two chunks per rank" layout would change every mixer's sharding; not done).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .group import ContextParallelGroup
+
+
+class RingPass:
+    """One step's transfer: ``send`` goes to the next rank, tensors shaped like ``send`` come from
+    the previous one; ``wait()`` returns them once they have arrived (and ``send`` has left)."""
+
+    def __init__(self, cp: ContextParallelGroup, send: tuple[torch.Tensor, ...]):
+        following = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.world_size)
+        preceding = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.world_size)
+        send = tuple(t.contiguous() for t in send)
+        self._received = tuple(torch.empty_like(t) for t in send)
+        ops = [dist.P2POp(dist.isend, t, following, cp.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, preceding, cp.group) for t in self._received]
+        self._send = send  # kept alive until the transfer is done
+        self._requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        for request in self._requests:
+            request.wait()
+        self._send = None
+        return self._received
+
+
+def ring_forgetting_attention(q, k, v, c, cp: ContextParallelGroup, scale: float, backend: str = "auto") -> torch.Tensor:
+    """FoX of this rank's queries over the keys of its shard and of every earlier shard (module
+    docstring); q [B,S,HQ,D], k/v [B,S,HKV,D], c [B,S,HQ] float32 the whole sequence's cumulative
+    log forget at this shard's tokens. Differentiable in q, k, v and c; o in q's dtype."""
+    return _RingAttention.apply(q, k, v, c, cp, scale, backend)
+
+
+def ring_softmax_attention(q, k, v, cp: ContextParallelGroup, scale: float, backend: str = "auto") -> torch.Tensor:
+    """Causal softmax attention of this rank's queries over the keys of its shard and every earlier
+    shard: the ring with no forgetting (no c travels). Its blocks run on PyTorch's fused attention
+    kernels that return the log-sum-exp (kernels/_lse_attention.py: cuDNN or FlashAttention-2 on
+    GPUs), or on their plain-PyTorch version with ``backend="reference"``. Shapes as
+    ``ring_forgetting_attention``."""
+    return _RingAttention.apply(q, k, v, None, cp, scale, backend)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, c, cp, scale, backend):
+        own = (k, v) if c is None else (k, v, c)
+        # Step s: this rank holds the block of rank (rank - s) mod ranks; only earlier ranks' count.
+        transfer = RingPass(cp, own) if cp.world_size > 1 else None
+        o, lse = _block(q, own, c, True, scale, backend)
+        o = o.float()
+        for step in range(1, cp.world_size):
+            held = transfer.wait()
+            transfer = RingPass(cp, held) if step + 1 < cp.world_size else None
+            if step <= cp.rank:
+                o_block, lse_block = _block(q, held, c, False, scale, backend)
+                merged = torch.logaddexp(lse, lse_block)
+                o = o * _by_token(torch.exp(lse - merged)) + o_block.float() * _by_token(torch.exp(lse_block - merged))
+                lse = merged
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, c, o, lse)
+        ctx.cp, ctx.scale, ctx.backend = cp, scale, backend
+        return o
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, c, o, lse = ctx.saved_tensors
+        cp, scale, backend = ctx.cp, ctx.scale, ctx.backend
+        grad = grad.contiguous()
+        delta = (grad.float() * o.float()).sum(-1).transpose(1, 2)  # rowsum(dO * O) [B, HQ, S]
+        own = (k, v) if c is None else (k, v, c)
+        # Each block travels with the accumulated gradients (dK, dV[, dc]) of the ranks it has passed.
+        kv_transfer = RingPass(cp, own) if cp.world_size > 1 else None
+        dq, dc, own_grads = _block_grads(grad, q, own, c, o, lse, delta, True, scale, backend)
+        own_grads = [g.float() for g in own_grads] + ([dc] if c is not None else [])
+        sums_transfer = None
+        for step in range(1, cp.world_size):
+            held = kv_transfer.wait()
+            kv_transfer = RingPass(cp, held) if step + 1 < cp.world_size else None
+            parts = _block_grads(grad, q, held, c, o, lse, delta, False, scale, backend) if step <= cp.rank else None
+            if sums_transfer is None:  # the block's own rank adds nothing to the sums it sends on
+                sums = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in held)
+            else:
+                sums = sums_transfer.wait()  # meanwhile the block's gradients were computed
+            if parts is not None:
+                dq_block, dc_q, held_grads = parts
+                dq = dq + dq_block
+                if c is not None:
+                    own_grads[2] = own_grads[2] + dc_q
+                sums = tuple(total + part.float() for total, part in zip(sums, held_grads))
+            sums_transfer = RingPass(cp, sums)
+        if sums_transfer is not None:  # after a full turn: this rank's own block's sums
+            own_grads = [g + total for g, total in zip(own_grads, sums_transfer.wait())]
+        dk, dv = own_grads[0].to(k.dtype), own_grads[1].to(v.dtype)
+        return dq.to(q.dtype), dk, dv, own_grads[2] if c is not None else None, None, None, None
+
+
+def _block(q, held, c, causal: bool, scale: float, backend: str):
+    """(o, lse [B, HQ, S] float32) of this rank's queries against one held block of keys."""
+    if c is None:
+        from ...kernels._lse_attention import attention_with_kind
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, *held))
+        o, lse, _ = attention_with_kind(_softmax_kind(qt, kt, backend), qt, kt, vt, causal, scale)
+        return o.transpose(1, 2), lse
+    from ...kernels.forgetting_attention.blocks import forgetting_block_attention
+
+    return forgetting_block_attention(q, held[0], held[1], c, held[2], causal=causal, scale=scale, backend=backend)
+
+
+def _block_grads(grad, q, held, c, o, lse, delta, causal: bool, scale: float, backend: str):
+    """(dq, dc of this rank's queries or None, gradients of the held block's tensors) of one block,
+    given the merged output ``o``, its ``lse`` and ``delta``. On the diagonal the own c's whole
+    gradient is in dc and the held gradients are (dK, dV)."""
+    if c is None:
+        from ...kernels._lse_attention import attention_with_lse_backward, rebuilt_saved
+
+        qt, kt, vt, ot, gt = (t.transpose(1, 2) for t in (q, *held, o, grad))
+        kind = _softmax_kind(qt, kt, backend)
+        dq, dk, dv = attention_with_lse_backward(gt, qt, kt, vt, ot, lse, rebuilt_saved(kind, qt, kt), causal, scale)
+        return dq.transpose(1, 2), None, (dk.transpose(1, 2), dv.transpose(1, 2))
+    from ...kernels.forgetting_attention.blocks import forgetting_block_attention_backward
+
+    dq, dk, dv, dc_q, dc_k = forgetting_block_attention_backward(
+        grad, q, held[0], held[1], c, held[2], o, lse, delta, causal=causal, scale=scale, backend=backend)
+    return dq, dc_q, (dk, dv) if dc_k is None else (dk, dv, dc_k)
+
+
+def _softmax_kind(qt, kt, backend: str) -> str:
+    """The plain-PyTorch kernel for ``backend="reference"``, else the fused one for the device."""
+    from ...kernels._lse_attention import kernel_kind
+
+    return "math" if backend == "reference" else kernel_kind(qt, kt)
+
+
+def _by_token(weights: torch.Tensor) -> torch.Tensor:
+    """[B, HQ, S] per-row weights -> [B, S, HQ, 1], to scale outputs [B, S, HQ, D]."""
+    return weights.transpose(1, 2)[..., None]
