@@ -1,8 +1,9 @@
-"""Context parallelism at scale: per architecture, the longest sequence a training step takes on
-one GPU and split over N GPUs, and tokens/s per GPU at N x T against one GPU at T.
+"""Context parallelism's reach: per architecture, the longest sequence a training step takes on
+one GPU and split over N GPUs (tokens/s per GPU against one GPU: benchmarks.context_parallel_scaling).
 
-    torchrun --standalone --nproc-per-node N -m benchmarks.context_parallel_scale --json OUT.jsonl
-    python -m benchmarks.context_parallel_scale --report OUT.jsonl      # the table, from every N's lines
+    python -m benchmarks.context_parallel_longest --json OUT.jsonl                                 # one GPU
+    torchrun --standalone --nproc-per-node N -m benchmarks.context_parallel_longest --json OUT.jsonl
+    python -m benchmarks.context_parallel_longest --report OUT.jsonl      # the table, from every N's lines
 
 Shape: 8 layers of the 1.3B shape (the models suite's), bf16 weights, B=1, random tokens,
 activation checkpointing per decoder layer (how sequences this long are trained). One step:
@@ -135,23 +136,19 @@ def sweep(args) -> None:
 
 
 def report(path: str) -> str:
-    """The table: longest length per model and GPU count, and tokens/s per GPU at N x T over one GPU at T."""
+    """The table: the longest length that ran per model and GPU count, with its step time."""
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    runs = {(r["model"], r["gpus"]): {t["tokens"]: t for t in r["trials"] if t["ok"]} for r in rows}
+    runs = {(r["model"], r["gpus"]): [t for t in r["trials"] if t["ok"]] for r in rows}
     gpu_counts = sorted({g for _, g in runs})
-    lines = ["| model | " + " | ".join(f"longest, {g} GPU" for g in gpu_counts) + " | tokens/s per GPU, N x T vs 1 x T |",
-             "|---|" + "---|" * (len(gpu_counts) + 1)]
+    lines = ["| model | " + " | ".join(f"{g} GPU{'s' if g > 1 else ''}: longest (step)" for g in gpu_counts) + " |",
+             "|---|" + "---|" * len(gpu_counts)]
     for model in dict.fromkeys(m for m, _ in runs):
-        cells = [f"{max(runs.get((model, g), {}), default=0):,}" for g in gpu_counts]
-        ratios = []
-        single = runs.get((model, 1), {})
-        for g in gpu_counts[1:]:
-            for tokens, trial in sorted(runs.get((model, g), {}).items()):
-                base = single.get(tokens // g)
-                if base:
-                    per_gpu = tokens / trial["step_s"] / g
-                    ratios.append(f"{g}x{tokens // g // 1024}K: {per_gpu / (base['tokens'] / base['step_s']):.2f}")
-        lines.append(f"| {model} | " + " | ".join(cells) + " | " + ", ".join(ratios) + " |")
+        cells = []
+        for g in gpu_counts:
+            ran = runs.get((model, g), [])
+            longest = max(ran, key=lambda t: t["tokens"], default=None)
+            cells.append("-" if longest is None else f"{longest['tokens']:,} ({longest['step_s']:.2f} s)")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
