@@ -188,8 +188,8 @@ def check_ring(name: str, cp: ContextParallelGroup) -> dict:
     leaves = [t.clone().requires_grad_() for t in (q, k, v, log_f)]
     c = cp.shard(cumulative_log_forget(leaves[3]))  # the whole sequence's c at this shard's tokens
     out = ring_forgetting_attention(*(cp.shard(t) for t in leaves[:3]), c, cp, dim**-0.5, RINGS[name])
-    grads = torch.autograd.grad((out.float() * cp.shard(weights).float()).sum(), leaves)
-    for grad in grads:
+    grads = [grad.contiguous() for grad in torch.autograd.grad((out.float() * cp.shard(weights).float()).sum(), leaves)]
+    for grad in grads:  # NCCL reduces contiguous tensors only
         dist.all_reduce(grad, group=cp.group)
     alone = forgetting_attention_reference(*(cp.shard(t) for t in (q, k, v, log_f)))  # control: no exchange
     diffs = torch.tensor(device=device, data=[
