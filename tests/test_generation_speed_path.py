@@ -93,6 +93,12 @@ def dilated(dilation, window, sinks):
 MODELS = {
     "rat": rat_model,
     "rat_nope_one_group": lambda: rat_model(use_rope=False, num_qk_groups=1),
+    # RAT-SWA with a window the prompts overrun (the ring wraps during the steps), and an
+    # Attention-SWA stack whose window fills during decoding (full attention layers too).
+    "rat_swa": lambda: rat_model(layer_types=["rat", "sliding_attention"], sliding_window=5, num_key_value_heads=2),
+    "attention_swa": lambda: rat_model(
+        layer_types=["full_attention", "sliding_attention", "rat"], num_hidden_layers=3, sliding_window=12, num_key_value_heads=2
+    ),
     "fox_pro": fox_model,
     "fox_llama_rope": lambda: fox_model(block_type="llama", use_rope=True),
     "rattention": rattention_model,
