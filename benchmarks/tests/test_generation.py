@@ -33,3 +33,17 @@ def test_bare_decode_loop_runs_every_step_on_the_static_path():
 
     assert decode_loop_ms(model, ids, 5, mode="eager", measure=measure) == pytest.approx(0.8)
     assert measured == [True] and model._decode_graph_session is None
+
+
+def test_rat_swa_and_se_mode_rows_build_what_they_name():
+    """The model rows (the benchmark itself needs CUDA) build the configuration their name promises,
+    on the meta device (no memory, no weights)."""
+    from benchmarks.generation import MODELS, build_model
+
+    assert {"rat_swa", "se_hybrid_se", "se_hybrid"} <= set(MODELS)
+    swa = build_model("rat_swa", torch.device("meta"), torch.bfloat16, 64).config
+    assert swa.layer_types == ["rat", "sliding_attention"] * (swa.num_hidden_layers // 2)
+    se = build_model("se_hybrid_se", torch.device("meta"), torch.bfloat16, 64).config
+    assert se.attention_mode == "se" and "attention" in se.layer_types
+    with pytest.raises(ValueError, match="--models"):
+        build_model("nope", torch.device("meta"), torch.bfloat16, 64)

@@ -32,8 +32,9 @@ eager: they reorder or crop the cache every step). Opt out with
 ``decode_cuda_graph="eager"`` runs the same static-buffer step without capturing it (debugging,
 and the CPU tests of this path). ``model.last_decode_report`` says what the last generate() did.
 
-Covered (every layer of the stack has the protocol): RAT (``rat`` layers; RAT-SWA and attention
-layers keep the eager path), FoX, RATTENTION (local ring once the window is full, global layers
+Covered (every layer of the stack has the protocol): RAT stacks (``rat`` layers, and the
+sliding-window and full attention layers of RAT-SWA / Attention-SWA: a ring of the window, K/V
+preallocated with a device length, models/attention_cache.py), FoX, RATTENTION (local ring once the window is full, global layers
 on preallocated K/V), RAT+ dense and dilated patterns with one head group per layer, and the SE
 hybrid in ``full`` attention mode (Mamba-2 states in place, attention K/V preallocated; a model
 vetoes a call through ``static_decode_reason``). Eager: top-k RAT+ patterns, RAT+ layers with several head

@@ -24,6 +24,14 @@ SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_
              head_dim=64, pad_token_id=0)
 CONFIGS = {
     "rat": lambda: RatConfig(**SHAPE, chunk_size=16),
+    # RAT and sliding-window layers (the window's ring wraps during the steps), and an
+    # Attention-SWA stack with full attention layers (its window fills during the steps). The
+    # prefill through eager attention: SDPA's windowed prefill on CUDA is flex_attention, which
+    # these small float32 shapes may fail to compile (see "rattention"), outside the decode step.
+    "rat_swa": lambda: RatConfig(**SHAPE, chunk_size=16, num_key_value_heads=2, sliding_window=64,
+                                 layer_types=RatConfig.hybrid_layer_types(4, "rat"), attn_implementation="eager"),
+    "attention_swa": lambda: RatConfig(**SHAPE, num_key_value_heads=2, sliding_window=96, attn_implementation="eager",
+                                       layer_types=RatConfig.hybrid_layer_types(4, "full_attention")),
     "fox": lambda: FoxConfig(**SHAPE, num_key_value_heads=2),
     # "chunked": the SWA prefill through SDPA. On an H100 the flex_attention
     # prefill ("auto") fails to compile for these small shapes (InductorError: NoValidChoicesError,
