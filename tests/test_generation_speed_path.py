@@ -74,7 +74,8 @@ def rat_plus_model(**overrides):
 
 
 def se_hybrid_model(**overrides):
-    """A tiny SE hybrid (Mamba-2, attention, Mamba-2) in `full` mode (its static step covers that mode)."""
+    """A tiny SE hybrid (Mamba-2, attention, Mamba-2), `full` mode unless told: blocks of 4, chunks of
+    16 (prompts of 9 and 11 new tokens cross block ends and a chunk start, after which `se` retrieves)."""
     settings = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"], mamba_d_head=8, mamba_d_state=8,
@@ -108,6 +109,10 @@ MODELS = {
     "rat_plus_d3_w0_i0": lambda: rat_plus_model(sparse_config=dilated(3, 0, 0)),
     "rat_plus_d4_w5_i3": lambda: rat_plus_model(sparse_config=dilated(4, 5, 3)),
     "se_hybrid_full": se_hybrid_model,
+    "se_hybrid_se": lambda: se_hybrid_model(attention_mode="se"),
+    "se_hybrid_se_random": lambda: se_hybrid_model(attention_mode="se_random"),
+    "se_hybrid_se_nomem": lambda: se_hybrid_model(attention_mode="se_nomem"),
+    "se_hybrid_swa": lambda: se_hybrid_model(attention_mode="swa", sliding_window=6),
 }
 
 
@@ -342,31 +347,44 @@ def test_static_decode_step_is_marked_for_the_fused_backbone():
         backbone_fusion._fused_decode = previous[2]
 
 
-def test_se_hybrid_static_step_is_full_mode_only():
-    """The SE hybrid's static step covers `full` mode (by default); after it the cache keeps
-    decoding in `full` mode exactly, and refuses a retrieval mode with the fix instead of a wrong result."""
+@pytest.mark.parametrize("first,then", [("full", "se"), ("se", "se"), ("se", "full"), ("se_random", "se")])
+def test_se_hybrid_retrieval_state_continues_after_static_steps(first, then):
+    """The SE retrieval state advances on the device in every mode's static step: after a generate()
+    on the static step in one mode, the cache continues in another mode (several tokens, then one)
+    exactly as after the same generate() on the eager path."""
     from hf_hybrid.compat import cache_of
 
     model = se_hybrid_model()
-    assert model.static_decode_reason({}) is None
-    assert "retrieval" in model.static_decode_reason({"attention_mode": "se"})
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
-    out, report = generate(model, ids, "eager", max_new_tokens=5, do_sample=False)
-    assert report["static_steps"] == 4
-    cache = cache_of(out)
-    attention = cache.layers[1]
-    assert attention.retrieval_lag == 4 and attention.get_seq_length() == 13
-    more = torch.randint(1, VOCAB, (2, 2), generator=torch.Generator().manual_seed(8))
-    sequence = torch.cat([out.sequences, more], dim=1)
-    with torch.no_grad():
-        # The last generated token (not in the cache yet) and two more: the eager cached path, in
-        # `full` mode, with the retrieval state left behind.
-        step = model(sequence[:, 13:], past_key_values=cache, use_cache=True).logits
-        full = model(sequence, use_cache=False).logits[:, 13:]
-        torch.testing.assert_close(step, full, atol=1e-4, rtol=0)
-        assert attention.retrieval_lag == 7
-        with pytest.raises(ValueError, match="decode_cuda_graph=False"):
-            model(more[:, :1], past_key_values=cache, use_cache=True, attention_mode="se")
+    more = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(8))
+    logits = []
+    for mode in ("eager", False):
+        out, report = generate(model, ids, mode, max_new_tokens=6, do_sample=False, attention_mode=first)
+        assert report is None if mode is False else report["static_steps"] == 5
+        cache, sequence = cache_of(out), torch.cat([out.sequences, more], dim=1)
+        with torch.no_grad():  # the last generated token (not cached yet) and 5 more, then one at a time
+            pieces = [model(sequence[:, 14:20], past_key_values=cache, use_cache=True, attention_mode=then).logits]
+            pieces += [model(sequence[:, t : t + 1], past_key_values=cache, use_cache=True, attention_mode=then).logits
+                       for t in range(20, sequence.shape[1])]
+        logits.append(torch.cat(pieces, 1))
+        assert cache.get_seq_length() == sequence.shape[1]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
+def test_se_hybrid_static_se_step_follows_the_retrieved_blocks(monkeypatch):
+    """The static `se` step attends over the blocks its top-k picks: with the ranking reversed
+    (the least relevant blocks retrieved), its logits move away from the eager step's."""
+    from hf_hybrid.layers import se_static_decode
+
+    model = se_hybrid_model(attention_mode="se")
+    ids = torch.randint(1, VOCAB, (2, 15), generator=torch.Generator().manual_seed(9))
+    eager, _ = generate(model, ids, False, max_new_tokens=6, do_sample=False)
+    static, _ = generate(model, ids, "eager", max_new_tokens=6, do_sample=False)
+    torch.testing.assert_close(torch.stack(static.logits, 1), torch.stack(eager.logits, 1), atol=1e-5, rtol=0)
+    real = se_static_decode.select_blocks
+    monkeypatch.setattr(se_static_decode, "select_blocks", lambda r, *a, **kw: real(None if r is None else -r, *a, **kw))
+    reversed_, _ = generate(model, ids, "eager", max_new_tokens=6, do_sample=False)
+    assert (torch.stack(reversed_.logits, 1) - torch.stack(eager.logits, 1)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("name", ["fox_pro", "se_hybrid_full"])
