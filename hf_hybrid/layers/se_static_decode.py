@@ -7,7 +7,7 @@ from the position counter, so the step is one fixed sequence of kernels a CUDA g
 stacked into buffers sized for generate()'s capacity; it converts from and back to the per-row
 states exactly, so eager calls (several tokens, another mode, padded rows) continue from it.
 
-One step at position p (:func:`advance`, then :func:`visible_keys`), the same arithmetic as the
+One step at position p (:func:`advance_batch_state`, then :func:`batch_visibility`), the same arithmetic as the
 row-by-row step (``SpanExpandedAttention._extend_row``):
 
 * the query goes to slot p % S of the open block's queries; the summary of block p // S is
@@ -81,7 +81,7 @@ class SEBatchState:
 
 
 @torch.no_grad()
-def advance(state: SEBatchState, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+def advance_batch_state(state: SEBatchState, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
             *, chunk_size: int, select_every: int) -> None:
     """Advance ``state`` in place by the token at ``position`` ([1] long, on the device): q [batch,
     heads, head_dim] its query, keys / values [batch, capacity, kv_heads, head_dim] the cache's
@@ -99,7 +99,7 @@ def advance(state: SEBatchState, q: torch.Tensor, keys: torch.Tensor, values: to
 
 
 @torch.no_grad()
-def visible_keys(state: SEBatchState, position: torch.Tensor, num_keys: int, *, mode: str, chunk_size: int,
+def batch_visibility(state: SEBatchState, position: torch.Tensor, num_keys: int, *, mode: str, chunk_size: int,
                  block_size: int, top_k: int, num_heads: int, window: int | None, seed: int) -> torch.Tensor:
     """Which of the ``num_keys`` cached columns the query at ``position`` sees in ``mode``:
     [batch, heads, 1, num_keys] bool for the retrieval modes, [1, 1, 1, num_keys] otherwise

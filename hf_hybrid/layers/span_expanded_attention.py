@@ -42,7 +42,7 @@ from ..kernels.span_expanded_attention import (
 )
 from .attention import softmax_attention
 from .context import SequenceContext
-from . import se_static_decode
+from .se_static_decode import advance_batch_state, batch_visibility
 from .rotary import apply_rotary, build_rotary, rotary_tables
 
 
@@ -157,8 +157,8 @@ class SpanExpandedAttention(nn.Module):
         keys, values, length = cache_layer.static_decode_update(k, v)
         position = length - 1
         state = cache_layer.static_retrieval_state
-        se_static_decode.advance(state, q[:, 0], keys, values, position, chunk_size=chunk_size, select_every=s.select_every)
-        visible = se_static_decode.visible_keys(
+        advance_batch_state(state, q[:, 0], keys, values, position, chunk_size=chunk_size, select_every=s.select_every)
+        visible = batch_visibility(
             state, position, keys.shape[1], mode=mode, chunk_size=chunk_size, block_size=s.block_size, top_k=s.top_k,
             num_heads=self.num_heads, window=s.window, seed=s.seed,
         )
