@@ -371,6 +371,31 @@ def test_se_hybrid_retrieval_state_continues_after_static_steps(first, then):
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["se", "se_random", "se_nomem", "swa"])
+def test_se_hybrid_long_prompt_static_steps_read_from_the_own_chunk(monkeypatch, mode):
+    """A prompt past the first chunk: the static steps attend over the columns from the own chunk's
+    start (fixed when the state was stacked, while the steps cross into the next chunk) plus, in
+    the retrieval modes, the gathered retrieved blocks; equal to the eager steps and the uncached forward."""
+    from hf_hybrid.layers import se_static_decode
+
+    gathered = []
+    real = se_static_decode.gather_retrieved
+    monkeypatch.setattr(se_static_decode, "gather_retrieved", lambda *a: gathered.append(1) or real(*a))
+    model = se_hybrid_model(attention_mode=mode, sliding_window=6)
+    ids = torch.randint(1, VOCAB, (3, 21), generator=torch.Generator().manual_seed(11))
+    new = 16  # positions 21..36: chunk 1 from column 16, then chunk 2 from column 32
+    eager, _ = generate(model, ids, False, max_new_tokens=new, do_sample=False)
+    static, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
+    assert report["static_steps"] == new - 1 and not report["eager_decode_steps"], report
+    assert len(gathered) == (new - 1 if mode in ("se", "se_random") else 0)
+    assert torch.equal(static.sequences, eager.sequences)
+    static_logits = torch.stack(static.logits, 1)
+    torch.testing.assert_close(static_logits, torch.stack(eager.logits, 1), atol=1e-5, rtol=0)
+    with torch.no_grad():
+        full = model(static.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
+    torch.testing.assert_close(static_logits, full, atol=1e-4, rtol=0)
+
+
 def test_se_hybrid_static_se_step_follows_the_retrieved_blocks(monkeypatch):
     """The static `se` step attends over the blocks its top-k picks: with the ranking reversed
     (the least relevant blocks retrieved), its logits move away from the eager step's."""

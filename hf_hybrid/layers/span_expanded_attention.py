@@ -42,7 +42,7 @@ from ..kernels.span_expanded_attention import (
 )
 from .attention import softmax_attention
 from .context import SequenceContext
-from .se_static_decode import advance_batch_state, batch_visibility
+from .se_static_decode import advance_batch_state, attention_operands, first_visible_column
 from .rotary import apply_rotary, build_rotary, rotary_tables
 
 
@@ -149,22 +149,22 @@ class SpanExpandedAttention(nn.Module):
 
     def _static_decode(self, q, k, v, cache_layer, mode: str, chunk_size: int) -> torch.Tensor:
         """One token per row, every row at the same position, against the cache's fixed-capacity
-        buffers: K/V written at the device column, the retrieval state advanced in place, then
-        attention over the whole K/V buffer under the mode's mask for this position (the query
+        buffers: K/V written at the device column, the retrieval state advanced in place, then one
+        SDPA over what the mode lets the query see (se_static_decode.attention_operands; the query
         heads of a group share the query axis, so SDPA needs no GQA expansion)."""
         s, batch = self.settings, q.shape[0]
         cache_layer.check_chunk_size(chunk_size)
+        start = first_visible_column(mode, cache_layer.static_first_position, chunk_size=chunk_size, window=s.window)
         keys, values, length = cache_layer.static_decode_update(k, v)
         position = length - 1
         state = cache_layer.static_retrieval_state
         advance_batch_state(state, q[:, 0], keys, values, position, chunk_size=chunk_size, select_every=s.select_every)
-        visible = batch_visibility(
-            state, position, keys.shape[1], mode=mode, chunk_size=chunk_size, block_size=s.block_size, top_k=s.top_k,
-            num_heads=self.num_heads, window=s.window, seed=s.seed,
+        keys, values, mask = attention_operands(
+            state, keys, values, position, start, mode=mode, chunk_size=chunk_size, block_size=s.block_size,
+            top_k=s.top_k, num_heads=self.num_heads, window=s.window, seed=s.seed,
         )
         qg = q.view(batch, self.num_kv_heads, self.num_key_value_groups, self.head_dim)
-        mask = visible.view(visible.shape[0], -1, self.num_key_value_groups if visible.shape[1] > 1 else 1, keys.shape[1])
-        out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
         return out.reshape(batch, 1, self.num_heads, self.head_dim)
 
     def _full(self, q, k, v, context: SequenceContext) -> torch.Tensor:

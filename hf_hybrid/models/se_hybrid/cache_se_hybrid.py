@@ -165,6 +165,7 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
         self._static: StaticColumns | None = None
         # The rows' retrieval state during static decode steps (``rows`` is rebuilt from it on exit).
         self._static_retrieval: SEBatchState | None = None
+        self.static_first_position = 0  # the position of the first step since the state was stacked
 
     @property
     def rows(self) -> list[SERowState]:
@@ -252,6 +253,7 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
             self._static = StaticColumns((self.keys, self.values), capacity)
             self.keys, self.values = self._static.views()
         self._static_retrieval = state
+        self.static_first_position = used  # no later static step's query sits before it
         return True
 
     def static_decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
