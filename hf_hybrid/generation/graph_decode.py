@@ -36,9 +36,11 @@ Covered (every layer of the stack has the protocol): RAT stacks (``rat`` layers,
 sliding-window and full attention layers of RAT-SWA / Attention-SWA: a ring of the window, K/V
 preallocated with a device length, models/attention_cache.py), FoX, RATTENTION (local ring once the window is full, global layers
 on preallocated K/V), RAT+ dense and dilated patterns with one head group per layer, and the SE
-hybrid in ``full`` attention mode (Mamba-2 states in place, attention K/V preallocated; a model
-vetoes a call through ``static_decode_reason``). Eager: top-k RAT+ patterns, RAT+ layers with several head
-groups, SE-Attn retrieval modes, left-padded prompts, beam search, assisted decoding.
+hybrid in every attention mode (Mamba-2 states in place, attention K/V preallocated, the SE-Attn
+retrieval state stacked in fixed buffers with block summaries, top-k and masks on the device:
+layers/se_static_decode.py). A model vetoes a call through ``static_decode_reason``. Eager:
+top-k RAT+ patterns, RAT+ layers with several head groups, left-padded prompts, beam search,
+assisted decoding.
 
 The caches keep ``is_compileable = False`` on purpose: transformers would then wrap the forward in
 torch.compile, whose own CUDA graphs would replace this module's (and trace the Triton kernels

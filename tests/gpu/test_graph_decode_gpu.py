@@ -38,8 +38,13 @@ CONFIGS = {
     # float32, 77 tokens), outside the decode step this file checks.
     "rattention": lambda: RattentionConfig(**SHAPE, num_key_value_heads=2, window_size=32, kernel_backend="chunked"),
     "rat_plus_dense": lambda: RatPlusConfig(**SHAPE, num_key_value_heads=2),
-    # `full` mode (the static step's coverage; retrieval modes decode eagerly).
     "se_hybrid": lambda: SEHybridConfig(**SHAPE, num_key_value_heads=2),
+    # `se` mode with chunks of 64 and blocks of 8: a 77-token prompt's steps attend over their own
+    # chunk from column 64 plus 4 retrieved blocks per head, gathered (40 new tokens stay in chunk 1).
+    "se_hybrid_se": lambda: SEHybridConfig(
+        **SHAPE, num_key_value_heads=2, attention_mode="se", se_chunk_sizes=[64], se_eval_chunk_size=64,
+        se_select_every=16, se_block_size=8, se_top_k=4,
+    ),
     "rat_plus_d16": lambda: RatPlusConfig(
         **SHAPE, num_key_value_heads=2,
         sparse_config=SparseInferenceConfig(dilation=16, local_window=8, num_sink_tokens=2),
