@@ -138,7 +138,10 @@ def attention_operands(state: SEBatchState, keys: torch.Tensor, values: torch.Te
     if mode == "swa":
         return key_view, value_view, (causal & (columns > position - window)).view(1, 1, 1, -1)
     own_chunk = (causal & (columns >= position - position % chunk_size)).view(1, 1, 1, -1)
-    if mode not in RETRIEVAL_MODES:  # se_nomem
+    last_chunk_start = ((keys.shape[1] - 1) // chunk_size) * chunk_size
+    if mode not in RETRIEVAL_MODES or top_k == 0 or last_chunk_start // block_size == 0:
+        # se_nomem, or no step up to the capacity has a complete block before its chunk (a
+        # generation inside the first chunk): nothing to retrieve, a mask shared by every head
         return key_view, value_view, own_chunk
     indices, valid = select_blocks(
         state.group_sum[:, None] if mode == "se" else None, state.summaries, position // chunk_size, mode=mode,

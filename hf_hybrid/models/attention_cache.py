@@ -1,10 +1,10 @@
 """Cache layers of softmax attention (transformers' layout, [batch, kv_heads, tokens, head_dim]) that
 also decode on fixed buffers in generate()'s static step (hf_hybrid/generation/graph_decode.py).
 
-* :class:`StaticKVLayer` (full attention): transformers' DynamicLayer; for the static step its K/V
+* :class:`FullAttentionCacheLayer` (full attention): transformers' DynamicLayer; for the static step its K/V
   move into buffers of generate()'s capacity, like transformers' StaticLayer. A step writes column
   ``_static_length`` (a device counter) and masks the columns after it.
-* :class:`StaticSlidingWindowLayer` (sliding window of w tokens, the token itself included):
+* :class:`SlidingWindowCacheLayer` (sliding window of w tokens, the token itself included):
   transformers' DynamicSlidingWindowLayer; for the static step its last w - 1 tokens move into a
   ring of w slots, token t in slot t % w. A step writes its slot (from a device counter of cached
   tokens) and attends over the whole ring: before the ring first fills, the slots not written yet
@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
-class StaticKVLayer(DynamicLayer):
+class FullAttentionCacheLayer(DynamicLayer):
     """All keys/values of a full-attention layer (a transformers DynamicLayer) with a static decode step."""
 
     def __init__(self, **kwargs):
@@ -82,7 +82,7 @@ class StaticKVLayer(DynamicLayer):
         return self._key_buffer, self._value_buffer, self._static_length
 
 
-class StaticSlidingWindowLayer(DynamicSlidingWindowLayer):
+class SlidingWindowCacheLayer(DynamicSlidingWindowLayer):
     """The last ``sliding_window - 1`` keys/values of a sliding-window layer (a transformers
     DynamicSlidingWindowLayer), kept in a ring of ``sliding_window`` slots during static decode
     steps. Meanwhile ``keys`` / ``values`` are the ring buffers themselves (slot order, not token order)."""

@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...kernels.residual_linear_attention import feature_map_fn
-from ..attention_cache import StaticKVLayer
+from ..attention_cache import FullAttentionCacheLayer
 from ..cache_layer import (
     DEFAULT_CROP_WINDOW,
     CroppableCacheMixin,
@@ -281,7 +281,7 @@ class RattentionLocalLayerCache(TensorMapLayer):
             self._crop_base = fn(self._crop_base)
 
 
-class RattentionGlobalLayerCache(StaticKVLayer):
+class RattentionGlobalLayerCache(FullAttentionCacheLayer):
     """All keys/values of a global layer (a transformers DynamicLayer, with the static decode step
     of models/attention_cache.py: K/V in buffers of generate()'s capacity, a device column counter)."""
 
