@@ -108,6 +108,12 @@ MODELS = {
     "rat_plus_d4_w2_i2": lambda: rat_plus_model(sparse_config=dilated(4, 2, 2)),
     "rat_plus_d3_w0_i0": lambda: rat_plus_model(sparse_config=dilated(3, 0, 0)),
     "rat_plus_d4_w5_i3": lambda: rat_plus_model(sparse_config=dilated(4, 5, 3)),
+    # top-k blocks (Quest, and MoBA united with dilation): prompts of 9 and 11 new tokens close
+    # several blocks of 4 during the static steps, so the choice has candidates to rank.
+    "rat_plus_topk_quest": lambda: rat_plus_model(
+        sparse_config=SparseInferenceConfig(top_k=2, block_size=4, local_window=2, num_sink_tokens=1)),
+    "rat_plus_topk_moba_d3": lambda: rat_plus_model(sparse_config=SparseInferenceConfig(
+        top_k=3, block_size=4, block_scoring="moba", dilation=3, local_window=1, num_sink_tokens=1)),
     "se_hybrid_full": se_hybrid_model,
     "se_hybrid_se": lambda: se_hybrid_model(attention_mode="se"),
     "se_hybrid_se_random": lambda: se_hybrid_model(attention_mode="se_random"),
@@ -237,10 +243,9 @@ def test_rattention_window_filling_during_decode_goes_static_once_full():
     assert 0 < report["static_steps"] < 9 and sum(report["eager_decode_steps"].values()) == 9 - report["static_steps"]
 
 
-def test_rat_plus_top_k_and_head_groups_decode_eagerly():
-    """Patterns without a static step (top-k, several head groups per layer) keep the eager step."""
+def test_rat_plus_head_groups_decode_eagerly():
+    """Layers with several head groups (no static step) keep the eager step."""
     configs = [
-        SparseInferenceConfig(top_k=2, block_size=4, local_window=2, num_sink_tokens=1),
         SparseInferenceConfig(dilation=4, local_window=1, num_sink_tokens=1, head_overrides={0: "dense"}),
     ]
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(8))

@@ -264,7 +264,10 @@ def make_store(pattern: AttentionPattern) -> FullStore | DilatedStore:
 
 
 class StaticFullStore:
-    """Dense pattern: column p holds position p, for generate()'s whole max_length."""
+    """Dense and top-k patterns: column p holds position p, for generate()'s whole max_length. Top-k
+    also keeps its block summaries in slots for every block of that length: each step summarises
+    the block of its token again from the block's columns (a block not complete yet gets zeros and
+    ``complete`` False, as in the eager store, so it is never scored), which needs no host decision."""
 
     def __init__(self, store: FullStore, capacity: int):
         used = store.keys.shape[1]
@@ -274,11 +277,36 @@ class StaticFullStore:
         self.positions = store.positions.new_full((store.positions.shape[0], capacity), -1)
         self.keys[:, :used], self.values[:, :used], self.positions[:, :used] = store.keys, store.values, store.positions
         self.layout = StoreLayout.dense(capacity)
+        self.summary = self.complete = self.block_offsets = None
+        if self.pattern.kind == "topk":
+            blocks, held = -(-capacity // self.pattern.block_size), store.summary.shape[1]
+            self.summary = store.summary.new_zeros(store.summary.shape[0], blocks, *store.summary.shape[2:])
+            self.complete = torch.zeros(self.summary.shape[:2], dtype=torch.bool, device=self.summary.device)
+            self.summary[:, :held], self.complete[:, :held] = store.summary, store.complete
+            self.block_offsets = torch.arange(self.pattern.block_size, device=self.keys.device)
 
     def decode(self, keys, values, position):
         """One token per row [batch, 1, kv, dim] at ``position`` ([1] long tensor)."""
         store_decoded_token(self.keys, self.values, self.positions, keys, values, position, self.layout)
-        return self.keys, self.values, self.positions, None
+        if self.summary is None:
+            return self.keys, self.values, self.positions, None
+        self._summarise_block_of(position)
+        return self.keys, self.values, self.positions, (self.summary, self.complete)
+
+    def _summarise_block_of(self, position: torch.Tensor) -> None:
+        """Summary slot of the block holding ``position`` from the block's columns (block_summaries
+        over that one block: positions made relative to its start; columns past the capacity count
+        as missing)."""
+        size, capacity = self.pattern.block_size, self.keys.shape[1]
+        block = torch.div(position, size, rounding_mode="floor")
+        columns = block * size + self.block_offsets
+        inside = columns < capacity
+        columns = columns.clamp(max=capacity - 1)
+        stored = self.positions.index_select(1, columns)
+        relative = torch.where(inside & (stored >= 0), stored - block * size, -1)
+        stats, complete = block_summaries(self.keys.index_select(1, columns), relative, size, self.pattern.block_scoring, 1)
+        self.summary.index_copy_(1, block, stats)
+        self.complete.index_copy_(1, block, complete)
 
     def step_buffers(self):
         """(keys, values, stored positions, sink flags) of a fused decode step (kernels/chunk_attention/rat_plus_decode.py)."""
@@ -289,10 +317,13 @@ class StaticFullStore:
         store = FullStore(self.pattern)
         store.keys, store.values = self.keys[:, :tokens].clone(), self.values[:, :tokens].clone()
         store.positions = self.positions[:, :tokens].clone()
+        if self.summary is not None:  # the complete blocks, as the eager store holds them
+            blocks = tokens // self.pattern.block_size
+            store.summary, store.complete = self.summary[:, :blocks].clone(), self.complete[:, :blocks].clone()
         return store
 
     def tensors(self):
-        return self.keys, self.values, self.positions
+        return tuple(t for t in (self.keys, self.values, self.positions, self.summary, self.complete) if t is not None)
 
 
 class StaticDilatedStore:
@@ -437,9 +468,9 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
 
     # Static decode protocol (hf_hybrid/generation/graph_decode.py) -------------------------------
     def prepare_static_decode(self, capacity: int, config) -> bool:
-        """Move the stores into fixed buffers for ``capacity`` tokens (once). Dense and dilated
-        patterns in a single head group; top-k (data-dependent block choice), layers with several
-        head groups and caches recording their past for crops keep the eager step (False)."""
+        """Move the stores into fixed buffers for ``capacity`` tokens (once). Dense, dilated and
+        top-k patterns in a single head group; layers with several head groups and caches
+        recording their past for crops keep the eager step (False)."""
         if self.static_decode_active:
             if self._static_capacity == capacity:
                 return self.cumulative_length < capacity
@@ -448,7 +479,7 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
                 or self.cumulative_length >= capacity):
             return False
         pattern, store = self.groups[0][0], self.stores[0]
-        if pattern.kind == "dense":
+        if pattern.kind in ("dense", "topk"):
             static = StaticFullStore(store, capacity)
         elif pattern.kind == "dilated" and self.cumulative_length >= pattern.num_sink_tokens:
             static = StaticDilatedStore(store, capacity, self.cumulative_length)
@@ -480,6 +511,8 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         room for one more token (the caller then runs the step and ``static_decode_advance()``);
         None otherwise (the layer takes ``update``, which also reports a changed sparse_config)."""
         if not self.static_decode_active or self.groups != list(groups) or self.cumulative_length >= self._static_capacity:
+            return None
+        if self.groups[0][0].kind == "topk":  # the fused step has no block selection: the op-by-op step
             return None
         return self.stores[0]
 
