@@ -178,11 +178,12 @@ def _ms_per_token(model, ids, mode):
     return 1000 * (min(timed(72) for _ in range(2)) - min(timed(8) for _ in range(2))) / 64
 
 
-def test_graphed_decode_is_faster_than_eager():
-    model = build("rat", torch.bfloat16)
+@pytest.mark.parametrize("name", ["rat", "rat_swa", "se_hybrid_se"])
+def test_graphed_decode_is_faster_than_eager(name):
+    model = build(name, torch.bfloat16)
     ids = torch.randint(1, 512, (4, 256), device="cuda")
     graph, eager = _ms_per_token(model, ids, None), _ms_per_token(model, ids, False)
-    print(f"RAT tiny decode: graph {graph:.3f} ms/token, eager {eager:.3f} ms/token")
+    print(f"{name} tiny decode: graph {graph:.3f} ms/token, eager {eager:.3f} ms/token")
     assert graph < 0.7 * eager, (graph, eager)
 
 
