@@ -103,7 +103,7 @@ class SlidingWindowCacheLayer(DynamicSlidingWindowLayer):
         if self._ring_keys is not None and self._static_capacity == capacity:
             return self.static_decode_active
         used = self.cumulative_length
-        if not self.is_initialized or not used or used >= capacity or self.record_past:
+        if not self.is_initialized or not used or used >= capacity or getattr(self, "record_past", False):
             return False
         self._leave_ring()
         window = self.sliding_window
