@@ -398,7 +398,7 @@ def test_se_hybrid_long_prompt_static_steps_read_from_the_own_chunk(monkeypatch,
     torch.testing.assert_close(static_logits, torch.stack(eager.logits, 1), atol=1e-5, rtol=0)
     with torch.no_grad():
         full = model(static.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
-    torch.testing.assert_close(static_logits, full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(static_logits, full, atol=1e-5, rtol=0)  # float32
 
 
 def test_se_hybrid_static_se_step_follows_the_retrieved_blocks(monkeypatch):
