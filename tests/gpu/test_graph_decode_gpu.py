@@ -45,6 +45,11 @@ CONFIGS = {
         **SHAPE, num_key_value_heads=2, attention_mode="se", se_chunk_sizes=[64], se_eval_chunk_size=64,
         se_select_every=16, se_block_size=8, se_top_k=4,
     ),
+    # two head groups per layer (a dense head beside dilated ones): one store per group in the graph.
+    "rat_plus_head_groups": lambda: RatPlusConfig(
+        **SHAPE, num_key_value_heads=2,
+        sparse_config=SparseInferenceConfig(dilation=16, local_window=8, num_sink_tokens=2, head_overrides={0: "dense"}),
+    ),
     # top-k blocks of 16 (Quest scoring): the block choice and the summaries inside the graph.
     "rat_plus_topk": lambda: RatPlusConfig(
         **SHAPE, num_key_value_heads=2,

@@ -468,24 +468,30 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
 
     # Static decode protocol (hf_hybrid/generation/graph_decode.py) -------------------------------
     def prepare_static_decode(self, capacity: int, config) -> bool:
-        """Move the stores into fixed buffers for ``capacity`` tokens (once). Dense, dilated and
-        top-k patterns in a single head group; layers with several head groups and caches
-        recording their past for crops keep the eager step (False)."""
+        """Move the stores into fixed buffers for ``capacity`` tokens (once): dense, dilated and
+        top-k patterns, one store per head group. Caches recording their past for crops keep the
+        eager step (False)."""
         if self.static_decode_active:
             if self._static_capacity == capacity:
                 return self.cumulative_length < capacity
             self._leave_static_decode()  # another generate() length: new buffers
-        if (self.groups is None or len(self.groups) != 1 or self.state_key is None or self.record_past
-                or self.cumulative_length >= capacity):
+        if self.groups is None or self.state_key is None or self.record_past or self.cumulative_length >= capacity:
             return False
-        pattern, store = self.groups[0][0], self.stores[0]
-        if pattern.kind in ("dense", "topk"):
-            static = StaticFullStore(store, capacity)
-        elif pattern.kind == "dilated" and self.cumulative_length >= pattern.num_sink_tokens:
-            static = StaticDilatedStore(store, capacity, self.cumulative_length)
-        else:
+        if any(pattern.kind == "dilated" and self.cumulative_length < pattern.num_sink_tokens for pattern, _ in self.groups):
             return False
-        self.stores = [static]
+        self.stores = [
+            StaticFullStore(store, capacity) if pattern.kind in ("dense", "topk")
+            else StaticDilatedStore(store, capacity, self.cumulative_length)
+            for (pattern, _), store in zip(self.groups, self.stores)
+        ]
+        # The kv heads each group's store holds, as device indices made now (a captured step cannot
+        # copy an index from the host); None where a group reads every kv head.
+        rep = config.num_attention_heads // config.num_key_value_heads
+        kv_heads = [sorted({h // rep for h in heads}) for _, heads in self.groups]
+        self._static_kv_index = [
+            None if heads == list(range(config.num_key_value_heads)) else torch.tensor(heads, device=self.state_key.device)
+            for heads in kv_heads
+        ]
         self._static_capacity = capacity
         # Own storage for the recurrence state: the step copies the new state into it.
         self.state_key, self.state_value = self.state_key.contiguous().clone(), self.state_value.contiguous().clone()
@@ -498,11 +504,13 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
             self.static_decode_active = False
 
     def _static_update(self, key_states, value_states, positions, group_kv_heads, state_key, state_value) -> list[tuple]:
-        if len(group_kv_heads) != 1 or len(group_kv_heads[0]) != key_states.shape[2]:
-            raise ValueError("RatPlusLayerCache: the static decode step takes one head group reading every kv head.")
         self.state_key.copy_(state_key)
         self.state_value.copy_(state_value)
-        out = [self.stores[0].decode(key_states, value_states, positions[0])]
+        out = []
+        for store, index in zip(self.stores, self._static_kv_index):
+            keys = key_states if index is None else key_states.index_select(2, index)
+            values = value_states if index is None else value_states.index_select(2, index)
+            out.append(store.decode(keys, values, positions[0]))
         self.static_decode_advance()
         return out
 
@@ -512,7 +520,7 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         None otherwise (the layer takes ``update``, which also reports a changed sparse_config)."""
         if not self.static_decode_active or self.groups != list(groups) or self.cumulative_length >= self._static_capacity:
             return None
-        if self.groups[0][0].kind == "topk":  # the fused step has no block selection: the op-by-op step
+        if len(self.groups) != 1 or self.groups[0][0].kind == "topk":  # the fused step: one dense / dilated group
             return None
         return self.stores[0]
 
