@@ -7,8 +7,8 @@ from the position counter, so the step is one fixed sequence of kernels a CUDA g
 stacked into buffers sized for generate()'s capacity; it converts from and back to the per-row
 states exactly, so eager calls (several tokens, another mode, padded rows) continue from it.
 
-One step at position p (:func:`advance_batch_state`, then :func:`attention_operands`), the same arithmetic as the
-row-by-row step (``SpanExpandedAttention._extend_row``):
+One step at position p (:func:`advance_batch_state`, then :func:`attention_operands`), the same
+arithmetic as the row-by-row step (``SpanExpandedAttention._extend_row``):
 
 * the query goes to slot p % S of the open block's queries; the summary of block p // S is
   computed from them and the block's cached keys and written to its slot *every* step: it is only
@@ -80,13 +80,10 @@ class SEBatchState:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.summaries, self.open_queries, self.chunk_sum, self.group_sum
 
-    def map(self, fn) -> "SEBatchState":
-        return SEBatchState(*(fn(t) for t in self.tensors()))
-
 
 @torch.no_grad()
-def advance_batch_state(state: SEBatchState, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
-            *, chunk_size: int, select_every: int) -> None:
+def advance_batch_state(state: SEBatchState, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        position: torch.Tensor, *, chunk_size: int, select_every: int) -> None:
     """Advance ``state`` in place by the token at ``position`` ([1] long, on the device): q [batch,
     heads, head_dim] its query, keys / values [batch, capacity, kv_heads, head_dim] the cache's
     buffers with its key/value already written."""
