@@ -37,7 +37,7 @@ SHAPE = dict(
     hidden_size=2048, num_attention_heads=16, head_dim=128, intermediate_size=5632, vocab_size=32000,
     num_hidden_layers=8,
 )
-MODELS = ("llama", "llama_projections", "rat", "rat_plus_d16", "rattention", "fox", "se_hybrid")
+MODELS = ("llama", "llama_projections", "rat", "rat_swa", "rat_plus_d16", "rattention", "fox", "se_hybrid", "se_hybrid_se")
 # transformers' Llama, timed with a static cache that generate() compiles (not our decode step).
 LLAMA_MODELS = ("llama", "llama_projections")
 
@@ -56,6 +56,10 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
         config = LlamaConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
     elif name == "rat":
         config = RatConfig(**SHAPE, chunk_size=16)
+    elif name == "rat_swa":
+        # The paper's RAT-SWA interleaving: RAT and sliding-window attention (window 1024) layers alternate.
+        config = RatConfig(**SHAPE, chunk_size=16, num_key_value_heads=16,
+                           layer_types=RatConfig.hybrid_layer_types(SHAPE["num_hidden_layers"], "rat"))
     elif name == "rat_plus_d16":
         # The pattern hf_hybrid/bench/layers.py times (block ends only, besides the token itself).
         sparse = SparseInferenceConfig(dilation=16, local_window=0, num_sink_tokens=0)
@@ -64,11 +68,13 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
         config = RattentionConfig(**SHAPE, num_key_value_heads=16)
     elif name == "fox":
         config = FoxConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
-    elif name == "se_hybrid":
+    elif name in ("se_hybrid", "se_hybrid_se"):
         from hf_hybrid.models.se_hybrid import SEHybridConfig
 
-        # The default layer types (Mamba-2 with attention every few layers), `full` attention mode.
-        config = SEHybridConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
+        # The default layer types (Mamba-2 with attention every few layers), in `full` attention mode
+        # or in `se` mode (SE-Attn retrieval of memory blocks).
+        mode = "se" if name == "se_hybrid_se" else "full"
+        config = SEHybridConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions, attention_mode=mode)
     else:
         raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS}.")
     config.pad_token_id, config.eos_token_id = 0, None

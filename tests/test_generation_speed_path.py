@@ -74,7 +74,8 @@ def rat_plus_model(**overrides):
 
 
 def se_hybrid_model(**overrides):
-    """A tiny SE hybrid (Mamba-2, attention, Mamba-2) in `full` mode (its static step covers that mode)."""
+    """A tiny SE hybrid (Mamba-2, attention, Mamba-2), `full` mode unless told: blocks of 4, chunks of
+    16 (prompts of 9 and 11 new tokens cross block ends and a chunk start, after which `se` retrieves)."""
     settings = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"], mamba_d_head=8, mamba_d_state=8,
@@ -93,6 +94,12 @@ def dilated(dilation, window, sinks):
 MODELS = {
     "rat": rat_model,
     "rat_nope_one_group": lambda: rat_model(use_rope=False, num_qk_groups=1),
+    # RAT-SWA with a window the prompts overrun (the ring wraps during the steps), and an
+    # Attention-SWA stack whose window fills during decoding (full attention layers too).
+    "rat_swa": lambda: rat_model(layer_types=["rat", "sliding_attention"], sliding_window=5, num_key_value_heads=2),
+    "attention_swa": lambda: rat_model(
+        layer_types=["full_attention", "sliding_attention", "rat"], num_hidden_layers=3, sliding_window=12, num_key_value_heads=2
+    ),
     "fox_pro": fox_model,
     "fox_llama_rope": lambda: fox_model(block_type="llama", use_rope=True),
     "rattention": rattention_model,
@@ -101,7 +108,23 @@ MODELS = {
     "rat_plus_d4_w2_i2": lambda: rat_plus_model(sparse_config=dilated(4, 2, 2)),
     "rat_plus_d3_w0_i0": lambda: rat_plus_model(sparse_config=dilated(3, 0, 0)),
     "rat_plus_d4_w5_i3": lambda: rat_plus_model(sparse_config=dilated(4, 5, 3)),
+    # top-k blocks (Quest, and MoBA united with dilation): prompts of 9 and 11 new tokens close
+    # several blocks of 4 during the static steps, so the choice has candidates to rank.
+    "rat_plus_topk_quest": lambda: rat_plus_model(
+        sparse_config=SparseInferenceConfig(top_k=2, block_size=4, local_window=2, num_sink_tokens=1)),
+    "rat_plus_topk_moba_d3": lambda: rat_plus_model(sparse_config=SparseInferenceConfig(
+        top_k=3, block_size=4, block_scoring="moba", dilation=3, local_window=1, num_sink_tokens=1)),
+    # several head groups per layer: a dense head beside dilated ones (a group reading one kv head
+    # and one reading both), and a top-k head beside a dense one.
+    "rat_plus_head_groups": lambda: rat_plus_model(sparse_config=SparseInferenceConfig(
+        dilation=4, local_window=1, num_sink_tokens=1, head_overrides={0: "dense"})),
+    "rat_plus_head_groups_topk": lambda: rat_plus_model(sparse_config=SparseInferenceConfig(
+        top_k=2, block_size=4, local_window=1, num_sink_tokens=1, head_overrides={3: "dense"})),
     "se_hybrid_full": se_hybrid_model,
+    "se_hybrid_se": lambda: se_hybrid_model(attention_mode="se"),
+    "se_hybrid_se_random": lambda: se_hybrid_model(attention_mode="se_random"),
+    "se_hybrid_se_nomem": lambda: se_hybrid_model(attention_mode="se_nomem"),
+    "se_hybrid_swa": lambda: se_hybrid_model(attention_mode="swa", sliding_window=6),
 }
 
 
@@ -226,21 +249,6 @@ def test_rattention_window_filling_during_decode_goes_static_once_full():
     assert 0 < report["static_steps"] < 9 and sum(report["eager_decode_steps"].values()) == 9 - report["static_steps"]
 
 
-def test_rat_plus_top_k_and_head_groups_decode_eagerly():
-    """Patterns without a static step (top-k, several head groups per layer) keep the eager step."""
-    configs = [
-        SparseInferenceConfig(top_k=2, block_size=4, local_window=2, num_sink_tokens=1),
-        SparseInferenceConfig(dilation=4, local_window=1, num_sink_tokens=1, head_overrides={0: "dense"}),
-    ]
-    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(8))
-    for sparse in configs:
-        model = rat_plus_model(sparse_config=sparse)
-        eager, _ = generate(model, ids, False, max_new_tokens=5, do_sample=False)
-        static, report = generate(model, ids, "eager", max_new_tokens=5, do_sample=False)
-        assert torch.equal(static.sequences, eager.sequences)
-        assert report["static_steps"] == 0 and sum(report["eager_decode_steps"].values()) == 4
-
-
 def test_rat_plus_cache_continues_eagerly_after_static_steps():
     """A multi-token update on a cache left in static mode converts the stores back exactly."""
     model = rat_plus_model(sparse_config=dilated(4, 2, 2))
@@ -336,31 +344,69 @@ def test_static_decode_step_is_marked_for_the_fused_backbone():
         backbone_fusion._fused_decode = previous[2]
 
 
-def test_se_hybrid_static_step_is_full_mode_only():
-    """The SE hybrid's static step covers `full` mode (by default); after it the cache keeps
-    decoding in `full` mode exactly, and refuses a retrieval mode with the fix instead of a wrong result."""
+@pytest.mark.parametrize("first,then", [("full", "se"), ("se", "se"), ("se", "full"), ("se_random", "se")])
+def test_se_hybrid_retrieval_state_continues_after_static_steps(first, then):
+    """The SE retrieval state advances on the device in every mode's static step: after a generate()
+    on the static step in one mode, the cache continues in another mode (several tokens, then one)
+    exactly as after the same generate() on the eager path."""
     from hf_hybrid.compat import cache_of
 
     model = se_hybrid_model()
-    assert model.static_decode_reason({}) is None
-    assert "retrieval" in model.static_decode_reason({"attention_mode": "se"})
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
-    out, report = generate(model, ids, "eager", max_new_tokens=5, do_sample=False)
-    assert report["static_steps"] == 4
-    cache = cache_of(out)
-    attention = cache.layers[1]
-    assert attention.retrieval_lag == 4 and attention.get_seq_length() == 13
-    more = torch.randint(1, VOCAB, (2, 2), generator=torch.Generator().manual_seed(8))
-    sequence = torch.cat([out.sequences, more], dim=1)
+    more = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(8))
+    logits = []
+    for mode in ("eager", False):
+        out, report = generate(model, ids, mode, max_new_tokens=6, do_sample=False, attention_mode=first)
+        assert report is None if mode is False else report["static_steps"] == 5
+        cache, sequence = cache_of(out), torch.cat([out.sequences, more], dim=1)
+        with torch.no_grad():  # the last generated token (not cached yet) and 5 more, then one at a time
+            pieces = [model(sequence[:, 14:20], past_key_values=cache, use_cache=True, attention_mode=then).logits]
+            pieces += [model(sequence[:, t : t + 1], past_key_values=cache, use_cache=True, attention_mode=then).logits
+                       for t in range(20, sequence.shape[1])]
+        logits.append(torch.cat(pieces, 1))
+        assert cache.get_seq_length() == sequence.shape[1]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["se", "se_random", "se_nomem", "swa"])
+def test_se_hybrid_long_prompt_static_steps_read_from_the_own_chunk(monkeypatch, mode):
+    """A prompt past the first chunk: the static steps attend over the columns from the own chunk's
+    start (fixed when the state was stacked, while the steps cross into the next chunk) plus, in
+    the retrieval modes, the gathered retrieved blocks; equal to the eager steps and the uncached forward."""
+    from hf_hybrid.layers import se_static_decode
+
+    gathered = []
+    real = se_static_decode.gather_retrieved
+    monkeypatch.setattr(se_static_decode, "gather_retrieved", lambda *a: gathered.append(1) or real(*a))
+    model = se_hybrid_model(attention_mode=mode, sliding_window=6)
+    ids = torch.randint(1, VOCAB, (3, 21), generator=torch.Generator().manual_seed(11))
+    new = 16  # positions 21..36: chunk 1 from column 16, then chunk 2 from column 32
+    eager, _ = generate(model, ids, False, max_new_tokens=new, do_sample=False)
+    static, report = generate(model, ids, "eager", max_new_tokens=new, do_sample=False)
+    assert report["static_steps"] == new - 1 and not report["eager_decode_steps"], report
+    assert len(gathered) == (new - 1 if mode in ("se", "se_random") else 0)
+    assert torch.equal(static.sequences, eager.sequences)
+    static_logits = torch.stack(static.logits, 1)
+    torch.testing.assert_close(static_logits, torch.stack(eager.logits, 1), atol=1e-5, rtol=0)
     with torch.no_grad():
-        # The last generated token (not in the cache yet) and two more: the eager cached path, in
-        # `full` mode, with the retrieval state left behind.
-        step = model(sequence[:, 13:], past_key_values=cache, use_cache=True).logits
-        full = model(sequence, use_cache=False).logits[:, 13:]
-        torch.testing.assert_close(step, full, atol=1e-4, rtol=0)
-        assert attention.retrieval_lag == 7
-        with pytest.raises(ValueError, match="decode_cuda_graph=False"):
-            model(more[:, :1], past_key_values=cache, use_cache=True, attention_mode="se")
+        full = model(static.sequences, use_cache=False).logits[:, ids.shape[1] - 1 : -1].float()
+    torch.testing.assert_close(static_logits, full, atol=1e-5, rtol=0)  # float32
+
+
+def test_se_hybrid_static_se_step_follows_the_retrieved_blocks(monkeypatch):
+    """The static `se` step attends over the blocks its top-k picks: with the ranking reversed
+    (the least relevant blocks retrieved), its logits move away from the eager step's."""
+    from hf_hybrid.layers import se_static_decode
+
+    model = se_hybrid_model(attention_mode="se")
+    ids = torch.randint(1, VOCAB, (2, 15), generator=torch.Generator().manual_seed(9))
+    eager, _ = generate(model, ids, False, max_new_tokens=6, do_sample=False)
+    static, _ = generate(model, ids, "eager", max_new_tokens=6, do_sample=False)
+    torch.testing.assert_close(torch.stack(static.logits, 1), torch.stack(eager.logits, 1), atol=1e-5, rtol=0)
+    real = se_static_decode.select_blocks
+    monkeypatch.setattr(se_static_decode, "select_blocks", lambda r, *a, **kw: real(None if r is None else -r, *a, **kw))
+    reversed_, _ = generate(model, ids, "eager", max_new_tokens=6, do_sample=False)
+    assert (torch.stack(reversed_.logits, 1) - torch.stack(eager.logits, 1)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("name", ["fox_pro", "se_hybrid_full"])

@@ -32,12 +32,15 @@ eager: they reorder or crop the cache every step). Opt out with
 ``decode_cuda_graph="eager"`` runs the same static-buffer step without capturing it (debugging,
 and the CPU tests of this path). ``model.last_decode_report`` says what the last generate() did.
 
-Covered (every layer of the stack has the protocol): RAT (``rat`` layers; RAT-SWA and attention
-layers keep the eager path), FoX, RATTENTION (local ring once the window is full, global layers
-on preallocated K/V), RAT+ dense and dilated patterns with one head group per layer, and the SE
-hybrid in ``full`` attention mode (Mamba-2 states in place, attention K/V preallocated; a model
-vetoes a call through ``static_decode_reason``). Eager: top-k RAT+ patterns, RAT+ layers with several head
-groups, SE-Attn retrieval modes, left-padded prompts, beam search, assisted decoding.
+Covered (every layer of the stack has the protocol): RAT stacks (``rat`` layers, and the
+sliding-window and full attention layers of RAT-SWA / Attention-SWA: a ring of the window, K/V
+preallocated with a device length, models/attention_cache.py), FoX, RATTENTION (local ring once
+the window is full, global layers on preallocated K/V), RAT+ dense, dilated and top-k patterns,
+one store per head group (top-k: block summaries in fixed slots, the block choice on the
+device), and the SE hybrid in every attention mode (Mamba-2 states in place, attention K/V
+preallocated, the SE-Attn retrieval state stacked in fixed buffers with block summaries, top-k
+and masks on the device: layers/se_static_decode.py). A model vetoes a call through
+``static_decode_reason``. Eager: left-padded prompts, beam search, assisted decoding.
 
 The caches keep ``is_compileable = False`` on purpose: transformers would then wrap the forward in
 torch.compile, whose own CUDA graphs would replace this module's (and trace the Triton kernels

@@ -27,6 +27,10 @@ flash_attention_*   FlashAttention's own causal mask, ``sliding_window`` and var
 ==================  =====================================================================
 
 A function registered by the user under another name gets the boolean mask (``None`` = causal).
+
+generate()'s static decode step (hf_hybrid/generation/graph_decode.py) bypasses the interface:
+one query per row against the cache's fixed buffers (models/attention_cache.py) through SDPA with
+a boolean mask read off device counters, so a CUDA graph can replay it at every position.
 """
 from __future__ import annotations
 
@@ -214,6 +218,8 @@ class SoftmaxAttention(nn.Module):
         q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         # transformers' cache layers and attention functions take [batch, heads, seq, head_dim].
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache_layer is not None and seq == 1 and context.key_valid is None and getattr(cache_layer, "static_decode_active", False):
+            return self.o_proj(self._static_decode(q, k, v, cache_layer))  # generate()'s static step (hf_hybrid/generation)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         key_start = context.past_length + seq - k.shape[2]
@@ -221,3 +227,15 @@ class SoftmaxAttention(nn.Module):
             self, q, k, v, context, key_start=key_start, window=self.sliding_window, scaling=self.scaling
         )
         return self.o_proj(out.reshape(batch, seq, -1))
+
+    def _static_decode(self, q, k, v, cache_layer) -> torch.Tensor:
+        """One token per row against the cache's fixed buffers (models/attention_cache.py: all K/V,
+        or the window's ring), slots not filled yet masked by a device counter; SDPA whatever the
+        implementation (a boolean mask and no host decision: what a CUDA graph can replay). The
+        query heads of a KV group share the query axis, so no GQA expansion of the keys.
+        q, k, v [batch, heads, 1, head_dim]; returns [batch, 1, heads * head_dim]."""
+        batch = q.shape[0]
+        keys, values, visible = cache_layer.static_decode_update(k, v)
+        qg = q.reshape(batch, self.num_kv_heads, self.num_key_value_groups, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible, scale=self.scaling)
+        return out.reshape(batch, 1, self.num_heads * self.head_dim)

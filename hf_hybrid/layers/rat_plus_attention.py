@@ -270,10 +270,12 @@ class RatPlusAttention(nn.Module):
 
         y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
         for (pattern, group_heads), kv_heads, (keys, values, k_pos, summary) in zip(groups, group_kv, per_group):
-            q_group = q if len(groups) == 1 else q[:, :, list(group_heads)]
+            # Device index tensors made once (a captured decode step cannot copy an index from the host).
+            heads_index = None if len(groups) == 1 else self._index_tensor(tuple(group_heads), q.device)
+            q_group = q if heads_index is None else q.index_select(2, heads_index)
             out = self._group_attention(pattern, group_heads, kv_heads, q_group, keys, values, q_pos, k_pos, summary, fresh)
             if y is None:
                 y = out
             else:
-                y[:, :, list(group_heads)] = out
+                y.index_copy_(2, heads_index, out.to(y.dtype))
         return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))

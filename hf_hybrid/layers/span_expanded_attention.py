@@ -15,9 +15,10 @@ three paths:
 * cache, continuing a row (decode, chunked prefill): per row, new queries attend over the row's cached
   keys under the mode's visibility mask; ``se`` retrieves with the block summaries and the running
   chunk-query sums kept in the cache (:class:`SERowState`), never recomputing old summaries.
-* generate()'s static decode step (``full`` mode: hf_hybrid/generation): one token per row
-  on fixed-capacity K/V buffers; it does not advance the retrieval state (the cache counts
-  ``retrieval_lag``; a later retrieval-mode call on that cache is refused with the fix).
+* generate()'s static decode step (hf_hybrid/generation), every mode: one token per row, all rows
+  at one position, on fixed-capacity K/V buffers and the rows' retrieval state stacked in fixed
+  buffers (se_static_decode.py); block closing, top-k retrieval and the key mask are decided on
+  the device, and the state converts back to the per-row one exactly for the paths above.
 
 The retrieval state is maintained in every mode, so a cache filled in one mode can decode in another.
 """
@@ -41,6 +42,7 @@ from ..kernels.span_expanded_attention import (
 )
 from .attention import softmax_attention
 from .context import SequenceContext
+from .se_static_decode import advance_batch_state, attention_operands, first_visible_column
 from .rotary import apply_rotary, build_rotary, rotary_tables
 
 
@@ -139,21 +141,30 @@ class SpanExpandedAttention(nn.Module):
         chunk_size = self._chunk_size(se_chunk_size, mode, cached=cache_layer is not None)
         if cache_layer is None:
             out = self._full(q, k, v, context) if mode == "full" else self._attend_rows(q, k, v, context, mode, chunk_size)
-        elif mode == "full" and seq == 1 and context.key_valid is None and getattr(cache_layer, "static_decode_active", False):
-            out = self._static_decode(q, k, v, cache_layer)  # generate()'s static step (hf_hybrid/generation)
+        elif seq == 1 and context.key_valid is None and getattr(cache_layer, "static_decode_active", False):
+            out = self._static_decode(q, k, v, cache_layer, mode, chunk_size)  # generate()'s static step (hf_hybrid/generation)
         else:
             out = self._attend_cached(q, k, v, context, cache_layer, mode, chunk_size)
         return self.o_proj(out.reshape(batch, seq, -1))
 
-    def _static_decode(self, q, k, v, cache_layer) -> torch.Tensor:
-        """`full` mode, one token per row against the cache's fixed-capacity buffers (columns past the
-        filled length masked); the query heads of a group share the query axis, so SDPA needs no GQA
-        expansion."""
-        batch = q.shape[0]
+    def _static_decode(self, q, k, v, cache_layer, mode: str, chunk_size: int) -> torch.Tensor:
+        """One token per row, every row at the same position, against the cache's fixed-capacity
+        buffers: K/V written at the device column, the retrieval state advanced in place, then one
+        SDPA over what the mode lets the query see (se_static_decode.attention_operands; the query
+        heads of a group share the query axis, so SDPA needs no GQA expansion)."""
+        s, batch = self.settings, q.shape[0]
+        cache_layer.check_chunk_size(chunk_size)
+        start = first_visible_column(mode, cache_layer.static_first_position, chunk_size=chunk_size, window=s.window)
         keys, values, length = cache_layer.static_decode_update(k, v)
-        visible = (torch.arange(keys.shape[1], device=q.device) < length).view(1, 1, 1, -1)
+        position = length - 1
+        state = cache_layer.static_retrieval_state
+        advance_batch_state(state, q[:, 0], keys, values, position, chunk_size=chunk_size, select_every=s.select_every)
+        keys, values, mask = attention_operands(
+            state, keys, values, position, start, mode=mode, chunk_size=chunk_size, block_size=s.block_size,
+            top_k=s.top_k, num_heads=self.num_heads, window=s.window, seed=s.seed,
+        )
         qg = q.view(batch, self.num_kv_heads, self.num_key_value_groups, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
         return out.reshape(batch, 1, self.num_heads, self.head_dim)
 
     def _full(self, q, k, v, context: SequenceContext) -> torch.Tensor:
@@ -199,10 +210,6 @@ class SpanExpandedAttention(nn.Module):
         cache_layer.check_chunk_size(chunk_size)
         keys, values = cache_layer.update(k, v)  # [batch, past + seq, kv_heads, head_dim], index space
         past, full = context.past_length, mode == "full"
-        if full and cache_layer.retrieval_lag:
-            # The rows' retrieval states are behind (static decode steps): `full` does not read them.
-            cache_layer.retrieval_lag += q.shape[1]
-            return self._full(q, keys, values, context)
         cache_layer.record_queries(q, self._extend_row)  # kept only while a crop may need them
         out = torch.zeros_like(q)
         for row in range(q.shape[0]):

@@ -24,14 +24,37 @@ SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_
              head_dim=64, pad_token_id=0)
 CONFIGS = {
     "rat": lambda: RatConfig(**SHAPE, chunk_size=16),
+    # RAT and sliding-window layers (the window's ring wraps during the steps), and an
+    # Attention-SWA stack with full attention layers (its window fills during the steps). The
+    # prefill through eager attention: SDPA's windowed prefill on CUDA is flex_attention, which
+    # these small float32 shapes may fail to compile (see "rattention"), outside the decode step.
+    "rat_swa": lambda: RatConfig(**SHAPE, chunk_size=16, num_key_value_heads=2, sliding_window=64,
+                                 layer_types=RatConfig.hybrid_layer_types(4, "rat"), attn_implementation="eager"),
+    "attention_swa": lambda: RatConfig(**SHAPE, num_key_value_heads=2, sliding_window=96, attn_implementation="eager",
+                                       layer_types=RatConfig.hybrid_layer_types(4, "full_attention")),
     "fox": lambda: FoxConfig(**SHAPE, num_key_value_heads=2),
     # "chunked": the SWA prefill through SDPA. On an H100 the flex_attention
     # prefill ("auto") fails to compile for these small shapes (InductorError: NoValidChoicesError,
     # float32, 77 tokens), outside the decode step this file checks.
     "rattention": lambda: RattentionConfig(**SHAPE, num_key_value_heads=2, window_size=32, kernel_backend="chunked"),
     "rat_plus_dense": lambda: RatPlusConfig(**SHAPE, num_key_value_heads=2),
-    # `full` mode (the static step's coverage; retrieval modes decode eagerly).
     "se_hybrid": lambda: SEHybridConfig(**SHAPE, num_key_value_heads=2),
+    # `se` mode with chunks of 64 and blocks of 8: a 77-token prompt's steps attend over their own
+    # chunk from column 64 plus 4 retrieved blocks per head, gathered (40 new tokens stay in chunk 1).
+    "se_hybrid_se": lambda: SEHybridConfig(
+        **SHAPE, num_key_value_heads=2, attention_mode="se", se_chunk_sizes=[64], se_eval_chunk_size=64,
+        se_select_every=16, se_block_size=8, se_top_k=4,
+    ),
+    # two head groups per layer (a dense head beside dilated ones): one store per group in the graph.
+    "rat_plus_head_groups": lambda: RatPlusConfig(
+        **SHAPE, num_key_value_heads=2,
+        sparse_config=SparseInferenceConfig(dilation=16, local_window=8, num_sink_tokens=2, head_overrides={0: "dense"}),
+    ),
+    # top-k blocks of 16 (Quest scoring): the block choice and the summaries inside the graph.
+    "rat_plus_topk": lambda: RatPlusConfig(
+        **SHAPE, num_key_value_heads=2,
+        sparse_config=SparseInferenceConfig(top_k=4, block_size=16, local_window=8, num_sink_tokens=2),
+    ),
     "rat_plus_d16": lambda: RatPlusConfig(
         **SHAPE, num_key_value_heads=2,
         sparse_config=SparseInferenceConfig(dilation=16, local_window=8, num_sink_tokens=2),
@@ -160,11 +183,12 @@ def _ms_per_token(model, ids, mode):
     return 1000 * (min(timed(72) for _ in range(2)) - min(timed(8) for _ in range(2))) / 64
 
 
-def test_graphed_decode_is_faster_than_eager():
-    model = build("rat", torch.bfloat16)
+@pytest.mark.parametrize("name", ["rat", "rat_swa", "se_hybrid_se"])
+def test_graphed_decode_is_faster_than_eager(name):
+    model = build(name, torch.bfloat16)
     ids = torch.randint(1, 512, (4, 256), device="cuda")
     graph, eager = _ms_per_token(model, ids, None), _ms_per_token(model, ids, False)
-    print(f"RAT tiny decode: graph {graph:.3f} ms/token, eager {eager:.3f} ms/token")
+    print(f"{name} tiny decode: graph {graph:.3f} ms/token, eager {eager:.3f} ms/token")
     assert graph < 0.7 * eager, (graph, eager)
 
 

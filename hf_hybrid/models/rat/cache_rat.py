@@ -3,8 +3,10 @@
 * ``rat`` layers (:class:`RatLayerCache`): the running recurrent state k~, v~ of the open chunk
   (un-rotated, [batch, heads, head_dim]) and one key/value per *completed* chunk (the chunk-end
   k~ rotated by its chunk index, and v~), i.e. T / L entries instead of T.
-* ``sliding_attention`` layers: transformers' DynamicSlidingWindowLayer (the last window of K/V).
-* ``full_attention`` layers: transformers' DynamicLayer (all K/V).
+* ``sliding_attention`` layers: transformers' DynamicSlidingWindowLayer (the last window of K/V),
+  a ring of the window in generate()'s static decode step (``SlidingWindowCacheLayer``).
+* ``full_attention`` layers: transformers' DynamicLayer (all K/V), buffers of generate()'s
+  capacity in its static decode step (``FullAttentionCacheLayer``); both in ``models/attention_cache.py``.
 
 Chunk ends are stored by slot = chunk index, per row: with left padding, rows close chunks at
 different steps, and a query of chunk c only ever reads slots < c, which are all complete.
@@ -16,8 +18,9 @@ state from them; see ``models/cache_layer.py``.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..attention_cache import FullAttentionCacheLayer, SlidingWindowCacheLayer
 from ..cache_layer import CroppableCacheMixin, StateHistoryMixin, TensorMapLayer, restore_into, tokens_to_keep
 
 
@@ -257,8 +260,8 @@ def rat_cache_layer(config, layer_type: str) -> CacheLayerMixin:
         layer.chunk_size = config.chunk_size
         return layer
     if layer_type == "sliding_attention":
-        return DynamicSlidingWindowLayer(sliding_window=config.sliding_window)
-    return DynamicLayer()
+        return SlidingWindowCacheLayer(sliding_window=config.sliding_window)
+    return FullAttentionCacheLayer()
 
 
 class RatCache(CroppableCacheMixin, Cache):

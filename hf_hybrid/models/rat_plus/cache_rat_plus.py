@@ -264,7 +264,10 @@ def make_store(pattern: AttentionPattern) -> FullStore | DilatedStore:
 
 
 class StaticFullStore:
-    """Dense pattern: column p holds position p, for generate()'s whole max_length."""
+    """Dense and top-k patterns: column p holds position p, for generate()'s whole max_length. Top-k
+    also keeps its block summaries in slots for every block of that length: each step summarises
+    the block of its token again from the block's columns (a block not complete yet gets zeros and
+    ``complete`` False, as in the eager store, so it is never scored), which needs no host decision."""
 
     def __init__(self, store: FullStore, capacity: int):
         used = store.keys.shape[1]
@@ -274,11 +277,36 @@ class StaticFullStore:
         self.positions = store.positions.new_full((store.positions.shape[0], capacity), -1)
         self.keys[:, :used], self.values[:, :used], self.positions[:, :used] = store.keys, store.values, store.positions
         self.layout = StoreLayout.dense(capacity)
+        self.summary = self.complete = self.block_offsets = None
+        if self.pattern.kind == "topk":
+            blocks, held = -(-capacity // self.pattern.block_size), store.summary.shape[1]
+            self.summary = store.summary.new_zeros(store.summary.shape[0], blocks, *store.summary.shape[2:])
+            self.complete = torch.zeros(self.summary.shape[:2], dtype=torch.bool, device=self.summary.device)
+            self.summary[:, :held], self.complete[:, :held] = store.summary, store.complete
+            self.block_offsets = torch.arange(self.pattern.block_size, device=self.keys.device)
 
     def decode(self, keys, values, position):
         """One token per row [batch, 1, kv, dim] at ``position`` ([1] long tensor)."""
         store_decoded_token(self.keys, self.values, self.positions, keys, values, position, self.layout)
-        return self.keys, self.values, self.positions, None
+        if self.summary is None:
+            return self.keys, self.values, self.positions, None
+        self._summarise_block_of(position)
+        return self.keys, self.values, self.positions, (self.summary, self.complete)
+
+    def _summarise_block_of(self, position: torch.Tensor) -> None:
+        """Summary slot of the block holding ``position`` from the block's columns (block_summaries
+        over that one block: positions made relative to its start; columns past the capacity count
+        as missing)."""
+        size, capacity = self.pattern.block_size, self.keys.shape[1]
+        block = torch.div(position, size, rounding_mode="floor")
+        columns = block * size + self.block_offsets
+        inside = columns < capacity
+        columns = columns.clamp(max=capacity - 1)
+        stored = self.positions.index_select(1, columns)
+        relative = torch.where(inside & (stored >= 0), stored - block * size, -1)
+        stats, complete = block_summaries(self.keys.index_select(1, columns), relative, size, self.pattern.block_scoring, 1)
+        self.summary.index_copy_(1, block, stats)
+        self.complete.index_copy_(1, block, complete)
 
     def step_buffers(self):
         """(keys, values, stored positions, sink flags) of a fused decode step (kernels/chunk_attention/rat_plus_decode.py)."""
@@ -289,10 +317,13 @@ class StaticFullStore:
         store = FullStore(self.pattern)
         store.keys, store.values = self.keys[:, :tokens].clone(), self.values[:, :tokens].clone()
         store.positions = self.positions[:, :tokens].clone()
+        if self.summary is not None:  # the complete blocks, as the eager store holds them
+            blocks = tokens // self.pattern.block_size
+            store.summary, store.complete = self.summary[:, :blocks].clone(), self.complete[:, :blocks].clone()
         return store
 
     def tensors(self):
-        return self.keys, self.values, self.positions
+        return tuple(t for t in (self.keys, self.values, self.positions, self.summary, self.complete) if t is not None)
 
 
 class StaticDilatedStore:
@@ -437,24 +468,30 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
 
     # Static decode protocol (hf_hybrid/generation/graph_decode.py) -------------------------------
     def prepare_static_decode(self, capacity: int, config) -> bool:
-        """Move the stores into fixed buffers for ``capacity`` tokens (once). Dense and dilated
-        patterns in a single head group; top-k (data-dependent block choice), layers with several
-        head groups and caches recording their past for crops keep the eager step (False)."""
+        """Move the stores into fixed buffers for ``capacity`` tokens (once): dense, dilated and
+        top-k patterns, one store per head group. Caches recording their past for crops keep the
+        eager step (False)."""
         if self.static_decode_active:
             if self._static_capacity == capacity:
                 return self.cumulative_length < capacity
             self._leave_static_decode()  # another generate() length: new buffers
-        if (self.groups is None or len(self.groups) != 1 or self.state_key is None or self.record_past
-                or self.cumulative_length >= capacity):
+        if self.groups is None or self.state_key is None or self.record_past or self.cumulative_length >= capacity:
             return False
-        pattern, store = self.groups[0][0], self.stores[0]
-        if pattern.kind == "dense":
-            static = StaticFullStore(store, capacity)
-        elif pattern.kind == "dilated" and self.cumulative_length >= pattern.num_sink_tokens:
-            static = StaticDilatedStore(store, capacity, self.cumulative_length)
-        else:
+        if any(pattern.kind == "dilated" and self.cumulative_length < pattern.num_sink_tokens for pattern, _ in self.groups):
             return False
-        self.stores = [static]
+        self.stores = [
+            StaticFullStore(store, capacity) if pattern.kind in ("dense", "topk")
+            else StaticDilatedStore(store, capacity, self.cumulative_length)
+            for (pattern, _), store in zip(self.groups, self.stores)
+        ]
+        # The kv heads each group's store holds, as device indices made now (a captured step cannot
+        # copy an index from the host); None where a group reads every kv head.
+        rep = config.num_attention_heads // config.num_key_value_heads
+        kv_heads = [sorted({h // rep for h in heads}) for _, heads in self.groups]
+        self._static_kv_index = [
+            None if heads == list(range(config.num_key_value_heads)) else torch.tensor(heads, device=self.state_key.device)
+            for heads in kv_heads
+        ]
         self._static_capacity = capacity
         # Own storage for the recurrence state: the step copies the new state into it.
         self.state_key, self.state_value = self.state_key.contiguous().clone(), self.state_value.contiguous().clone()
@@ -467,11 +504,13 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
             self.static_decode_active = False
 
     def _static_update(self, key_states, value_states, positions, group_kv_heads, state_key, state_value) -> list[tuple]:
-        if len(group_kv_heads) != 1 or len(group_kv_heads[0]) != key_states.shape[2]:
-            raise ValueError("RatPlusLayerCache: the static decode step takes one head group reading every kv head.")
         self.state_key.copy_(state_key)
         self.state_value.copy_(state_value)
-        out = [self.stores[0].decode(key_states, value_states, positions[0])]
+        out = []
+        for store, index in zip(self.stores, self._static_kv_index):
+            keys = key_states if index is None else key_states.index_select(2, index)
+            values = value_states if index is None else value_states.index_select(2, index)
+            out.append(store.decode(keys, values, positions[0]))
         self.static_decode_advance()
         return out
 
@@ -480,6 +519,8 @@ class RatPlusLayerCache(StateHistoryMixin, TensorMapLayer):
         room for one more token (the caller then runs the step and ``static_decode_advance()``);
         None otherwise (the layer takes ``update``, which also reports a changed sparse_config)."""
         if not self.static_decode_active or self.groups != list(groups) or self.cumulative_length >= self._static_capacity:
+            return None
+        if len(self.groups) != 1 or self.groups[0][0].kind == "topk":  # the fused step: one dense / dilated group
             return None
         return self.stores[0]
 

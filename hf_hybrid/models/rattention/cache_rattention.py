@@ -25,9 +25,10 @@ rebuilds the window and folds the tokens before it into S (``RattentionLocalLaye
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from ...kernels.residual_linear_attention import feature_map_fn
+from ..attention_cache import FullAttentionCacheLayer
 from ..cache_layer import (
     DEFAULT_CROP_WINDOW,
     CroppableCacheMixin,
@@ -280,68 +281,9 @@ class RattentionLocalLayerCache(TensorMapLayer):
             self._crop_base = fn(self._crop_base)
 
 
-class RattentionGlobalLayerCache(DynamicLayer):
-    """All keys/values of a global layer (a transformers DynamicLayer)."""
-
-    def __init__(self, **kwargs):
-        super().__init__()
-        self._key_buffer = self._value_buffer = self._columns = self._static_length = None
-        self._static_used = 0
-
-    # Static decode protocol (hf_hybrid/generation/graph_decode.py), like transformers' StaticLayer:
-    # keys / values become views of [batch, kv_heads, capacity, head_dim] buffers; a decode step
-    # writes column ``_static_length`` (device counter) and masks the columns after it.
-    @property
-    def static_decode_active(self) -> bool:
-        """True while keys / values are still the buffers' views (any update, reorder or crop replaces
-        them) and the buffers have room for one more token."""
-        return (
-            self._key_buffer is not None and self.keys is not None and self.keys.data_ptr() == self._key_buffer.data_ptr()
-            and self.keys.shape[2] == self._static_used < self._key_buffer.shape[2]
-        )
-
-    def prepare_static_decode(self, capacity: int, config) -> bool:
-        if self.static_decode_active and self._key_buffer.shape[2] == capacity:
-            return True
-        if self._key_buffer is not None and self.keys is not None and self.keys.data_ptr() == self._key_buffer.data_ptr():
-            return False  # the buffers are full: the eager update takes over from here
-        used = self.get_seq_length()
-        if not self.is_initialized or not used or used >= capacity:
-            return False
-
-        def buffer(x):
-            out = x.new_zeros(*x.shape[:2], capacity, x.shape[3])
-            out[:, :, :used] = x
-            return out
-
-        self._key_buffer, self._value_buffer = buffer(self.keys), buffer(self.values)
-        self._columns = torch.arange(capacity, device=self.keys.device)
-        self._static_length = torch.full((1,), used, dtype=torch.long, device=self.keys.device)
-        self._static_used = used
-        self._refresh_static_views()
-        return True
-
-    def _refresh_static_views(self) -> None:
-        self.keys = self._key_buffer[:, :, : self._static_used]
-        self.values = self._value_buffer[:, :, : self._static_used]
-
-    def static_decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """One token per row [batch, kv_heads, 1, head_dim] at the device column ``_static_length``.
-        Returns (key buffer, value buffer, visible [1, 1, 1, capacity] bool: the columns up to it)."""
-        column = self._static_length
-        self._key_buffer.index_copy_(2, column, key_states.to(self._key_buffer.dtype))
-        self._value_buffer.index_copy_(2, column, value_states.to(self._value_buffer.dtype))
-        visible = (self._columns <= column).view(1, 1, 1, -1)
-        self._static_length.add_(1)
-        self.static_decode_advance()
-        return self._key_buffer, self._value_buffer, visible
-
-    def static_decode_advance(self) -> None:
-        self._static_used += 1
-        self._refresh_static_views()
-
-    def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return self._key_buffer, self._value_buffer, self._static_length
+class RattentionGlobalLayerCache(FullAttentionCacheLayer):
+    """All keys/values of a global layer (a transformers DynamicLayer, with the static decode step
+    of models/attention_cache.py: K/V in buffers of generate()'s capacity, a device column counter)."""
 
     def nbytes(self) -> int:
         if not self.is_initialized or self.keys is None:

@@ -10,6 +10,9 @@
   complete memory block, the queries of the open block, and the running chunk / group query sums.
   ``full`` decodes with the keys/values alone; ``se`` retrieves from the summaries without
   recomputing them; the state is kept in every mode so the mode may change between calls.
+  In generate()'s static decode step the rows' states live stacked in fixed buffers
+  (:class:`~hf_hybrid.layers.se_static_decode.SEBatchState`), advanced on the device in every
+  mode, and go back to per-row states when any other call comes.
 
 Crops (assisted decoding, ``Cache.crop``): while past recording is on, Mamba layers keep a checkpoint
 of the SSM state and the scan inputs since (rescanned on a crop), attention layers a checkpoint of
@@ -21,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from ...kernels.ssd_scan import ssd_scan
+from ...layers.se_static_decode import SEBatchState
 from ...layers.span_expanded_attention import SERowState
 from ..cache_layer import (
     DEFAULT_CROP_WINDOW,
@@ -156,12 +160,22 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
     def __init__(self, **kwargs):
         super().__init__()
         self.cumulative_length = 0
-        self.rows: list[SERowState] = []
+        self._rows: list[SERowState] = []
         self.chunk_size: int | None = None
-        # Tokens appended without advancing the rows' retrieval states (static `full` decode steps,
-        # and `full` steps after them): `full` mode never reads those states, a retrieval mode refuses.
-        self.retrieval_lag = 0
         self._static: StaticColumns | None = None
+        # The rows' retrieval state during static decode steps (``rows`` is rebuilt from it on exit).
+        self._static_retrieval: SEBatchState | None = None
+        self.static_first_position = 0  # the position of the first step since the state was stacked
+
+    @property
+    def rows(self) -> list[SERowState]:
+        """The per-row retrieval states (unstacked first after static decode steps)."""
+        self._unstack_rows()
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: list[SERowState]) -> None:
+        self._rows = rows
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, _, heads, dim = key_states.shape
@@ -197,36 +211,49 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
             )
 
     def row_state(self, row: int) -> SERowState:
-        if self.retrieval_lag:
-            raise ValueError(
-                f"this SE cache decoded its last {self.retrieval_lag} tokens in `full` mode through generate()'s static "
-                "step, which does not advance the SE retrieval state; an SE retrieval mode cannot continue it. Decode "
-                "with generate(..., decode_cuda_graph=False) when a later call switches attention_mode."
-            )
         return self.rows[row]
 
-    # Static decode protocol (hf_hybrid/generation/graph_decode.py), `full` mode only (the layer
-    # checks): like FoX's cache, K/V live in buffers of generate()'s max_length, a step writes
-    # the device column (StaticColumns) and attends over the buffer with the columns past it
-    # masked. The per-row retrieval state is data-dependent host work with no place in a graph: those
-    # steps only count retrieval_lag.
+    # Static decode protocol (hf_hybrid/generation/graph_decode.py): like FoX's cache, K/V live in
+    # buffers of generate()'s max_length and a step writes the device column (StaticColumns); the
+    # rows' retrieval states are stacked into an SEBatchState of the same capacity, which the
+    # layer's static step advances on the device (layers/se_static_decode.py).
     @property
     def static_decode_active(self) -> bool:
-        return self._static is not None and self._static.has_room
+        return self._static is not None and self._static.has_room and self._static_retrieval is not None
+
+    @property
+    def static_retrieval_state(self) -> SEBatchState:
+        return self._static_retrieval
+
+    def _unstack_rows(self) -> None:
+        """The per-row retrieval states from the stacked ones (which are dropped: the next static
+        step stacks them again)."""
+        if self._static_retrieval is not None:
+            self._rows = self._static_retrieval.to_rows(self.cumulative_length, SERowState)
+            self._static_retrieval = None
 
     def _leave_static_decode(self) -> None:
+        self._unstack_rows()
         self._static = None
 
     def prepare_static_decode(self, capacity: int, config) -> bool:
-        """Move K/V into buffers of ``capacity`` columns (once). False before the prefill, when full
-        or while recording the past for crops."""
-        if self._static is not None and self._static.capacity == capacity:
+        """Move K/V into buffers of ``capacity`` columns and stack the rows' retrieval states
+        (once). False before the prefill, when full, while recording the past for crops, or when
+        the rows are at different lengths (padding)."""
+        if self._static is not None and self._static.capacity == capacity and self._static_retrieval is not None:
             return self.static_decode_active
+        self._unstack_rows()  # stacked for another capacity: stacked again below
         used = self.cumulative_length
         if not self.is_initialized or not used or used >= capacity or self.record_past:
             return False
-        self._static = StaticColumns((self.keys, self.values), capacity)
-        self.keys, self.values = self._static.views()
+        state = SEBatchState.from_rows(self._rows, used, capacity, config.se_block_size)
+        if state is None:
+            return False
+        if self._static is None or self._static.capacity != capacity:
+            self._static = StaticColumns((self.keys, self.values), capacity)
+            self.keys, self.values = self._static.views()
+        self._static_retrieval = state
+        self.static_first_position = used  # no later static step's query sits before it
         return True
 
     def static_decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -241,10 +268,15 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
         self._static.advance()
         self.keys, self.values = self._static.views()
         self.cumulative_length += 1
-        self.retrieval_lag += 1
 
     def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return (*self._static.buffers, self._static.length)
+        return (*self._static.buffers, self._static.length, *self._static_retrieval.tensors())
+
+    def retrieval_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the retrieval state (a size query: stays in the static decode mode)."""
+        if self._static_retrieval is not None:
+            return list(self._static_retrieval.tensors()[:2])
+        return [t for r in self._rows for t in (r.summaries, r.open_queries) if t is not None]
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -274,11 +306,12 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
             self._select_rows(indices)
 
     def reset(self) -> None:
+        self._static_retrieval = None
         self._leave_static_decode()
         self.keys = self.values = None
         self.rows, self.chunk_size = [], None
         self.is_initialized = False
-        self.cumulative_length = self.retrieval_lag = 0
+        self.cumulative_length = 0
 
     # Crop (assisted decoding) -------------------------------------------------------------------
     # While past recording is on: a checkpoint of the row states and the queries of the tokens
@@ -327,11 +360,6 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
 
     def crop_error(self, removed: int) -> ValueError | None:
         """Why removing the last ``removed`` tokens is impossible now (None when it is possible)."""
-        if removed and self.retrieval_lag:
-            return ValueError(
-                f"this SE cache decoded {self.retrieval_lag} tokens through generate()'s static step, which keeps no "
-                "history for crops; decode with generate(..., decode_cuda_graph=False) before assisted decoding."
-            )
         length = self.cumulative_length
         history = getattr(self, "_queries", None)
         if removed and length - removed > 0 and (not self.record_past or history is None or length - removed < history.start or history.end != length):
@@ -376,7 +404,7 @@ class SEHybridCache(CroppableCacheMixin, Cache):
         for layer in self.layers:
             tensors = []
             if isinstance(layer, SEAttentionLayerCache) and layer.is_initialized:
-                tensors = [layer.keys, layer.values] + [t for r in layer.rows for t in (r.summaries, r.open_queries) if t is not None]
+                tensors = [layer.keys, layer.values] + layer.retrieval_tensors()
             elif isinstance(layer, SEMambaLayerCache):
                 tensors = [t for t in list(layer.conv_states.values()) + list(layer.recurrent_states.values()) if t is not None]
             sizes.append(sum(t.numel() * t.element_size() for t in tensors))

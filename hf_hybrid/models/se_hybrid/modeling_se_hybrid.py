@@ -247,14 +247,6 @@ class SEHybridModel(SEHybridPreTrainedModel, HybridModel):
 class SEHybridForCausalLM(SEHybridPreTrainedModel, HybridForCausalLM):
     base_model_class = SEHybridModel
 
-    def static_decode_reason(self, forward_kwargs: dict) -> str | None:
-        """generate()'s static step covers `full` mode only (the retrieval modes keep per-row state on
-        the host); in `full` mode it is the default on CUDA, as for the other architectures."""
-        mode = forward_kwargs.get("attention_mode") or self.config.attention_mode
-        if mode != "full":
-            return f"attention_mode={mode!r}: SE-Attn retrieval decodes per row (eager)"
-        return None
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
