@@ -76,9 +76,9 @@ def test_joint_step_equals_the_summed_graphs(dilations, monkeypatch):
     torch.testing.assert_close(out.loss, ref_loss, **EXACT)
     torch.testing.assert_close(out.pattern_losses, torch.stack([o.loss.detach() for o in ref_outputs]), **EXACT)
     torch.testing.assert_close(out.logits, ref_outputs[0].logits, **EXACT)  # the first pattern's
-    (out.loss * 0.37).backward()
+    (out.loss * 0.37).backward(retain_graph=True)
     assert_same_grads(grads(model), expected)
-    with pytest.raises(RuntimeError, match="backpropagated twice|backward through the graph a second time"):
+    with pytest.raises(RuntimeError, match="backpropagated twice"):  # the kept gradients were handed over
         out.loss.backward()
 
 

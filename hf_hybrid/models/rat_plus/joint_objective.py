@@ -35,9 +35,12 @@ class _AddKeptGradients(torch.autograd.Function):
                 "RAT+'s joint objective loss was backpropagated twice: the other patterns' gradients are "
                 "handed over once. Run one backward per forward (retain_graph is not supported here)."
             )
-        present = [g for g in kept if g is not None]
-        if present:
-            torch._foreach_mul_(present, grad_output.to(present[0].device))  # in place: the buffers are ours
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in kept:
+            if g is not None:
+                by_device.setdefault(g.device, []).append(g)
+        for device, grads in by_device.items():  # in place: the buffers are ours, and given away here
+            torch._foreach_mul_(grads, grad_output.to(device))
         return (grad_output, None, None, *kept)
 
 
