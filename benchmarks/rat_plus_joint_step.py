@@ -58,14 +58,15 @@ def _kept_graphs(model):
 def measure(model, variant: str, seq: int, warmup: int, repeat: int) -> dict:
     """Median step time (ms) and peak allocated memory (GiB, CUDA only) of one variant."""
     device = model.device
-    ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq)).to(device)  # same for every variant
+    generator = torch.Generator().manual_seed(seq)  # the same tokens for every variant
+    ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=generator).to(device)
     dilations = VARIANTS[variant]
     def step():
         with _kept_graphs(model) if variant == "joint_kept_graphs" else contextlib.nullcontext():
             out = model(input_ids=ids, labels=ids, use_cache=False, training_dilations=dilations)
             out.loss.backward()
         model.zero_grad(set_to_none=True)
-        return out
+        return out.loss.detach(), out.logits is None  # the logits go: held, they would count in the next step
 
     for _ in range(warmup):
         step()
@@ -79,17 +80,17 @@ def measure(model, variant: str, seq: int, warmup: int, repeat: int) -> dict:
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = step()
+            loss, fused = step()
             end.record()
             _sync(device)
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            out = step()
+            loss, fused = step()
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return dict(variant=variant, seq=seq, ms=round(statistics.median(times), 2), peak_gib=None if peak is None else round(peak, 3),
-                loss=round(out.loss.item(), 4), fused_loss=out.logits is None)
+    return dict(variant=variant, seq=seq, ms=round(statistics.median(times), 2),
+                peak_gib=None if peak is None else round(peak, 3), loss=round(loss.item(), 4), fused_loss=fused)
 
 
 def summary(rows: list[dict]) -> dict:

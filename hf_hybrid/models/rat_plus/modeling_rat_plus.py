@@ -122,15 +122,16 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         if torch.compiler.is_compiling():
             return "torch.compile traces the forward as one graph, and a backward inside it breaks the graph"
         # FSDP2 (DTensor parameters) and ZeRO-3 gather parameters in forward hooks and reduce gradients
-        # in backward hooks that expect one backward per step; the kept gradients would be whole-size
-        # on every rank. A context-parallel group's exchanges put collectives in the backward, whose
-        # order across ranks is checked for the caller's backward only.
+        # in backward hooks made for one backward per step; a backward inside the forward breaks both
+        # (FSDP2 reshards the root's parameters before the next pass; DeepSpeed's hooks refuse
+        # torch.autograd.grad). A context-parallel group's exchanges are verified with one backward.
         if any(hasattr(p, "ds_id") or any(c.__name__ == "DTensor" for c in type(p).__mro__) for p in self.parameters()):
             return "the parameters are sharded (FSDP2 or DeepSpeed ZeRO-3)"
         if getattr(self, "context_parallel_group", None) is not None:  # (hf_hybrid.distributed.context_parallel)
             return "the model runs under a context-parallel group"
         checkpointing = getattr(self.model, "_gradient_checkpointing_func", None)
-        if self.model.gradient_checkpointing and self.model.training and getattr(checkpointing, "keywords", {}).get("use_reentrant", True) is not False:
+        reentrant = getattr(checkpointing, "keywords", {}).get("use_reentrant", True) is not False
+        if self.model.gradient_checkpointing and self.model.training and reentrant:
             return "reentrant gradient checkpointing does not support torch.autograd.grad"
         device = self.device.type
         fp16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
@@ -171,12 +172,14 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
             return super(RatPlusForCausalLM, self).forward(use_cache=False, sparse_config=pattern, **inputs)
 
         parameters = [p for p in self.parameters() if p.requires_grad]
-        grads = torch.is_grad_enabled() and (parameters or any(isinstance(v, torch.Tensor) and v.requires_grad for v in common.values()))
-        keep_graphs = self._keeps_every_pattern_graph() if grads and len(patterns) > 1 else "no backward"
-        if keep_graphs is None:
+        grad_inputs = any(isinstance(v, torch.Tensor) and v.requires_grad for v in common.values())
+        grads = torch.is_grad_enabled() and bool(parameters or grad_inputs)
+        several = grads and len(patterns) > 1  # else there is one graph, or none
+        keep_graphs = self._keeps_every_pattern_graph() if several else None
+        if several and keep_graphs is None:
             first, loss, pattern_losses = joint_loss(pattern_forward, patterns, weights, common, parameters)
         else:
-            if grads and len(patterns) > 1 and not torch.compiler.is_compiling():  # compiled, it is said once in the docs
+            if several and not torch.compiler.is_compiling():  # (logging would break a traced graph)
                 logger.warning_once(
                     f"RAT+'s joint objective keeps all {len(patterns)} patterns' graphs until the backward (the "
                     f"memory of {len(patterns)} passes): {keep_graphs}."
