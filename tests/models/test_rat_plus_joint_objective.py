@@ -146,23 +146,32 @@ def test_trainer_step_equals_the_summed_graphs(tmp_path):
     assert_same_grads(captured, expected)
 
 
-def test_peft_lora_trains_only_the_adapters():
+@pytest.mark.parametrize("kind", ["lora", "hylora"])
+def test_peft_trains_only_what_it_marks_trainable(kind):
+    """PEFT LoRA (adapters only) and HyLoRA (adapters plus trainable copies of the embeddings and norms)."""
     from peft import LoraConfig, get_peft_model
+
+    from hf_hybrid.peft import HyLoraConfig
 
     ids = batch()
 
-    def lora_model():
-        return get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
-                                                       init_lora_weights=False))
+    def peft_model():
+        config = (LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+                  if kind == "lora" else HyLoraConfig(r=4, lora_alpha=8, init_lora_weights=False))
+        return get_peft_model(tiny_model(), config)
 
-    reference = lora_model()
+    reference = peft_model()
     summed_reference(reference, input_ids=ids, labels=ids)[1].backward()
-    model = lora_model()
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
+    model = peft_model()
+    model(input_ids=ids, labels=ids).loss.backward()
     got, expected = grads(model), grads(reference)
-    assert any("lora_" in n for n, g in got.items() if g is not None)
-    assert all("lora_" in n for n, g in got.items() if g is not None), "a frozen base weight got a gradient"
+    trained = {n for n, g in got.items() if g is not None}
+    assert trained == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trained)
+    if kind == "lora":
+        assert all("lora_" in n for n in trained), "a frozen base weight got a gradient"
+    else:
+        assert any("modules_to_save" in n and "embed_tokens" in n for n in trained)
     assert_same_grads(got, expected)
 
 
