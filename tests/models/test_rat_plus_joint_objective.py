@@ -283,6 +283,8 @@ def test_other_paths_keep_every_graph_and_say_why(monkeypatch):
     with torch.autocast("cpu", dtype=torch.float16):
         assert "float16" in model._keeps_every_pattern_graph()
     assert "float16" in model.half()._keeps_every_pattern_graph()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert "torch.compile" in model._keeps_every_pattern_graph()
 
 
 def test_bf16_autocast_step_matches_the_summed_graphs():
