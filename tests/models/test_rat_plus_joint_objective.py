@@ -312,3 +312,26 @@ def test_the_kept_gradients_scale_in_place_once():
     assert total.item() == pytest.approx(8.5)
     (total * 3).backward()
     torch.testing.assert_close(w.grad, torch.full((3,), 1.5 * 3 + 2.0 * 3))
+
+
+@pytest.mark.parametrize("patterns", [[1.0, 2.0], [1.0, 2.0, 5.0]])
+def test_kept_gradients_that_autograd_shares_or_expands_are_owned(patterns):
+    """The gradient of a + b is one tensor for both inputs, the gradient of a sum an expanded view:
+    each kept gradient is scaled (and added to) in place, so each must be a buffer of its own."""
+    from types import SimpleNamespace
+
+    def make():
+        p1, p2, p3 = (torch.ones(4, requires_grad=True) for _ in range(3))
+
+        def pattern_forward(pattern, inputs):
+            return SimpleNamespace(loss=((p1 + p2) * pattern).sum() + p3.sum() * pattern)
+
+        return (p1, p2, p3), pattern_forward
+
+    params, forward = make()
+    _, total, _ = joint_objective.joint_loss(forward, patterns, [1.0] * len(patterns), {}, list(params))
+    (total * 3).backward()
+    ref_params, ref_forward = make()
+    (sum(ref_forward(p, {}).loss for p in patterns) * 3).backward()
+    for got, expected in zip(params, ref_params):
+        torch.testing.assert_close(got.grad, expected.grad)

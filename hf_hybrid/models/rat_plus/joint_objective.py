@@ -44,6 +44,16 @@ class _AddKeptGradients(torch.autograd.Function):
         return (grad_output, None, None, *kept)
 
 
+def _owned(grad: torch.Tensor, storages: set) -> torch.Tensor:
+    """``grad`` as a buffer of its own, to add to and scale in place: autograd may hand out an
+    expanded view (the gradient of a sum) or one tensor for several inputs (the gradient of a + b).
+    ``storages`` holds the storages already kept."""
+    if not grad.is_contiguous() or grad.untyped_storage().data_ptr() in storages:
+        grad = grad.clone(memory_format=torch.contiguous_format)
+    storages.add(grad.untyped_storage().data_ptr())
+    return grad
+
+
 def joint_loss(
     run_pattern: Callable[[object, dict], object],
     patterns: Sequence,
@@ -64,6 +74,7 @@ def joint_loss(
     targets = parameters + [inputs[k] for k in grad_inputs]
     kept: list[torch.Tensor | None] = [None] * len(targets)
     losses: list[torch.Tensor | None] = [None] * len(patterns)
+    storages: set[int] = set()
     for i in range(1, len(patterns)):
         out = run_pattern(patterns[i], cut_inputs)
         # The caller's backward runs outside autocast; so does this one.
@@ -71,7 +82,7 @@ def joint_loss(
             grads = torch.autograd.grad(weights[i] * out.loss, parameters + sources, allow_unused=True)
         for j, g in enumerate(grads):
             if g is not None:
-                kept[j] = g if kept[j] is None else kept[j].add_(g)
+                kept[j] = _owned(g, storages) if kept[j] is None else kept[j].add_(g)
         losses[i] = out.loss.detach()
         del out, grads  # the graph went with the backward; the outputs go here
     first = run_pattern(patterns[0], inputs)
