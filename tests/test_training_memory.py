@@ -240,27 +240,3 @@ def test_forgetting_attention_padded_rows_over_query_blocks_match_the_reference(
     dense = forgetting_attention_with_cache_reference(q, k, v, c, c, key_mask, None, window)
     blocked = _with_cache_query_blocks(q, k, v, c, c, key_mask, None, window, query_block=29)
     _assert_same(dense, blocked, (q, k, v, log_f), dtype)
-
-
-def test_rat_plus_joint_step_with_earlier_patterns_rebuilt_is_the_same(monkeypatch):
-    """On CPU the joint objective's earlier patterns are rebuilt in the backward; loss, logits and
-    gradients equal those of the step that keeps every pattern's graph."""
-    from hf_hybrid.models.rat_plus.modeling_rat_plus import RatPlusForCausalLM
-
-    def step():
-        torch.manual_seed(0)
-        model = RatPlusForCausalLM(_tiny_config("rat_plus")).train()
-        ids = torch.randint(0, TINY["vocab_size"], (2, 97), generator=torch.Generator().manual_seed(2))
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        return out, {n: p.grad for n, p in model.named_parameters()}
-
-    assert RatPlusForCausalLM(_tiny_config("rat_plus"))._rebuilds_earlier_patterns(2, {})
-    rebuilt, rebuilt_grads = step()
-    monkeypatch.setattr(RatPlusForCausalLM, "_rebuilds_earlier_patterns", lambda self, n, kwargs: False)
-    kept, kept_grads = step()
-    torch.testing.assert_close(rebuilt.loss, kept.loss, atol=0, rtol=0)
-    torch.testing.assert_close(rebuilt.logits, kept.logits, atol=0, rtol=0)
-    torch.testing.assert_close(rebuilt.pattern_losses, kept.pattern_losses, atol=0, rtol=0)
-    for key, grad in kept_grads.items():
-        torch.testing.assert_close(rebuilt_grads[key], grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{key}: {m}")

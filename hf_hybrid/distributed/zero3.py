@@ -8,9 +8,11 @@ DecoderLayer a ZeRO-3 "leaf" module makes DeepSpeed gather all of a layer's para
 layer runs and release them after, as FSDP2 does per layer; the custom ops then read the gathered
 tensors in place (no copy per step).
 
-One model cannot train under ZeRO-3: RAT+ with its joint objective of several training patterns
-runs the whole model once per pattern before the backward, and ZeRO-3's gradient partitioning
-fails on parameters used by more than one forward (DeepSpeed issue #5321). FSDP2 trains it.
+One model cannot train under ZeRO-3: RAT+ with its joint objective of several training patterns.
+Keeping every pattern's graph until the backward, ZeRO-3 reduces the gradient of a parameter used
+by several forwards more than once in one backward (DeepSpeed 0.19's bucket check fails: DeepSpeed
+issue #5321); running each other pattern's backward inside the forward (what RAT+ does elsewhere),
+DeepSpeed's backward hooks refuse ``torch.autograd.grad``. FSDP2 trains it.
 """
 from __future__ import annotations
 

@@ -113,8 +113,8 @@ def context_parallel(model: nn.Module, cp: ContextParallelGroup):
     for mixer in mixers:
         forward = forwards[type(mixer)]
         mixer.forward = lambda *args, _mixer=mixer, _forward=forward, **kwargs: _forward(_mixer, cp, *args, **kwargs)
-    # Models that would rebuild a forward in the backward (RAT+'s joint objective on CPU) must not:
-    # a rebuilt forward would run the exchange's collectives out of step with the other ranks.
+    # Models that would run a backward inside their forward (RAT+'s joint objective) keep their
+    # plain graphs under the group: the exchanges' collectives are kept in step for one backward.
     models = [m for m in model.modules() if hasattr(m, "config") and hasattr(m, "base_model_prefix")]
     for m in models:
         m.context_parallel_group = cp

@@ -25,6 +25,13 @@ given and no ``sparse_config`` is passed (an explicit ``sparse_config`` trains t
 e.g. for single-pattern resolution adaptation), and in any mode when ``training_dilations`` is
 passed explicitly. The returned logits (hidden_states, attentions) are the first pattern's; ``pattern_losses`` holds
 each pattern's loss (detached) for logging.
+
+With gradients, a step holds one pattern's activations, not one per pattern: every other pattern
+runs its backward right after its forward and its gradients reach the parameters through the
+caller's backward (``joint_objective.py``), so loss scaling, gradient accumulation and DDP apply to
+every pattern as to a plain sum. Where that cannot run (torch.compile, FSDP2, ZeRO-3, a
+context-parallel group, reentrant checkpointing, float16), every pattern's graph is kept until the
+backward, with a warning naming the reason (``_keeps_every_pattern_graph``).
 """
 from __future__ import annotations
 
@@ -32,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
 
 from ...layers.rat_plus_attention import RatPlusAttention
 from ...sparse import SparseInferenceConfig
@@ -42,6 +49,9 @@ from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
 from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
 from .cache_rat_plus import RatPlusCache
 from .configuration_rat_plus import RatPlusConfig
+from .joint_objective import joint_loss
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -105,20 +115,31 @@ class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
 class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
     base_model_class = RatPlusModel
 
-    def _rebuilds_earlier_patterns(self, num_patterns: int, kwargs: dict) -> bool:
-        """Whether the joint objective's earlier patterns run under activation checkpointing: on CPU,
-        with gradients and more than one pattern (and no hidden states / attentions asked for, which
-        would be kept anyway). Their graphs would otherwise stay alive while the last pattern runs,
-        so a step held one forward's activations per pattern; the backward runs the last pattern's
-        graph first and then rebuilds the others one at a time, so it holds one, for one more forward
-        per earlier pattern. On GPUs the kernels keep little and the extra forward costs time: no."""
-        return (
-            num_patterns > 1 and torch.is_grad_enabled() and self.device.type == "cpu"
-            and not torch.compiler.is_compiling()
-            and getattr(self, "context_parallel_group", None) is None  # (hf_hybrid.distributed.context_parallel)
-            and not self.model.gradient_checkpointing  # checkpointed layers keep nothing a rebuild would free
-            and not kwargs.get("output_hidden_states") and not kwargs.get("output_attentions")
-        )
+    def _keeps_every_pattern_graph(self) -> str | None:
+        """Why the joint objective must keep every pattern's graph until the caller's backward (the
+        sum of the losses, as a plain sum), or None: then each other pattern's backward runs right
+        after its forward (joint_objective.py), one pass's memory."""
+        if torch.compiler.is_compiling():
+            return "torch.compile traces the forward as one graph, and a backward inside it breaks the graph"
+        # FSDP2 (DTensor parameters) and ZeRO-3 gather parameters in forward hooks and reduce gradients
+        # in backward hooks made for one backward per step; a backward inside the forward breaks both
+        # (FSDP2 reshards the root's parameters before the next pass; DeepSpeed's hooks refuse
+        # torch.autograd.grad). A context-parallel group's exchanges are verified with one backward.
+        if any(hasattr(p, "ds_id") or any(c.__name__ == "DTensor" for c in type(p).__mro__) for p in self.parameters()):
+            return "the parameters are sharded (FSDP2 or DeepSpeed ZeRO-3)"
+        if getattr(self, "context_parallel_group", None) is not None:  # (hf_hybrid.distributed.context_parallel)
+            return "the model runs under a context-parallel group"
+        checkpointing = getattr(self.model, "_gradient_checkpointing_func", None)
+        reentrant = getattr(checkpointing, "keywords", {}).get("use_reentrant", True) is not False
+        if self.model.gradient_checkpointing and self.model.training and reentrant:
+            return "reentrant gradient checkpointing does not support torch.autograd.grad"
+        device = self.device.type
+        fp16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
+        if fp16 or any(p.dtype == torch.float16 for p in self.parameters() if p.requires_grad):
+            # A GradScaler's scale reaches the backward only through the caller's loss; an earlier
+            # pattern's float16 backward run at scale 1 would underflow.
+            return "float16 training scales the loss for its backward"
+        return None
 
     def forward(
         self,
@@ -146,21 +167,33 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         if past_key_values is not None:
             raise ValueError("The joint training objective runs full forwards; do not pass past_key_values with it.")
         patterns, weights = self.config.training_patterns(training_dilations)
-        def pattern_forward(pattern):
-            return super(RatPlusForCausalLM, self).forward(use_cache=False, sparse_config=pattern, **common)
 
-        rebuild = self._rebuilds_earlier_patterns(len(patterns), kwargs)
-        outputs = [
-            checkpoint(pattern_forward, p, use_reentrant=False) if rebuild and i < len(patterns) - 1 else pattern_forward(p)
-            for i, p in enumerate(patterns)
-        ]
-        loss = sum(w * out.loss for w, out in zip(weights, outputs))
+        def pattern_forward(pattern, inputs):
+            return super(RatPlusForCausalLM, self).forward(use_cache=False, sparse_config=pattern, **inputs)
+
+        parameters = [p for p in self.parameters() if p.requires_grad]
+        grad_inputs = any(isinstance(v, torch.Tensor) and v.requires_grad for v in common.values())
+        grads = torch.is_grad_enabled() and bool(parameters or grad_inputs)
+        several = grads and len(patterns) > 1  # else there is one graph, or none
+        keep_graphs = self._keeps_every_pattern_graph() if several else None
+        if several and keep_graphs is None:
+            first, loss, pattern_losses = joint_loss(pattern_forward, patterns, weights, common, parameters)
+        else:
+            if several and not torch.compiler.is_compiling():  # (logging would break a traced graph)
+                logger.warning_once(
+                    f"RAT+'s joint objective keeps all {len(patterns)} patterns' graphs until the backward (the "
+                    f"memory of {len(patterns)} passes): {keep_graphs}."
+                )
+            outputs = [pattern_forward(p, common) for p in patterns]
+            first = outputs[0]
+            loss = sum(w * out.loss for w, out in zip(weights, outputs))
+            pattern_losses = torch.stack([out.loss.detach() for out in outputs])
         return RatPlusCausalLMOutput(
             loss=loss,
-            logits=outputs[0].logits,
-            hidden_states=outputs[0].hidden_states,  # the first pattern's, like the logits
-            attentions=outputs[0].attentions,
-            pattern_losses=torch.stack([out.loss.detach() for out in outputs]),
+            logits=first.logits,
+            hidden_states=first.hidden_states,  # the first pattern's, like the logits
+            attentions=first.attentions,
+            pattern_losses=pattern_losses,
         )
 
 
