@@ -103,11 +103,21 @@ def activation_bytes_per_token(config, dtype: torch.dtype) -> float:
 def with_cache_bytes(config, rows: int, tokens: int, keys: int) -> float:
     """Extra bytes of a slice that attends over a filled cache, where a mixer's path materialises
     scores: FoX's attention over its cache runs SDPA with a float32 bias [rows, heads, tokens, keys]
-    (built and masked: about three of them) on float32 copies of the keys and values."""
+    (built and masked: about three of them) on float32 copies of the keys and values, over blocks of
+    heads that keep the bias near ``SDPA_BIAS_BLOCK`` elements
+    (kernels/forgetting_attention/decode.py)."""
     if getattr(config, "model_type", None) != "fox":
         return 0.0
+    from ..kernels.forgetting_attention.decode import SDPA_BIAS_BLOCK
+
     heads, dim = config.num_attention_heads, config.head_dim
-    return rows * heads * (3 * 4 * tokens * keys + 2 * 4 * keys * dim)
+    per_head = rows * tokens * keys
+    if heads * per_head <= SDPA_BIAS_BLOCK:
+        block_heads, bias = heads, heads * per_head
+    else:
+        block_heads = max(1, SDPA_BIAS_BLOCK // per_head)
+        bias = min(block_heads * per_head, SDPA_BIAS_BLOCK + rows * keys)  # a block of queries when one head is too large
+    return 3 * 4 * bias + (2 * 4 + 2 * 2) * rows * keys * dim * block_heads
 
 
 def full_kv_footprint(config, dtype: torch.dtype) -> CacheFootprint:
