@@ -184,25 +184,28 @@ def tensor_bytes(obj) -> int:
 
 
 @torch.no_grad()
-def probe_cache_footprint(model, tokens: tuple[int, int] = PROBE_TOKENS) -> CacheFootprint:
+def probe_cache_footprint(model, tokens: tuple[int, int] = PROBE_TOKENS, mixer_kwargs: dict | None = None) -> CacheFootprint:
     """The decode cache's bytes per row and per token, from a fresh cache of the model's class
-    filled by one-row prompts of two lengths (module docstring)."""
+    filled by one-row prompts of two lengths (module docstring); ``mixer_kwargs``: the generation's
+    mixer options (RAT+'s sparse pattern, the SE hybrid's attention mode), which shape the cache."""
     counts = []
     device = model.device
     for length in tokens:
         cache = model.base_model_class.cache_class(model.config)
         ids = torch.full((1, length), 3, dtype=torch.long, device=device)
         with model._without_decode_graph():
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **(mixer_kwargs or {}))
         counts.append(sum(tensor_bytes(layer) for layer in cache.layers))
         del cache
     per_token = max(counts[1] - counts[0], 0) / (tokens[1] - tokens[0])
     return CacheFootprint(per_row=max(counts[0] - per_token * tokens[0], 0.0), per_token=per_token)
 
 
-def plan_prefill_slices(model, rows: int, prompt: int, capacity: int, free_bytes: float | None) -> PrefillPlan:
+def plan_prefill_slices(model, rows: int, prompt: int, capacity: int, free_bytes: float | None,
+                        mixer_kwargs: dict | None = None) -> PrefillPlan:
     """The automatic choice for a prefill of ``rows`` x ``prompt`` tokens whose cache grows to
-    ``capacity`` tokens, with ``free_bytes`` free on the model's device (None: not sliced)."""
+    ``capacity`` tokens, with ``free_bytes`` free on the model's device (None: not sliced);
+    ``mixer_kwargs``: the generation's mixer options (probe_cache_footprint)."""
     plan = PrefillPlan(None, "", rows=rows, prompt_tokens=prompt, free_bytes=free_bytes)
     if free_bytes is None:
         plan.reason = "no free-memory figure for this device (automatic slicing is for CUDA)"
@@ -220,7 +223,7 @@ def plan_prefill_slices(model, rows: int, prompt: int, capacity: int, free_bytes
         plan.cache_bytes = bound.bytes(rows, capacity)
         plan.reason = "the one-shot prefill fits (even if every layer kept all keys and values)"
         return plan
-    footprint = _cached_footprint(model)
+    footprint = _cached_footprint(model, mixer_kwargs or {})
     plan.cache_bytes = footprint.bytes(rows, capacity)
     plan.slice_tokens, plan.reason = choose_slice(rows, prompt, capacity, per_token, footprint, free_bytes, extra)
     if plan.slice_tokens is not None and plan.reason.startswith("not even"):
@@ -232,13 +235,13 @@ def plan_prefill_slices(model, rows: int, prompt: int, capacity: int, free_bytes
     return plan
 
 
-def _cached_footprint(model) -> CacheFootprint:
-    key = (model.dtype, str(model.device), model.config.num_hidden_layers)
+def _cached_footprint(model, mixer_kwargs: dict) -> CacheFootprint:
+    key = (model.dtype, str(model.device), model.config.num_hidden_layers, repr(sorted(mixer_kwargs.items())))
     cached = getattr(model, "_prefill_cache_footprints", None)
     if cached is None:
         cached = model._prefill_cache_footprints = {}
     if key not in cached:
-        cached[key] = probe_cache_footprint(model)
+        cached[key] = probe_cache_footprint(model, mixer_kwargs=mixer_kwargs)
     return cached[key]
 
 
@@ -273,37 +276,38 @@ class SlicedPrefillMixin:
         choice slices this prefill; a user's value stays. ``args`` / ``kwargs``: the rest of
         transformers' ``_prepare_cache_for_generation`` arguments (its ``batch_size`` among them)."""
         self.last_prefill_plan = None
-        batch_size = _batch_size_argument(args, kwargs, model_kwargs)
+        arguments = _prepare_cache_arguments(args, kwargs)
         if generation_config.prefill_chunk_size is not None or not resolve_slicing(self._prefill_slicing_setting):
             return
-        if getattr(generation_config, "is_assistant", False):
-            return  # an assistant's prefills are its few draft tokens
+        if getattr(generation_config, "is_assistant", False) or "ASSISTED" in str(arguments.get("generation_mode", "")).upper():
+            return  # assisted decoding: its cache records its past for crops; an assistant prefills draft tokens
+        batch_size = arguments.get("batch_size")
+        if not isinstance(batch_size, int):
+            mask = model_kwargs.get("attention_mask")
+            if mask is None:
+                return  # no batch size to plan for
+            batch_size = mask.shape[0]
         rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         mask = model_kwargs.get("attention_mask")
         max_length = generation_config.max_length
         prompt = mask.shape[1] if mask is not None else max_length - (generation_config.max_new_tokens or 0)
-        plan = plan_prefill_slices(self, rows, prompt, max_length, free_device_memory(self.device))
+        mixer_kwargs = {k: model_kwargs[k] for k in self.model.mixer_forward_kwargs if model_kwargs.get(k) is not None}
+        plan = plan_prefill_slices(self, rows, prompt, max_length, free_device_memory(self.device), mixer_kwargs)
         self.last_prefill_plan = plan.as_dict()
         if plan.slice_tokens is not None:
             generation_config.prefill_chunk_size = plan.slice_tokens
 
 
-def _batch_size_argument(args: tuple, kwargs: dict, model_kwargs: dict) -> int:
-    """``batch_size`` of transformers' ``_prepare_cache_for_generation(generation_config,
-    model_kwargs, ...)`` call, found by its signature (the other parameters differ across versions)."""
+def _prepare_cache_arguments(args: tuple, kwargs: dict) -> dict:
+    """The rest of transformers' ``_prepare_cache_for_generation(generation_config, model_kwargs,
+    ...)`` arguments by name (``generation_mode``, ``batch_size``: positions differ across versions)."""
     from transformers import GenerationMixin
 
     signature = inspect.signature(GenerationMixin._prepare_cache_for_generation)
     try:
-        bound = signature.bind_partial(None, None, None, *args, **kwargs).arguments
+        return dict(signature.bind_partial(None, None, None, *args, **kwargs).arguments)
     except TypeError:
-        bound = {}
-    if isinstance(bound.get("batch_size"), int):
-        return bound["batch_size"]
-    mask = model_kwargs.get("attention_mask")
-    if mask is None:
-        raise RuntimeError("generate(): found no batch size to plan the prefill for; pass prefill_slicing=False.")
-    return mask.shape[0]
+        return {}
 
 
 @contextlib.contextmanager

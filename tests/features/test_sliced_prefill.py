@@ -125,9 +125,9 @@ def test_plan_probes_the_cache_only_when_the_bound_does_not_fit(monkeypatch):
     probes = []
     original = sliced_prefill.probe_cache_footprint
 
-    def probe(m, *args):
+    def probe(m, *args, **kwargs):
         probes.append(m)
-        return original(m, *args)
+        return original(m, *args, **kwargs)
 
     monkeypatch.setattr(sliced_prefill, "probe_cache_footprint", probe)
     plan = plan_prefill_slices(model, 8, 4096, 4128, free_bytes=1e12)
@@ -163,7 +163,7 @@ def test_generate_slices_automatically_when_memory_is_short(case, monkeypatch):
     assert model.last_prefill_plan["slice_tokens"] is None  # CPU: no free-memory figure
     monkeypatch.setattr(sliced_prefill, "SLICE_ALIGN", 4)
     monkeypatch.setattr(sliced_prefill, "free_device_memory", lambda device: 1.0)
-    sliced_prefill._cached_footprint(model)  # the cache probe's forwards, before counting the prefill's
+    sliced_prefill._cached_footprint(model, {})  # the cache probe's forwards, before counting the prefill's
     calls = []
     model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[1]),
                                           with_kwargs=True)
@@ -187,3 +187,7 @@ def test_generate_slices_automatically_when_memory_is_short(case, monkeypatch):
         del model.config.prefill_slicing
     with pytest.raises(ValueError, match="prefill_slicing"):
         generate(model, ids, mask, prefill_slicing="yes")
+    # assisted decoding (prompt lookup here) records the cache's past for crops: not sliced
+    calls.clear()
+    generate(model, ids[:1], mask[:1], prompt_lookup_num_tokens=2)
+    assert model.last_prefill_plan is None and calls[0] == 21
