@@ -9,7 +9,9 @@ Every model has 24 layers of the 1.3B shape (benchmarks/generation.py's SHAPE), 
 bf16, a prompt of ``--prompt`` random tokens and ``--new`` greedy new tokens. The largest batch is
 searched by doubling from ``--start`` and then bisecting between the last batch that generated and
 the first that ran out of memory, to ``--resolution`` rows, at most ``--max-tries`` generate() calls
-per model and never past ``--max-batch`` (a model that reaches it is reported as ">= max-batch").
+per model, none started after ``--search-seconds`` of the model's search, and never past
+``--max-batch`` (a model that reaches it is reported as ">= max-batch"; ``tries`` lists every try,
+so a search cut short by its budget shows its open bracket).
 Each try runs in this process after the previous one's memory was handed back (gc and
 ``torch.cuda.empty_cache()``). Our models generate with default arguments: the prefill in slices
 where the batch's activations would not fit beside the decode cache
@@ -43,7 +45,9 @@ TINY_SHAPE = dict(hidden_size=64, num_attention_heads=4, head_dim=16, intermedia
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+    message = str(error)
+    return (isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in message.lower()
+            or "ALLOC_FAILED" in message)  # cuBLAS / cuDNN handles that found no memory
 
 
 def release_memory(device: torch.device) -> None:
@@ -90,11 +94,16 @@ def try_batch(model, batch: int, prompt: int, new: int, **generate_kwargs) -> tu
     return ok, info
 
 
-def search_largest(fits, start: int, max_batch: int, resolution: int, max_tries: int) -> tuple[int | None, bool, list]:
+def search_largest(fits, start: int, max_batch: int, resolution: int, max_tries: int,
+                   deadline: float | None = None, clock=time.monotonic) -> tuple[int | None, bool, list]:
     """The largest batch for which ``fits(batch)`` is True: doubling from ``start``, then bisection
     to ``resolution`` rows. Returns (largest batch or None, whether ``max_batch`` capped the search,
-    the tries as (batch, fitted)). At most ``max_tries`` calls."""
+    the tries as (batch, fitted)). At most ``max_tries`` calls, and none started after ``deadline``
+    (on ``clock``)."""
     tries = []
+
+    def budget_left() -> bool:
+        return len(tries) < max_tries and (deadline is None or clock() < deadline)
 
     def attempt(batch):
         fitted = fits(batch)
@@ -102,7 +111,7 @@ def search_largest(fits, start: int, max_batch: int, resolution: int, max_tries:
         return fitted
 
     good, bad, batch = None, None, min(start, max_batch)
-    while len(tries) < max_tries:
+    while budget_left():
         if attempt(batch):
             good = batch
             if batch >= max_batch:
@@ -112,13 +121,13 @@ def search_largest(fits, start: int, max_batch: int, resolution: int, max_tries:
             bad = batch
             break
     if good is None:  # even the first batch failed: halve down
-        while bad is not None and bad > 1 and len(tries) < max_tries:
+        while bad is not None and bad > 1 and budget_left():
             batch = bad // 2
             if attempt(batch):
                 good = batch
                 break
             bad = batch
-    while good is not None and bad is not None and bad - good > resolution and len(tries) < max_tries:
+    while good is not None and bad is not None and bad - good > resolution and budget_left():
         middle = (good + bad) // 2
         if attempt(middle):
             good = middle
@@ -146,7 +155,8 @@ def measure_model(name: str, args, device: torch.device, dtype: torch.dtype, sha
               flush=True)
         return ok
 
-    largest, capped, tries = search_largest(fits, args.start, args.max_batch, args.resolution, args.max_tries)
+    deadline = time.monotonic() + args.search_seconds if args.search_seconds else None
+    largest, capped, tries = search_largest(fits, args.start, args.max_batch, args.resolution, args.max_tries, deadline)
     row = dict(model=name, layers=shape.get("num_hidden_layers"), prompt=args.prompt, new=args.new,
                largest_batch=largest, capped=capped, tries=tries,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else str(device))
@@ -180,6 +190,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--max-batch", type=int, default=512, help="the search stops here (reported as capped)")
     parser.add_argument("--resolution", type=int, default=16, help="bisection stops when the bracket is this narrow")
     parser.add_argument("--max-tries", type=int, default=8, help="generate() calls of the search, per model")
+    parser.add_argument("--search-seconds", type=float, default=50.0,
+                        help="no new try of a model's search starts after this many seconds (0: no limit)")
     parser.add_argument("--llama-eager", action="store_true", help="time Llama's static cache without compiling its step")
     parser.add_argument("--llama-prefill-chunk", type=int, default=None,
                         help="give Llama transformers' prefill_chunk_size (its own sliced prefill)")

@@ -23,6 +23,12 @@ def test_search_stops_at_the_cap_and_the_try_budget():
     assert (largest, capped, len(tries)) == (96, False, 4)
 
 
+def test_search_starts_no_try_after_its_deadline():
+    clock = iter(range(100)).__next__  # one second per look at the clock
+    largest, _, tries = search_largest(lambda b: True, 2, 512, 1, 20, deadline=3, clock=clock)
+    assert largest == 8 and len(tries) == 3
+
+
 def test_search_halves_when_the_first_batch_fails():
     largest, _, tries = search_largest(lambda b: b <= 5, 32, 512, 1, 20)
     assert largest == 5 and tries[:4] == [(32, False), (16, False), (8, False), (4, True)]
@@ -40,7 +46,7 @@ def test_cpu_run_finds_the_faked_limit_and_reports_against_llama(monkeypatch):
     monkeypatch.setattr(largest_batch, "generate_once", limited)
     rows = largest_batch.main([
         "--device", "cpu", "--shape", "tiny", "--layers", "2", "--prompt", "20", "--new", "3", "--models", "rat,llama",
-        "--start", "2", "--max-batch", "16", "--resolution", "1", "--llama-eager",
+        "--start", "2", "--max-batch", "16", "--resolution", "1", "--llama-eager", "--search-seconds", "0",
     ])
     assert [r["model"] for r in rows] == ["rat", "llama"]
     for row in rows:
