@@ -34,9 +34,9 @@ The estimate (documented, deliberately simple, in bytes; s = the model's dtype s
 peak holds the residual, its norm, the mixer's projections and outputs (five to ten of that width
 with the gates and the kernels' outputs) and the MLP's gate, up and product. The cache's bytes are
 measured, not modelled: a fresh cache of the model's own class is filled by two one-row probe
-prompts (``PROBE_TOKENS``) and its tensors counted; per_token and per_row come from the two counts
-(layers whose memory stops growing within the probe, windows longer than it, are counted as if
-they kept growing: the estimate errs towards smaller slices). The probe runs only when a cheap
+prompts (``PROBE_TOKENS`` after the config's longest window) and its tensors counted; per_token
+and per_row come from the two counts (a layer whose memory grew in steps, a doubling buffer, may
+be counted high: the estimate errs towards smaller slices). The probe runs only when a cheap
 bound (every layer keeping all K/V) does not already fit, and once per model, dtype and device.
 The slice is the longest multiple of ``SLICE_ALIGN`` tokens that fits; ``model.last_prefill_plan``
 says what was chosen and from which figures.
@@ -59,8 +59,10 @@ HEADROOM = 0.85
 # Slices are multiples of this many tokens (whole tiles of the prefill kernels, chunk ends at
 # their usual places); a prompt shorter than two of them is never sliced.
 SLICE_ALIGN = 256
-# One-row prompt lengths of the cache probe.
+# One-row prompt lengths of the cache probe, past the config's longest window (windowed layers
+# stop growing there; a probe inside the window would count them as growing per token).
 PROBE_TOKENS = (64, 192)
+WINDOW_FIELDS = ("window_size", "sliding_window")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,10 +186,17 @@ def tensor_bytes(obj) -> int:
 
 
 @torch.no_grad()
-def probe_cache_footprint(model, tokens: tuple[int, int] = PROBE_TOKENS, mixer_kwargs: dict | None = None) -> CacheFootprint:
+def probe_lengths(config) -> tuple[int, int]:
+    """PROBE_TOKENS after the config's longest window (``window_size``, ``sliding_window``)."""
+    window = max([w for w in (getattr(config, name, None) for name in WINDOW_FIELDS) if isinstance(w, int)] + [0])
+    return tuple(window + n for n in PROBE_TOKENS)
+
+
+def probe_cache_footprint(model, tokens: tuple[int, int] | None = None, mixer_kwargs: dict | None = None) -> CacheFootprint:
     """The decode cache's bytes per row and per token, from a fresh cache of the model's class
     filled by one-row prompts of two lengths (module docstring); ``mixer_kwargs``: the generation's
     mixer options (RAT+'s sparse pattern, the SE hybrid's attention mode), which shape the cache."""
+    tokens = probe_lengths(model.config) if tokens is None else tokens
     counts = []
     device = model.device
     for length in tokens:

@@ -152,6 +152,16 @@ def test_probe_counts_what_the_cache_keeps():
     assert fox.per_token == pytest.approx(2 * (2 * 2 * 8 * 4 + 4 * 4), rel=0.01)
 
 
+def test_probe_runs_past_the_longest_window():
+    """RATTENTION's local layers keep a ring of the last w + 1 tokens: probed past w, the cache
+    grows per token by what its global layers keep (K and V of 2 kv heads x 8 dims, fp32)."""
+    model = tiny_model("rattention", num_hidden_layers=4, window_size=40)
+    assert sliced_prefill.probe_lengths(model.config) == (40 + 64, 40 + 192)
+    footprint = sliced_prefill.probe_cache_footprint(model)
+    globals_ = model.config.layer_types.count("global")
+    assert footprint.per_token == pytest.approx(globals_ * 2 * 2 * 8 * 4, rel=0.01)
+
+
 @pytest.mark.parametrize("case", ["rat", "fox_pro", "rattention", "se_hybrid_se"])
 def test_generate_slices_automatically_when_memory_is_short(case, monkeypatch):
     """generate() with a fake free-memory figure: the estimate slices the prefill, the result is
