@@ -103,6 +103,30 @@ def test_sliced_prefill_continues_in_the_reserved_buffers(case):
             assert layer.keys.data_ptr() == layer._static.buffers[0].data_ptr()
 
 
+@pytest.mark.parametrize("case", ["rattention", "se_hybrid_full"])
+def test_softmax_layers_continue_a_cache_without_a_mask(case, monkeypatch):
+    """A slice after the first over every cached key (no padding, no window hiding a key) runs SDPA
+    causal from the last key (no mask, no flex_attention compile per slice shape); with padding it
+    keeps the masked path. Both equal the one-shot prefill."""
+    import hf_hybrid.layers.attention as attention
+
+    calls = []
+    original = attention._sdpa_lower_right
+    monkeypatch.setattr(attention, "_sdpa_lower_right", lambda *args: calls.append(1) or original(*args))
+    model = model_of(case)
+    ids = random_ids(2, 19, seed=5)
+    reference, _ = generate(model, ids)
+    sliced, _ = generate(model, ids, prefill_chunk_size=6)
+    assert_same(sliced, reference)
+    assert calls
+    calls.clear()
+    ids, mask = left_padded()
+    reference, _ = generate(model, ids, mask)
+    sliced, _ = generate(model, ids, mask, prefill_chunk_size=6)
+    assert_same(sliced, reference)
+    assert not calls
+
+
 def test_choose_slice_from_the_estimate():
     cache = CacheFootprint(per_row=100.0, per_token=10.0)
     # 4 rows x 1000 tokens x 1 byte of activations + 4 x (100 + 10 x 1010) of cache
