@@ -103,16 +103,16 @@ def test_sliced_prefill_continues_in_the_reserved_buffers(case):
             assert layer.keys.data_ptr() == layer._static.buffers[0].data_ptr()
 
 
-@pytest.mark.parametrize("case", ["rattention", "se_hybrid_full"])
-def test_softmax_layers_continue_a_cache_without_a_mask(case, monkeypatch):
-    """A slice after the first over every cached key (no padding, no window hiding a key) runs SDPA
-    causal from the last key (no mask, no flex_attention compile per slice shape); with padding it
-    keeps the masked path. Both equal the one-shot prefill."""
+@pytest.mark.parametrize("case", ["rattention", "rat_swa", "se_hybrid_full"])
+def test_softmax_layers_continue_a_cache_without_a_block_mask(case, monkeypatch):
+    """A slice after the first, nothing padded, runs SDPA (causal from the last key, or one mask
+    row block shared by the batch where a window hides keys), not a flex_attention BlockMask; with
+    padding it keeps the masked path. Both equal the one-shot prefill."""
     import hf_hybrid.layers.attention as attention
 
     calls = []
-    original = attention._sdpa_lower_right
-    monkeypatch.setattr(attention, "_sdpa_lower_right", lambda *args: calls.append(1) or original(*args))
+    original = attention._sdpa_continuation
+    monkeypatch.setattr(attention, "_sdpa_continuation", lambda *args: calls.append(1) or original(*args))
     model = model_of(case)
     ids = random_ids(2, 19, seed=5)
     reference, _ = generate(model, ids)
