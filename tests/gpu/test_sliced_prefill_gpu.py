@@ -80,3 +80,48 @@ def test_rat_generates_where_the_one_shot_prefill_runs_out_of_memory():
     torch.cuda.empty_cache()
     with pytest.raises(torch.cuda.OutOfMemoryError), torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, prefill_slicing=False)
+
+
+WIDE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=16,
+            head_dim=128, pad_token_id=0, eos_token_id=None)
+
+
+def wide_config(name):
+    from hf_hybrid.models.fox import FoxConfig
+    from hf_hybrid.models.rat import RatConfig
+    from hf_hybrid.models.rattention import RattentionConfig
+    from hf_hybrid.models.se_hybrid import SEHybridConfig
+
+    return {
+        "rat": lambda: RatConfig(**WIDE, chunk_size=16),
+        "fox": lambda: FoxConfig(**WIDE, num_key_value_heads=16),
+        "rattention": lambda: RattentionConfig(**WIDE, num_key_value_heads=16, layer_types=["local", "global"]),
+        "se_hybrid": lambda: SEHybridConfig(**WIDE, num_key_value_heads=16, layer_types=["mamba", "attention"]),
+    }[name]()
+
+
+@pytest.mark.parametrize("name", ("rat", "fox", "rattention", "se_hybrid"))
+def test_activation_estimate_bounds_the_one_shot_prefill_peak(name):
+    """The planner's estimate (activations per token of one layer, plus the measured cache) is at
+    least what a one-shot prefill's peak adds to the weights, at the 1.3B width in bf16, and not
+    more than four times it (a failure message gives the ratio)."""
+    from transformers import AutoModelForCausalLM
+
+    config = wide_config(name)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    rows, prompt = 8, 4096
+    ids = torch.randint(3, 32000, (rows, prompt), device="cuda")
+    with torch.no_grad():  # warm-up: kernels compiled and tuned outside the measured peak
+        model.generate(ids[:1, :256], attention_mask=torch.ones_like(ids[:1, :256]), max_new_tokens=2, do_sample=False)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, prefill_slicing=False)
+    peak = torch.cuda.max_memory_allocated() - base
+    per_token = sliced_prefill.activation_bytes_per_token(config, torch.bfloat16)
+    estimate = rows * prompt * per_token + sliced_prefill.probe_cache_footprint(model).bytes(rows, prompt + 2)
+    assert peak <= estimate <= 4 * peak, f"{name}: estimate / measured peak = {estimate / peak:.2f} ({estimate / 2**30:.2f} GiB / {peak / 2**30:.2f} GiB)"
