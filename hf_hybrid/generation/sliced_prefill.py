@@ -39,7 +39,14 @@ and per_row come from the two counts (a layer whose memory grew in steps, a doub
 be counted high: the estimate errs towards smaller slices). The probe runs only when a cheap
 bound (every layer keeping all K/V) does not already fit, and once per model, dtype and device.
 The slice is the longest multiple of ``SLICE_ALIGN`` tokens that fits; ``model.last_prefill_plan``
-says what was chosen and from which figures.
+says what was chosen and from which figures. The probe's two forwards go through the model (its
+forward hooks see them). The free memory is that of ``model.device`` (a model split over several
+devices is planned by its first).
+
+Where a continuing slice takes another path than a prefill from position 0, that path keeps its
+memory to the slice: FoX's attention over its cache runs SDPA over blocks of heads
+(kernels/forgetting_attention/decode.py), and softmax layers run SDPA without a flex_attention
+BlockMask when nothing is padded (hf_hybrid/layers/attention.py).
 """
 from __future__ import annotations
 
