@@ -8,7 +8,8 @@ its own largest batch.
 Every model has 24 layers of the 1.3B shape (benchmarks/generation.py's SHAPE), random weights,
 bf16, a prompt of ``--prompt`` random tokens and ``--new`` greedy new tokens. The largest batch is
 searched by doubling from ``--start`` and then bisecting between the last batch that generated and
-the first that ran out of memory, to ``--resolution`` rows, at most ``--max-tries`` generate() calls
+the first that failed (out of memory; any other error is kept in the row's ``errors``), to
+``--resolution`` rows, at most ``--max-tries`` generate() calls
 per model, none started after ``--search-seconds`` of the model's search, and never past
 ``--max-batch`` (a model that reaches it is reported as ">= max-batch"; ``tries`` lists every try,
 so a search cut short by its budget shows its open bracket).
@@ -78,16 +79,17 @@ def generate_once(model, batch: int, prompt: int, new: int, **generate_kwargs) -
 
 
 def try_batch(model, batch: int, prompt: int, new: int, **generate_kwargs) -> tuple[bool, dict]:
-    """(True, info) when generate() ran at ``batch``; (False, info) when it ran out of memory.
-    Any other error propagates."""
+    """(True, info) when generate() ran at ``batch``; (False, info) when it failed: out of memory,
+    or another error (say, an out-of-memory inside a CUDA graph capture that surfaces as a capture
+    error), recorded in ``info`` with its message so that the row shows it."""
     start = time.perf_counter()
     try:
         info = generate_once(model, batch, prompt, new, **generate_kwargs)
         ok = True
-    except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
-        if not is_out_of_memory(error):
-            raise
-        info, ok = {"error": type(error).__name__}, False
+    except Exception as error:  # noqa: BLE001 (a failed try brackets the search; the row says why)
+        info, ok = {"out_of_memory": is_out_of_memory(error)}, False
+        if not info["out_of_memory"]:
+            info["error"] = f"{type(error).__name__}: {str(error)[:300]}"
         del error  # its traceback holds the failed try's tensors
     release_memory(model.device)
     info["seconds"] = round(time.perf_counter() - start, 2)
@@ -157,18 +159,21 @@ def measure_model(name: str, args, device: torch.device, dtype: torch.dtype, sha
 
     deadline = time.monotonic() + args.search_seconds if args.search_seconds else None
     largest, capped, tries = search_largest(fits, args.start, args.max_batch, args.resolution, args.max_tries, deadline)
+    errors = {batch: info["error"] for batch, info in infos.items() if "error" in info}
     row = dict(model=name, layers=shape.get("num_hidden_layers"), prompt=args.prompt, new=args.new,
-               largest_batch=largest, capped=capped, tries=tries,
+               largest_batch=largest, capped=capped, tries=tries, errors=errors,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else str(device))
     batch = largest
     while batch is not None and batch > 0:
+        ok, info = True, {}
         if timed_kwargs.get("disable_compile") is False:
-            ok, _ = try_batch(model, batch, args.prompt, args.new, **timed_kwargs)  # compiles Llama's step
-        else:
-            ok = True  # the search ran this shape: kernels tuned, the decode step's shape seen
+            ok, info = try_batch(model, batch, args.prompt, args.new, **timed_kwargs)  # compiles Llama's step
+        # (otherwise the search ran this shape: kernels tuned, the decode step's shape seen)
         if ok:
             ok, info = try_batch(model, batch, args.prompt, args.new, **timed_kwargs)
         if not ok:  # the timed configuration holds more (Llama's compiled step): a smaller batch
+            if "error" in info:
+                errors[f"timed at {batch}"] = info["error"]
             batch -= args.resolution
             continue
         row.update(timed_batch=batch, ms_per_token=info["ms_per_token"],

@@ -39,6 +39,8 @@ def test_cpu_run_finds_the_faked_limit_and_reports_against_llama(monkeypatch):
     real = largest_batch.generate_once
 
     def limited(model, batch, *args, **kwargs):
+        if batch == 8 and model.config.model_type == "rat":
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture (faked)")
         if batch > 5:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (faked above 5 rows)")
         return real(model, batch, *args, **kwargs)
@@ -53,6 +55,8 @@ def test_cpu_run_finds_the_faked_limit_and_reports_against_llama(monkeypatch):
         assert row["largest_batch"] == 5 and row["timed_batch"] == 5 and not row["capped"]
         assert row["tries"] == [(2, True), (4, True), (8, False), (6, False), (5, True)]
         assert row["tokens_per_s"] == pytest.approx(1000 * 5 / row["ms_per_token"], rel=1e-3)
+    assert list(rows[0]["errors"]) == [8] and "previous error during capture" in rows[0]["errors"][8]
+    assert rows[1]["errors"] == {}
     assert rows[1]["ratio_vs_llama"] == 1.0
     assert rows[0]["ratio_vs_llama"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], abs=0.01)
     assert rows[0]["prefill_plan"]["rows"] == 5  # our model's planner saw the batch (no slicing on CPU)
