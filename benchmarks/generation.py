@@ -42,7 +42,8 @@ MODELS = ("llama", "llama_projections", "rat", "rat_swa", "rat_plus_d16", "ratte
 LLAMA_MODELS = ("llama", "llama_projections")
 
 
-def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int):
+def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int, **shape):
+    """``shape``: overrides of SHAPE (e.g. num_hidden_layers=24 for the largest-batch bench)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import hf_hybrid  # noqa: F401  (registers the architectures)
@@ -52,29 +53,31 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
     from hf_hybrid.models.rattention import RattentionConfig
     from hf_hybrid.sparse import SparseInferenceConfig
 
+    shape = SHAPE | shape
+    kv_heads = shape["num_attention_heads"]
     if name in LLAMA_MODELS:
-        config = LlamaConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
+        config = LlamaConfig(**shape, num_key_value_heads=kv_heads, max_position_embeddings=max_positions)
     elif name == "rat":
-        config = RatConfig(**SHAPE, chunk_size=16)
+        config = RatConfig(**shape, chunk_size=16)
     elif name == "rat_swa":
         # The paper's RAT-SWA interleaving: RAT and sliding-window attention (window 1024) layers alternate.
-        config = RatConfig(**SHAPE, chunk_size=16, num_key_value_heads=16,
-                           layer_types=RatConfig.hybrid_layer_types(SHAPE["num_hidden_layers"], "rat"))
+        config = RatConfig(**shape, chunk_size=16, num_key_value_heads=kv_heads,
+                           layer_types=RatConfig.hybrid_layer_types(shape["num_hidden_layers"], "rat"))
     elif name == "rat_plus_d16":
         # The pattern hf_hybrid/bench/layers.py times (block ends only, besides the token itself).
         sparse = SparseInferenceConfig(dilation=16, local_window=0, num_sink_tokens=0)
-        config = RatPlusConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions, sparse_config=sparse)
+        config = RatPlusConfig(**shape, num_key_value_heads=kv_heads, max_position_embeddings=max_positions, sparse_config=sparse)
     elif name == "rattention":
-        config = RattentionConfig(**SHAPE, num_key_value_heads=16)
+        config = RattentionConfig(**shape, num_key_value_heads=kv_heads)
     elif name == "fox":
-        config = FoxConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions)
+        config = FoxConfig(**shape, num_key_value_heads=kv_heads, max_position_embeddings=max_positions)
     elif name in ("se_hybrid", "se_hybrid_se"):
         from hf_hybrid.models.se_hybrid import SEHybridConfig
 
         # The default layer types (Mamba-2 with attention every few layers), in `full` attention mode
         # or in `se` mode (SE-Attn retrieval of memory blocks).
         mode = "se" if name == "se_hybrid_se" else "full"
-        config = SEHybridConfig(**SHAPE, num_key_value_heads=16, max_position_embeddings=max_positions, attention_mode=mode)
+        config = SEHybridConfig(**shape, num_key_value_heads=kv_heads, max_position_embeddings=max_positions, attention_mode=mode)
     else:
         raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS}.")
     config.pad_token_id, config.eos_token_id = 0, None

@@ -14,7 +14,9 @@ layer's :class:`~hf_hybrid.layers.context.SequenceContext`, in the form each imp
 ==================  =====================================================================
 eager               dense boolean mask (eager materialises the scores anyway); the only
                     implementation that returns attention probabilities (output_attentions)
-sdpa                no mask for causal attention over unpadded tokens (``is_causal``) and for
+sdpa                no mask for causal attention over unpadded tokens (``is_causal``; aligned to
+                    the last key for a slice continuing a cache, or a [1, 1, T, K] mask where a
+                    window hides keys: no flex compile per slice shape) and for
                     decode steps that see every key; otherwise a boolean mask ([B,1,1,K] for a
                     decode step). On CUDA, sliding windows and padded batches with more than one
                     query do NOT get a dense T x T mask: they run flex_attention with a BlockMask
@@ -117,6 +119,31 @@ def _sdpa_in_blocks(implementation: str, query: torch.Tensor, num_keys: int, key
     )
 
 
+def _continues_unpadded(implementation: str, seq: int, context: SequenceContext) -> bool:
+    """Whether the call is several new tokens after cached ones (a prefill in slices), nothing
+    padded: SDPA with no mask (every key from index 0 visible up to the query: causal aligned to
+    the last key) or one [1, 1, seq, keys] mask shared by the batch (a window), instead of a
+    flex_attention BlockMask, whose compiled kernel would be built again for every slice shape."""
+    return implementation == "sdpa" and seq > 1 and context.past_length > 0 and context.key_valid is None
+
+
+def _sdpa_continuation(query, key, value, context: SequenceContext, key_start: int, window: int | None,
+                       scaling) -> torch.Tensor:
+    from torch.nn.attention.bias import causal_lower_right
+
+    seq, num_keys = query.shape[2], key.shape[2]
+    if key_start == 0 and num_keys == context.past_length + seq and context.effective_window(num_keys, 0, window) is None:
+        mask = causal_lower_right(seq, num_keys)
+    else:
+        mask = context.dense_mask(num_keys, key_start, window)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    context.record_attention_weights(None)
+    return out.transpose(1, 2)
+
+
 def _masked_sdpa_in_blocks(query, key, value, context: SequenceContext, window: int | None, scaling) -> torch.Tensor:
     """SDPA over blocks of queries with the context's mask rows (and, with a window, only the keys
     in the band): memory and work linear in T where the dense mask would be [T, T]."""
@@ -163,6 +190,8 @@ def softmax_attention(
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         mask = context.padding_mask(num_keys, key_start)
         kwargs["sliding_window"] = context.effective_window(num_keys, key_start, window)
+    elif _continues_unpadded(implementation, seq, context):
+        return _sdpa_continuation(query, key, value, context, key_start, window, scaling)
     elif seq > 1 and (implementation == "flex_attention" or context.needs_mask(num_keys, key_start, window)) and _block_sparse(
         implementation, query
     ):

@@ -253,6 +253,11 @@ class ReservedColumnsMixin:
         """Whether a segment of ``new`` columns onto ``cached`` ones goes into the reserved buffers."""
         return cached == 0 and 0 < new < self._reserved_capacity and not getattr(self, "record_past", False)
 
+    def continues_reserved_columns(self, static, new: int) -> bool:
+        """Whether a segment of ``new`` columns continues in the layer's StaticColumns ``static``
+        (a prefill in slices: the first went into the reserved buffers)."""
+        return static is not None and new > 1 and static.fits(new) and not getattr(self, "record_past", False)
+
 
 class StaticColumns:
     """Cached tensors that grow along dim 1 ([batch, tokens, ...]), moved into buffers of ``capacity``
@@ -281,6 +286,19 @@ class StaticColumns:
     def views(self) -> tuple[torch.Tensor, ...]:
         """The filled columns of every buffer (what the layer's ordinary attributes hold meanwhile)."""
         return tuple(buffer[:, : self.used] for buffer in self.buffers)
+
+    def fits(self, new: int) -> bool:
+        """Whether ``new`` more columns fit (a prefill continuing in slices, sliced_prefill.py)."""
+        return self.used + new <= self.capacity
+
+    def extend(self, *columns: torch.Tensor) -> None:
+        """A segment of columns per buffer ([batch, n, ...], in buffer order) after the filled ones:
+        a prefill continuing in slices stays in the buffers (no copy of the filled columns)."""
+        new = columns[0].shape[1]
+        for buffer, column in zip(self.buffers, columns):
+            buffer[:, self.used : self.used + new] = column
+        self.used += new
+        self.length.fill_(self.used)
 
     def write(self, *columns: torch.Tensor) -> None:
         """One new column per buffer ([batch, 1, ...], in buffer order) at the device counter, which

@@ -27,6 +27,7 @@ from transformers.utils import ModelOutput, logging
 
 from ..compat import CACHE_KWARGS, CACHE_NAME, cache_field, cache_of, rename_cache_kwarg
 from ..generation.graph_decode import DecodeGraphMixin
+from ..generation.sliced_prefill import SlicedPrefillMixin
 from ..layers.backbone import DecoderLayer, add_norm, deferred_adds_apply
 from ..layers.context import SequenceContext
 from ..layers.loss import lm_head_and_loss
@@ -311,11 +312,14 @@ class HybridModel(HybridPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=packed.repack(last), hidden_states=all_hidden_states)
 
 
-class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin):
+class HybridForCausalLM(SlicedPrefillMixin, DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin):
     """Language-model head over a :class:`HybridModel`; subclasses set ``base_model_class``.
 
     On CUDA, generate() decodes through a CUDA graph of the whole step where the cache supports
-    it (DecodeGraphMixin, hf_hybrid/generation/graph_decode.py; opt out: decode_cuda_graph=False)."""
+    it (DecodeGraphMixin, hf_hybrid/generation/graph_decode.py; opt out: decode_cuda_graph=False),
+    and prefills in slices of the prompt when the whole batch's activations would not fit beside the
+    decode cache (SlicedPrefillMixin, hf_hybrid/generation/sliced_prefill.py; opt out:
+    prefill_slicing=False; a prefill_chunk_size of the user's wins)."""
 
     base_model_class: type[HybridModel]
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -385,6 +389,7 @@ class HybridForCausalLM(DecodeGraphMixin, HybridPreTrainedModel, GenerationMixin
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() would build a DynamicCache from config.layer_types; build the model's own cache instead."""
         self._note_generation_config(generation_config)  # the static decode step's capacity and eligibility
+        self._plan_prefill_slices(generation_config, model_kwargs, args, kwargs)
         if model_kwargs.get(CACHE_NAME) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache_class = self.base_model_class.cache_class

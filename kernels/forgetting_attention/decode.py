@@ -21,6 +21,10 @@ import torch.nn.functional as F
 
 from .reference import _expand_kv, masked_softmax_attention, visibility_mask
 
+# Elements of the float32 bias one SDPA call of forgetting_attention_with_cache_sdpa may hold
+# (2**27: 512 MiB; the block's masked copy and float32 K/V come on top).
+SDPA_BIAS_BLOCK = 1 << 27
+
 
 def cache_visibility(
     batch: int, num_queries: int, num_keys: int, key_mask: torch.Tensor | None, window_size: int | None, device
@@ -62,7 +66,38 @@ def forgetting_attention_decode_reference(q, k, v, c_q, c_k, length, key_mask=No
     return masked_softmax_attention(q, k, v, bias, visible, scale)
 
 
-def forgetting_attention_with_cache_sdpa(q, k, v, c_q, c_k, key_mask=None, scale=None, window_size=None):
+def forgetting_attention_with_cache_sdpa(q, k, v, c_q, c_k, key_mask=None, scale=None, window_size=None,
+                                         block_elements: int | None = None):
+    """The "sdpa" backend, over blocks of query heads (and of queries, where one head's bias is
+    still larger than ``block_elements``, default ``SDPA_BIAS_BLOCK``): each block holds its own
+    float32 bias [B, heads, queries, keys] and float32 copies of its heads' keys and values, not the
+    whole [B, HQ, Tq, Tk] (a prefill continuing in slices at a large batch: tens of GB). A query
+    block [t0, t1) is the same call on the keys up to its last query's position."""
+    limit = SDPA_BIAS_BLOCK if block_elements is None else block_elements
+    b, tq, hq = q.shape[:3]
+    tk = k.shape[1]
+    per_head = b * tq * tk
+    if per_head * hq <= limit:
+        return _with_cache_sdpa_block(q, k, v, c_q, c_k, key_mask, scale, window_size)
+    group = hq // k.shape[2]
+    heads = max(1, min(hq, limit // per_head))
+    queries = tq if per_head <= limit else max(1, limit // (b * tk))
+    out = q.new_empty(q.shape[:3] + v.shape[3:])
+    for h0 in range(0, hq, heads):
+        h1 = min(h0 + heads, hq)
+        kv_heads = torch.arange(h0, h1, device=k.device) // group  # each query head's kv head
+        k_block, v_block = k.index_select(2, kv_heads), v.index_select(2, kv_heads)
+        for t0 in range(0, tq, queries):
+            t1 = min(t0 + queries, tq)
+            seen = tk - (tq - t1)  # keys up to the block's last query
+            out[:, t0:t1, h0:h1] = _with_cache_sdpa_block(
+                q[:, t0:t1, h0:h1], k_block[:, :seen], v_block[:, :seen], c_q[:, t0:t1, h0:h1], c_k[:, :seen, h0:h1],
+                None if key_mask is None else key_mask[:, :seen], scale, window_size,
+            )
+    return out
+
+
+def _with_cache_sdpa_block(q, k, v, c_q, c_k, key_mask=None, scale=None, window_size=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     visible = cache_visibility(q.shape[0], q.shape[1], k.shape[1], key_mask, window_size, q.device)
     bias = c_q.float().permute(0, 2, 1)[..., :, None] - c_k.float().permute(0, 2, 1)[..., None, :]

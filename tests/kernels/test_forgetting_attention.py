@@ -200,6 +200,26 @@ def test_cache_continuation_equals_full_forward(backend, window):
         assert rel_err(part, full[:, start:]) < 1e-5, start
 
 
+@pytest.mark.parametrize("block_elements", [1, 2 * 7 * 17, 2 * 7 * 17 * 3], ids=["query-blocks", "one-head", "three-heads"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_cache_sdpa_over_blocks_equals_one_call(block_elements, window):
+    """The sdpa path's float32 bias over blocks of heads (and of queries when one head's is too
+    large), as a prefill continuing in slices at a large batch runs it: the same output."""
+    from hf_hybrid.kernels.forgetting_attention.decode import forgetting_attention_with_cache_sdpa
+
+    q, k, v, log_f, _ = make_inputs(2, 17, 4, 2, 16, torch.float32, "cpu")
+    c = cumulative_log_forget(log_f)
+    key_mask = torch.ones(2, 17, dtype=torch.bool)
+    key_mask[1, :6] = False
+    start = 10  # 7 new queries over 17 keys
+    args = (q[:, start:], k, v, c[:, start:], c, key_mask, None, window)
+    whole = forgetting_attention_with_cache_sdpa(*args)
+    blocked = forgetting_attention_with_cache_sdpa(*args, block_elements=block_elements)
+    torch.testing.assert_close(blocked, whole, atol=1e-6, rtol=0)
+    reference = forgetting_attention_with_cache(*args[:6], window_size=window, backend="reference")
+    assert rel_err(blocked, reference) < 1e-5
+
+
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
 def test_cache_left_padding_equals_per_row(backend):
     q, k, v, log_f, _ = make_inputs(2, 12, 2, 1, 8, torch.float32, "cpu")

@@ -63,6 +63,7 @@ class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
         Returns (keys, values, cum_log_forget) over all cached tokens, the segment included."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        static = self._static if self.continues_reserved_columns(self._static, key_states.shape[1]) else None
         self._leave_static_decode()  # keys / values below become ordinary tensors again
         last = (
             self.cum_log_forget[:, -1:]
@@ -77,10 +78,16 @@ class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
             columns = (key_states.to(self.keys.dtype), value_states.to(self.values.dtype), c_new)
             self._start_static(columns, self._reserved_capacity, shift_key, shift_value)
             return self.keys, self.values, self.cum_log_forget
+        if static is not None:  # a later slice of a sliced prefill: into the same buffers
+            static.extend(key_states, value_states, c_new)
+            self._start_static_views(static, shift_key, shift_value)
+            return self.keys, self.values, self.cum_log_forget
         self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=1)
         self.values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=1)
         self.cum_log_forget = c_new if self.cum_log_forget is None else torch.cat([self.cum_log_forget, c_new], dim=1)
-        self.shift_key, self.shift_value = shift_key, shift_value
+        # Own copies: a view of the segment's last token would keep its whole raw K/V alive.
+        self.shift_key = None if shift_key is None else shift_key.clone()
+        self.shift_value = None if shift_value is None else shift_value.clone()
         return self.keys, self.values, self.cum_log_forget
 
     # Static decode protocol (hf_hybrid/generation/graph_decode.py): K/V and the cumulative log forget
@@ -108,7 +115,10 @@ class FoxLayerCache(ReservedColumnsMixin, StateHistoryMixin, TensorMapLayer):
     def _start_static(self, columns: tuple[torch.Tensor, ...], capacity: int, shift_key, shift_value) -> None:
         """K/V and c into StaticColumns of ``capacity``; the KV-shift state into its own storage,
         which the static step updates in place."""
-        self._static = StaticColumns(columns, capacity)
+        self._start_static_views(StaticColumns(columns, capacity), shift_key, shift_value)
+
+    def _start_static_views(self, static: StaticColumns, shift_key, shift_value) -> None:
+        self._static = static
         self.shift_key = None if shift_key is None else shift_key.clone()
         self.shift_value = None if shift_value is None else shift_value.clone()
         self._refresh_static_views()

@@ -156,7 +156,10 @@ class RatLayerCache(StateHistoryMixin, TensorMapLayer):
         self.cumulative_length += seq
         # Own contiguous copies, not views of the segment's last token: the one-kernel decode step
         # updates them in place (a CUDA graph captured over it then replays on fixed tensors).
-        self.state_key, self.state_value = state_key.contiguous(), state_value.contiguous()
+        # (clone: at batch 1 the last token's slice is already contiguous, and a view would keep
+        # the whole segment's k~ / v~ alive with the cache)
+        self.state_key = state_key.clone(memory_format=torch.contiguous_format)
+        self.state_value = state_value.clone(memory_format=torch.contiguous_format)
         if start_position is not None:
             first = (chunk_size - 1 - start_position) % chunk_size  # offset of the first token closing a chunk
             if first < seq:
