@@ -34,11 +34,14 @@ SETTINGS = {"device": "cpu", "dtype": "float32", "seq": 32, "hidden": 0}
 
 
 def build(model_type: str, **overrides):
+    checkpointed = overrides.pop("gradient_checkpointing", False)
     if SETTINGS["hidden"]:
         hidden = SETTINGS["hidden"]
         overrides = overrides | dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4)
     backend = {} if SETTINGS["device"] != "cpu" else {"kernel_backend": "reference"}
     model = tiny_model(model_type, **(backend | overrides)).train()
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(SETTINGS["device"], getattr(torch, SETTINGS["dtype"]))
 # name -> (tiny model type, overrides): whole models whose every mixer context parallelism covers.
 MODELS = {
@@ -61,6 +64,9 @@ MODELS = {
     "se_hybrid": ("se_hybrid", {}),
     "se_hybrid_full": ("se_hybrid", {"attention_mode": "full"}),
     "se_hybrid_swa": ("se_hybrid", {"attention_mode": "swa"}),
+    # activation checkpointing: the backward (inside the block) reruns each layer's exchange
+    "fox_pro_checkpointed": ("fox_pro", {"gradient_checkpointing": True}),
+    "se_hybrid_checkpointed": ("se_hybrid", {"gradient_checkpointing": True}),
 }
 # name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
 # hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).
@@ -92,7 +98,7 @@ def gathered_tokens(shard_len: int):
 
 def check(name: str, cp: ContextParallelGroup) -> dict:
     model_type, overrides = MODELS[name]
-    model = build(model_type, **overrides)
+    model = build(model_type, **dict(overrides))
     ids = random_ids(BATCH, SETTINGS["seq"], seed=11).to(SETTINGS["device"])
     labels = ids.clone()
     labels[0, 5] = -100  # an ignored target: the counts must come from the whole sequence
@@ -105,7 +111,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     targets = cp.shard_labels(labels)
     with context_parallel(model, cp), gathered_tokens(SETTINGS["seq"] // cp.world_size) as gathered:
         out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False, skip_logits=False)
-    out.loss.backward()
+        out.loss.backward()  # inside the block: a checkpointed layer's recompute exchanges too
     cp.all_reduce_gradients(model)
     with torch.no_grad():  # control: the shard alone, no exchange (must differ beyond the first rank)
         alone = model(input_ids=cp.shard(ids), use_cache=False).logits
@@ -121,9 +127,20 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     ])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
     missing = [n for n, p in model.named_parameters() if (p.grad is None) != (n not in reference_grads)]
+    late_backward_refused = None
+    if model.is_gradient_checkpointing:  # a backward after the block must be refused, not run without the exchange
+        with context_parallel(model, cp):
+            late = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False)
+        try:
+            late.loss.backward()
+            late_backward_refused = False
+        except RuntimeError as error:
+            late_backward_refused = "inside the block" in str(error)
+        model.zero_grad()
+        model(input_ids=cp.shard(ids), use_cache=False)  # a plain forward after it puts the mixers back
     return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
             "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "loss": full.loss.item(),
-            "missing_grads": missing, "largest_gather": max(gathered, default=0.0)}
+            "missing_grads": missing, "largest_gather": max(gathered, default=0.0), "late_backward_refused": late_backward_refused}
 
 
 def check_layer(name: str, cp: ContextParallelGroup) -> dict:

@@ -16,7 +16,9 @@ layers), SE hybrids (whole models, SE retrieval, full and sliding-window modes: 
 halo and SSM state passed on, the attention layers' earlier keys gathered and their retrieval
 chosen from the earlier queries) and, alone, the Mamba-2 layer at a larger gradient scale. A
 control run of each shard without the exchange differs, so the comparison sees a missing
-exchange. The ranks run context_parallel_cpu_worker.py under torchrun.
+exchange. With activation checkpointing (FoX, SE hybrid) the backward runs inside the block, so
+each layer's recompute exchanges again; a backward after the block is refused with the fix named.
+The ranks run context_parallel_cpu_worker.py under torchrun.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "rat_plus_mixed_heads", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "mamba2_layer", "fox_ring_triton"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "rat_plus_mixed_heads", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "fox_pro_checkpointed", "se_hybrid_checkpointed", "mamba2_layer", "fox_ring_triton"]
 _results = {}
 
 
@@ -51,6 +53,8 @@ def test_split_sequence_matches_one_process(tmp_path_factory, ranks, name):
     # Gradients: 1e-5 relative to the largest gradient (Mamba-2's reach ~100 on these inputs).
     assert result["grad_diff"] <= 1e-5 * max(1.0, result["grad_scale"])
     assert result["no_exchange_logits_diff"] > 1e-3
+    if name.endswith("_checkpointed"):  # a backward after the block would recompute without the exchange
+        assert result["late_backward_refused"] is True
 
 
 # The largest share of a shard's tokens any all-gather along the sequence takes from each rank:

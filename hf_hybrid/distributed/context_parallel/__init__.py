@@ -64,7 +64,9 @@ se_hybrid.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 
+import torch
 from torch import nn
 
 from ...layers.backbone import DecoderLayer
@@ -118,11 +120,30 @@ def context_parallel(model: nn.Module, cp: ContextParallelGroup):
     models = [m for m in model.modules() if hasattr(m, "config") and hasattr(m, "base_model_prefix")]
     for m in models:
         m.context_parallel_group = cp
+    layers = [layer for layer in model.modules() if isinstance(layer, DecoderLayer)]
     try:
         yield model
     finally:
-        for mixer in mixers:
-            del mixer.forward
+        for layer in layers:
+            if getattr(layer, "gradient_checkpointing", False):
+                # Its backward reruns the forward: that rerun must exchange as the forward did.
+                layer.self_attn.forward = functools.partial(_after_block, layer.self_attn)
+            else:
+                del layer.self_attn.forward
         for m in models:
             del m.context_parallel_group
+
+
+def _after_block(mixer: nn.Module, *args, **kwargs):
+    """A checkpointed layer's mixer after a ``context_parallel`` block: a rerun inside a backward
+    (activation checkpointing's recompute) would compute without the exchange, silently wrong; the
+    first plain forward puts the mixer's own forward back."""
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(
+            "context_parallel: a gradient-checkpointed layer recomputed its forward in a backward that ran after "
+            "the `with context_parallel(model, cp)` block ended; call loss.backward() inside the block so the "
+            "recompute exchanges with the other ranks as the forward did."
+        )
+    del mixer.forward
+    return mixer.forward(*args, **kwargs)
 
