@@ -38,6 +38,7 @@ def test_tiny_first_use_writes_its_times_and_leaves_triton_as_it_was(model_type,
     assert result["new_tokens"] == (check.NEW_TOKENS if mode == "generate" else 0)
     assert set(result["hooked"]) == {"JITFunction._do_compile", "Autotuner.run"}
     assert result["triton_compiles"] == 0 and result["compiles"] == []  # the CPU path runs the references
+    assert isinstance(result["torch_compile"], dict)
     assert (jit.JITFunction._do_compile, autotuner.Autotuner.run) == before
 
 

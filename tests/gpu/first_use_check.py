@@ -134,6 +134,16 @@ def timed(call, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _torch_compile_seconds() -> dict:
+    """Seconds torch.compile spent so far, per phase (Dynamo's own counters: flex_attention's
+    compiled kernels, for instance); {} where this torch keeps none."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    return {name: round(sum(times), 3) for name, times in compilation_time_metrics.items() if times}
+
+
 def _first_and_second_call(args, log: CompileLog) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -160,7 +170,7 @@ def _first_and_second_call(args, log: CompileLog) -> dict:
                 raise RuntimeError(f"generate() returned {out.shape[1] - ids.shape[1]} new tokens, expected {NEW_TOKENS}")
 
     first_s = timed(call, device)
-    compiled = log.report()
+    compiled = dict(log.report(), torch_compile=_torch_compile_seconds())
     second_s = timed(call, device)
     result = {
         "arch": args.arch, "row": row, "mode": args.mode, "first_s": round(first_s, 3), "second_s": round(second_s, 3),
