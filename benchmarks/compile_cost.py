@@ -291,13 +291,18 @@ def unroll_rows(unrolls=(1, 2, 4, 8, 16)) -> list[dict]:
     return rows
 
 
+_FRESH_CACHE: list[str] = []  # this process's empty Triton cache, made on first use
+
+
 def _ensure_fresh_cache() -> None:
-    if not os.environ.get("HF_HYBRID_COMPILE_COST_CACHE"):
-        os.environ["HF_HYBRID_COMPILE_COST_CACHE"] = os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+    """Every compile of this process misses the cache: a new, empty TRITON_CACHE_DIR."""
+    if not _FRESH_CACHE:
+        _FRESH_CACHE.append(tempfile.mkdtemp(prefix="triton-cold-"))
+        os.environ["TRITON_CACHE_DIR"] = _FRESH_CACHE[0]
         try:
             from triton import knobs
 
-            knobs.cache.dir = os.environ["TRITON_CACHE_DIR"]
+            knobs.cache.dir = _FRESH_CACHE[0]
         except (ImportError, AttributeError):  # older Triton reads the variable per compile
             pass
 
