@@ -6,7 +6,8 @@ with empty Triton and Inductor caches).
     python tests/gpu/first_use_check.py --arch rat --mode train --out F --tiny --device cpu   (a smoke run)
 
 Shape: 2 layers of the 1.3B shape (hidden 2048 = 16 heads x 128, SwiGLU 5632, vocab 32000), bf16,
-the model bench's row of the architecture (hf_hybrid/bench/models.py); a training step at T = 2048
+the model bench's row of the architecture (hf_hybrid/bench/models.py), one layer of each kind its
+1.3B stack mixes; a training step at T = 2048
 (``model(ids, labels=ids).loss.backward()``), generate() greedy with a 512-token prompt and 8 new
 tokens. Compile cost does not grow with depth: every layer of a kind launches the same kernels.
 The second call's time is recorded beside the first, so the difference is the first use's cost.
@@ -24,6 +25,7 @@ FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidd
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 TRAIN_TOKENS, PROMPT, NEW_TOKENS = 2048, 512, 8
 TINY_TRAIN_TOKENS, TINY_PROMPT = 64, 32
+DEEP_LAYERS = 24  # the 1.3B depth: its default layer pattern says which layer kinds the architecture mixes
 
 
 class CompileLog:
@@ -114,8 +116,15 @@ def build(model_type: str, tiny: bool, device: torch.device, dtype: torch.dtype)
     from hf_hybrid.bench.models import architectures
 
     row = next(arch for arch in architectures(quick=tiny) if arch.model_type == model_type and arch.trains)
-    config = AutoConfig.for_model(model_type, **(TINY if tiny else FULL), max_position_embeddings=4096, pad_token_id=0,
-                                  **row.overrides)
+    shape = dict(TINY if tiny else FULL, max_position_embeddings=4096, pad_token_id=0)
+    # One layer of each kind that the architecture's deeper default stack mixes (RATTENTION: local and
+    # global), at least two layers.
+    deep = AutoConfig.for_model(model_type, **dict(shape, num_hidden_layers=DEEP_LAYERS), **row.overrides)
+    kinds = list(dict.fromkeys(getattr(deep, "layer_types", None) or []))
+    layers = max(shape["num_hidden_layers"], len(kinds))
+    if kinds and "layer_types" not in row.overrides:
+        shape["layer_types"] = (kinds * layers)[:layers]
+    config = AutoConfig.for_model(model_type, **dict(shape, num_hidden_layers=layers), **row.overrides)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype), row.name
