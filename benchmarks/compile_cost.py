@@ -14,13 +14,14 @@ autotuner keeps; on a GPU the autotuner also runs each of them several times, so
 more than the compile seconds shown. The seconds are this machine's; a GPU host compiles faster, but
 the ranking holds (and Triton's version may differ from the GPU machine's).
 
-The catalogue (``CATALOGUE``) is the launches as the host code makes them on an H100 at the
+The catalogue (:func:`catalogue`, built on call from the kernel modules' shipped constants) is the launches as the host code makes them on an H100 at the
 first-use test's shape (tests/gpu/test_first_use_gpu.py: 16 heads x 128, bf16, T = 2048, prompt
 512): kernel, argument types, constexprs, warps and stages. It is written by hand, since on a CPU
 the host code picks the interpreter's tiles, and it covers the kernels of RAT's paths and the ones
 whose compile was found to dominate elsewhere; the GPU test's JSON has every architecture's actual
-compiles (``compiles``: kernel, seconds) from a compile hook. ``tests`` of this script check that
-every catalogued launch names its kernel's arguments and constexprs as the kernel declares them.
+compiles (``compiles``: kernel, seconds) from a compile hook. The script's tests
+(benchmarks/tests/test_compile_cost.py) check every catalogued launch against its kernel's
+declared arguments and constexprs.
 """
 from __future__ import annotations
 
@@ -54,9 +55,6 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 2
     note: str = ""
-
-    def key(self):
-        return self.kernel, json.dumps(self.constexprs, sort_keys=True), self.num_warps, self.num_stages
 
 
 @dataclass
@@ -193,14 +191,13 @@ def _fox_launches():
 
 
 def catalogue() -> list[Path]:
+    """Every catalogued (architecture, path) with its launches; the decode step's backbone kernels
+    are added to every generate() path."""
     paths = _rat_launches() + _rat_plus_launches() + _fox_launches()
     for path in paths:
         if path.path == "generate":
             path.launches += _decode_backbone_launches()
     return paths
-
-
-CATALOGUE = catalogue  # built on call: the kernel modules' shipped constants are read then
 
 
 # --- compiling -------------------------------------------------------------------------------------
@@ -320,8 +317,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         totals[(r["arch"], r["path"])] = totals.get((r["arch"], r["path"]), 0.0) + r["seconds"]
     lines.append("")
-    lines += [f"{arch:<9} {path:<9} total compile s {seconds:8.2f} (catalogued launches; * already built by "
-              f"an earlier path of the process)" for (arch, path), seconds in totals.items()]
+    lines += [f"{arch:<9} {path:<9} total compile s {seconds:8.2f} (its catalogued launches in a fresh process; "
+              f"* built once here, by an earlier path)" for (arch, path), seconds in totals.items()]
     return "\n".join(lines)
 
 
