@@ -11,7 +11,8 @@ Each launch is compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` 
 cache (a fresh TRITON_CACHE_DIR for the process, every distinct launch compiled once, after one
 untimed compile that loads the compiler). An autotuned kernel compiles every configuration its
 autotuner keeps; on a GPU the autotuner also runs each of them several times, so its first use costs
-more than the compile seconds shown. The seconds are this machine's; a GPU host compiles faster, but
+more than the compile seconds shown. The seconds are this machine's: wall seconds, and the CPU
+seconds of the build (ptxas included), which a busy machine stretches less. A GPU host's differ, but
 the ranking holds (and Triton's version may differ from the GPU machine's).
 
 The catalogue (:func:`catalogue`, built on call from the kernel modules' shipped constants) is the launches as the host code makes them on an H100 at the
@@ -29,6 +30,7 @@ import argparse
 import importlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -213,21 +215,28 @@ def signature_of(fn, types: dict, constexprs: dict) -> dict:
 
 
 def compile_seconds(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> tuple[float, dict]:
-    """Seconds to build ``fn`` for sm_90 (cache misses only: call with a fresh TRITON_CACHE_DIR) and its
-    registers / spill bytes."""
+    """Wall seconds to build ``fn`` for sm_90 (cache misses only: call with a fresh TRITON_CACHE_DIR) and
+    its registers, spill bytes and the build's CPU seconds (``cpu_s``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     source = ASTSource(fn=_jit(fn), signature=signature_of(fn, types, constexprs), constexprs=constexprs)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
     from .sm90 import _resources  # tests/kernels/sm90_resources.py, loaded by path: cuobjdump's register count
 
     resources = _resources()._resources(compiled)
     return seconds, {"regs": resources["regs"], "spill_bytes": resources["stack_bytes"],
-                     "shared_bytes": resources["shared_bytes"]}
+                     "shared_bytes": resources["shared_bytes"], "cpu_s": round(cpu, 3)}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (ptxas): steadier than wall time on a
+    busy machine, where other processes stretch the wall clock."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _compile_row(launch: Launch, cache: dict) -> dict:
@@ -306,26 +315,29 @@ def _ensure_fresh_cache() -> None:
 
 # --- report ----------------------------------------------------------------------------------------
 def table(rows: list[dict]) -> str:
-    lines = [f"{'arch':<9} {'path':<9} {'kernel':<58} {'configs':>7} {'compile s':>9} {'regs':>5}  note"]
+    lines = [f"{'arch':<9} {'path':<9} {'kernel':<58} {'configs':>7} {'compile s':>9} {'cpu s':>6} {'regs':>5}  note"]
     for r in rows:
         regs = ",".join(str(c.get("regs")) for c in r["compiled"])
+        cpu = sum(c.get("cpu_s", 0.0) for c in r["compiled"])
         err = next((c["error"] for c in r["compiled"] if "error" in c), "")
         seconds = f"{r['seconds']:.2f}" + ("*" if r.get("shared") else "")
-        lines.append(f"{r['arch']:<9} {r['path']:<9} {r['kernel']:<58} {r['configs']:>7} {seconds:>9} {regs:>5}  "
+        lines.append(f"{r['arch']:<9} {r['path']:<9} {r['kernel']:<58} {r['configs']:>7} {seconds:>9} {cpu:>6.2f} {regs:>5}  "
                      f"{r['note']}{(' ERROR ' + err) if err else ''}")
     totals = {}
     for r in rows:
-        totals[(r["arch"], r["path"])] = totals.get((r["arch"], r["path"]), 0.0) + r["seconds"]
+        wall, cpu = totals.get((r["arch"], r["path"]), (0.0, 0.0))
+        totals[(r["arch"], r["path"])] = (wall + r["seconds"], cpu + sum(c.get("cpu_s", 0.0) for c in r["compiled"]))
     lines.append("")
-    lines += [f"{arch:<9} {path:<9} total compile s {seconds:8.2f} (its catalogued launches in a fresh process; "
-              f"* built once here, by an earlier path)" for (arch, path), seconds in totals.items()]
+    lines += [f"{arch:<9} {path:<9} total compile s {wall:8.2f}, cpu s {cpu:7.2f} (its catalogued launches in a fresh "
+              f"process; * built once here, by an earlier path)" for (arch, path), (wall, cpu) in totals.items()]
     return "\n".join(lines)
 
 
 def unroll_table(rows: list[dict]) -> str:
-    lines = [f"{'kernel':<12} {'unroll':>6} {'compile s':>9} {'regs':>5} {'spill B':>7}"]
+    lines = [f"{'kernel':<12} {'unroll':>6} {'compile s':>9} {'cpu s':>6} {'regs':>5} {'spill B':>7}"]
     for r in rows:
-        lines.append(f"{r['kernel']:<12} {r['unroll']:>6} {r['seconds']:>9.2f} {r['regs']!s:>5} {r['spill_bytes']!s:>7}"
+        lines.append(f"{r['kernel']:<12} {r['unroll']:>6} {r['seconds']:>9.2f} {r['cpu_s']:>6.2f} {r['regs']!s:>5} "
+                     f"{r['spill_bytes']!s:>7}"
                      f"{'  shipped' if r['shipped'] else ''}")
     return "\n".join(lines)
 

@@ -211,10 +211,10 @@ def _bwd_kernel(
 FWD_HEADS, FWD_WARPS = 8, 4
 BWD_BLOCK_D, BWD_WARPS = 16, 4
 # Tokens unrolled per iteration of the runtime token loop (at most; a divisor of L). Unrolling all
-# L tokens made the sm_90 build grow faster than L (the L=16 backward: ~30x the build of one
-# unrolled token, and the forward ~10x) for more loads in flight; the backward's registers grow with
-# its unroll too (`python -m benchmarks.compile_cost --unroll` prints both; `python -m
-# benchmarks.tune --only keys_values` times the choices).
+# L tokens kept more loads in flight but made the sm_90 build grow much faster than L, the largest
+# part of a first RAT training step's compiles (docs/benchmarks/rat.md, "First use"); the backward's
+# registers grow with its unroll too. `python -m benchmarks.compile_cost --unroll` prints both,
+# `python -m benchmarks.tune --only keys_values` times the choices on a GPU.
 FWD_UNROLL, BWD_UNROLL = 4, 2
 
 
