@@ -39,6 +39,9 @@ def test_tiny_first_use_writes_its_times_and_leaves_triton_as_it_was(model_type,
     assert set(result["hooked"]) == {"JITFunction._do_compile", "Autotuner.run"}
     assert result["triton_compiles"] == 0 and result["compiles"] == []  # the CPU path runs the references
     assert isinstance(result["torch_compile"], dict)
+    if mode == "train":
+        assert 0 < result["first_forward_s"] and result["first_forward_s"] + result["first_backward_s"] == pytest.approx(
+            result["first_s"], abs=2e-3)
     assert (jit.JITFunction._do_compile, autotuner.Autotuner.run) == before
 
 
@@ -79,3 +82,20 @@ def test_compile_log_times_each_compile_by_kernel_and_constexprs():
     [entry] = report["compiles"]
     assert entry["count"] == 2 and entry["variants"] == ["BLOCK=64", "BLOCK=128"]
     assert entry["kernel"] == "ops.example.example_kernel" and entry["seconds"] >= 0
+
+
+def test_the_gpu_tests_subprocess_and_summary_at_cpu_size(tmp_path):
+    """tests/gpu/test_first_use_gpu.py's plumbing (fresh process, empty caches, JSON, the printed line)
+    on the CPU-sized run, so that its one GPU run does not fail on it."""
+    spec = importlib.util.spec_from_file_location("first_use_gpu", CHECK.with_name("test_first_use_gpu.py"))
+    gpu_test = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_test)
+    result = gpu_test.first_use("rat", "train", tmp_path, tmp_path, extra=("--tiny", "--device", "cpu"))
+    assert (tmp_path / "first_use_rat_train.json").exists()
+    line = gpu_test._summary(result)
+    assert line.startswith("RAT train: first ") and "forward" in line and "Triton compiles 0.0 s (0)" in line
+    busy = dict(result, compiles=[{"kernel": "hf_hybrid.kernels.x._fwd_kernel", "seconds": 3.21, "count": 2}],
+                autotune=[{"kernel": "hf_hybrid.kernels.y._dq_kernel", "seconds": 9.5}], triton_compile_s=3.21,
+                triton_compiles=2, torch_compile={"compile_fx_inner": 4.0, "_compile.compile_inner": 6.5})
+    line = gpu_test._summary(busy)
+    assert "_fwd_kernel 3.2s x2" in line and "autotuned: _dq_kernel 9.5s" in line and "torch.compile 6.5 s" in line

@@ -160,12 +160,17 @@ def _first_and_second_call(args, log: CompileLog) -> dict:
     model, row = build(args.arch, args.tiny, device, dtype)
     build_s = time.perf_counter() - start
     vocab = model.config.vocab_size
+    halves = []  # forward seconds of each training call
     if args.mode == "train":
         model.train()
         ids = torch.randint(3, vocab, (1, TINY_TRAIN_TOKENS if args.tiny else TRAIN_TOKENS), device=device)
 
-        def call():
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        def call():  # forward and backward timed apart: which half's kernels cost the first step
+            start = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            _sync(device)
+            halves.append(round(time.perf_counter() - start, 3))
+            loss.backward()
             model.zero_grad(set_to_none=True)
     else:
         model.eval()
@@ -187,6 +192,9 @@ def _first_and_second_call(args, log: CompileLog) -> dict:
         "torch": torch.__version__, "tokens": ids.shape[1], "new_tokens": NEW_TOKENS if args.mode == "generate" else 0,
         **compiled,
     }
+    if halves:
+        result["first_forward_s"] = halves[0]
+        result["first_backward_s"] = round(first_s - halves[0], 3)
     return result
 
 

@@ -57,7 +57,9 @@ def _summary(result: dict) -> str:
     slowest = ", ".join(f"{c['kernel'].rsplit('.', 1)[-1]} {c['seconds']:.1f}s x{c['count']}" for c in result["compiles"][:5])
     tuned = ", ".join(f"{a['kernel'].rsplit('.', 1)[-1]} {a['seconds']:.1f}s" for a in result["autotune"][:3])
     inductor = max(result.get("torch_compile", {}).values(), default=0.0)  # the outermost phase holds the others
-    return (f"{result['row']} {result['mode']}: first {result['first_s']:.1f} s, second {result['second_s']:.2f} s, "
+    halves = (f" (forward {result['first_forward_s']:.1f} s, backward {result['first_backward_s']:.1f} s)"
+              if "first_forward_s" in result else "")
+    return (f"{result['row']} {result['mode']}: first {result['first_s']:.1f} s{halves}, second {result['second_s']:.2f} s, "
             f"Triton compiles {result['triton_compile_s']:.1f} s ({result['triton_compiles']}); slowest: {slowest}"
             + (f"; autotuned: {tuned}" if tuned else "") + (f"; torch.compile {inductor:.1f} s" if inductor else ""))
 
