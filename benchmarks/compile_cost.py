@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import resource
 import subprocess
@@ -45,6 +46,8 @@ FLOATS = {"eps", "eps_a", "eps_b", "qk_scale", "scale", "scale2"}  # fp32 scalar
 
 # The first-use test's layer shape.
 HEADS, HEAD_DIM, QK_GROUPS, CHUNK = 16, 128, 2, 16
+TOKENS, PROMPT = 2048, 512
+RAT_PLUS_DILATION = 64  # RAT+'s sparse training pattern (dilation 1 takes the cuDNN chunk-end path at these lengths)
 
 
 @dataclass(frozen=True)
@@ -133,14 +136,14 @@ def _rat_launches():
     ]
     # generate(): the prefill (no gradient: keys/values without the recompute path, the tail chunk's
     # recurrence for the cache's state, attention without the ungated copy), then the decode step.
-    seg = CHUNK  # a chunk-aligned segment of the tail chunk
+    seg = gr._plan(CHUNK, CHUNK, PROMPT - CHUNK)[0]  # the tail chunk: one chunk-aligned segment
     partials = dict(M_OUT=F32, L_OUT=F32, ACC_OUT=F32)
     generate = [
         kv_fwd, rope_fwd, attention_fwd(False),
         Launch("gated_recurrence.triton:_recurrence_fwd_kernel", dict(X=BF, G=F32, H=BF, INIT=BF, SUM_STATE=BF,
                                                                        SUM_GATE=BF),
                dict(CHUNKED=True, INIT_MODE=0, SUMMARY=False, SEG=seg, BLOCK_N=gr.BLOCK_N,
-                    UNROLL=min(seg, gr.STEP_UNROLL)), gr.NUM_WARPS, note="the prefill's last chunk, for the cache"),
+                    UNROLL=math.gcd(seg, gr.STEP_UNROLL)), gr.NUM_WARPS, note="the prefill's last chunk, for the cache"),
         Launch("chunk_attention.rat_decode_triton:_rat_decode_kernel", dict(
             _types("Q", "K", "V", "GL", "SK", "SV", "KB", "VB", "O", "Z"), BIAS=F32, POS=I64, COS=F32, SIN=F32,
             **partials, sqb="i64", skb="i64", svb="i64", sgb="i64", ssb="i64", sbb="i64", sbc="i64", sob="i64"),
@@ -168,16 +171,53 @@ def _decode_backbone_launches():
 
 
 def _rat_plus_launches():
-    """RAT+'s recurrence runs the three-pass path (segments, carry, rerun): its loops are unrolled."""
+    """RAT+'s training step: the plain recurrence over the whole sequence (three passes: segments, their
+    carry, the rerun; backward alike), RoPE, the chunk-end attention without a gate (dilation 64), the
+    separate output gate."""
+    from hf_hybrid.kernels.chunk_attention import triton as ca
+    from hf_hybrid.kernels.fused_norm import triton as fn
     from hf_hybrid.kernels.gated_recurrence import triton as gr
+    from hf_hybrid.kernels.output_gate import triton as og
 
-    rec = dict(X=BF, G=F32, H=BF, INIT=F32, SUM_STATE=F32, SUM_GATE=F32)
-    seg = dict(CHUNKED=True, SEG=gr.GENERAL_SEGMENT, BLOCK_N=gr.BLOCK_N, UNROLL=gr.STEP_UNROLL)
+    seg, _, _, _ = gr._plan(TOKENS, 0, 0)
+    segments = dict(CHUNKED=False, SEG=seg, BLOCK_N=gr.BLOCK_N, UNROLL=math.gcd(seg, gr.STEP_UNROLL))
+    rec = dict(X=BF, G=F32, H=F32, INIT=BF, SUM_STATE=F32, SUM_GATE=F32, DH=F32, DX=BF, DG=F32, DINIT=BF, CARRY=F32,
+               SUM_ACC=F32)
+    carry = dict(SUM_STATE=F32, SUM_GATE=F32, INIT=BF, CARRY=F32)
+    rope = dict(D=HEAD_DIM, HALF=HEAD_DIM // 2, BLOCK_HALF=HEAD_DIM // 2, BLOCK_T=fn.TILE_ELEMENTS // HEAD_DIM, HAS_NORM=False)
+    attention = dict(_types("Q", "K", "V", "KE", "VE", "O", "Z", "OU", "DO", "DQ", "DKE", "DVE", "DKF", "DVF",
+                            "DKO", "DVO", "DY", "DZ"), QC=I32, LSE=F32, DELTA=F32, DSO=F32, DQA=F32)
+    block_mode = dict(COMPACT=False, HAS_WINDOW=False, HAS_SINKS=False)
+    (fm, fn_, fw, fs), (qm, qn, qw, qs), (km, kn, kw, ks) = ca.FWD_CONFIG, ca.DQ_CONFIG, ca.DKV_CONFIG
     return [Path("rat_plus", "train", [
-        Launch("gated_recurrence.triton:_recurrence_fwd_kernel", rec, dict(seg, INIT_MODE=0, SUMMARY=True), gr.NUM_WARPS),
-        Launch("gated_recurrence.triton:_carry_kernel", dict(SUM_STATE=F32, SUM_GATE=F32, INIT=F32, CARRY=F32),
+        Launch("gated_recurrence.triton:_recurrence_fwd_kernel", rec, dict(segments, INIT_MODE=0, SUMMARY=True),
+               gr.NUM_WARPS, note="segment summaries"),
+        Launch("gated_recurrence.triton:_carry_kernel", carry,
                dict(HAS_INIT=False, REVERSE=False, BLOCK_N=gr.CARRY_BLOCK_N, UNROLL=gr.CARRY_UNROLL), 2),
-        Launch("gated_recurrence.triton:_recurrence_fwd_kernel", rec, dict(seg, INIT_MODE=2, SUMMARY=False), gr.NUM_WARPS),
+        Launch("gated_recurrence.triton:_recurrence_fwd_kernel", rec, dict(segments, INIT_MODE=2, SUMMARY=False),
+               gr.NUM_WARPS, note="rerun from the carries"),
+        Launch("fused_norm.triton:_norm_rope_fwd_kernel", dict(_types("X", "W", "Y"), COS=F32, SIN=F32), rope,
+               fn.NUM_WARPS, note="rotary q, k"),
+        Launch("chunk_attention.triton:_fwd_kernel", attention, dict(
+            block_mode, HAS_GATE=False, STORE_UNGATED=False, BLOCK_M=fm, BLOCK_N=fn_, BLOCK_S=fn_, HEAD_DIM=HEAD_DIM,
+            DOT_PREC="tf32x3"), fw, fs, note=f"dilation {RAT_PLUS_DILATION}"),
+        Launch("output_gate.triton:_fwd_kernel", _types("Z", "Y", "O"), dict(BLOCK=og.BLOCK), 8),
+        Launch("output_gate.triton:_bwd_kernel", _types("Z", "Y", "DO", "DZ", "DY"), dict(BLOCK=og.BLOCK), 8),
+        Launch("chunk_attention.triton:_own_rows_kernel", attention, dict(
+            WRITE_OWN=True, HAS_GATE=False, ATOMIC_DQ=False, BLOCK_M=ca.ROWS_BLOCK, HEAD_DIM=HEAD_DIM), ca.ROWS_WARPS),
+        Launch("chunk_attention.triton:_dq_kernel", attention, dict(
+            block_mode, BLOCK_M=qm, BLOCK_N=qn, BLOCK_S=qn, HEAD_DIM=HEAD_DIM, DOT_PREC="tf32x3"), qw, qs),
+        Launch("chunk_attention.triton:_dkdv_ends_kernel", attention, dict(
+            COMPACT=False, OWN=True, ACCUMULATE=False, HAS_SINKS=False, BLOCK_M=km, BLOCK_N=kn, BLOCK_S=kn,
+            HEAD_DIM=HEAD_DIM, DOT_PREC="tf32x3", ATOMIC_DQ=False), kw, ks),
+        Launch("fused_norm.triton:_norm_rope_bwd_kernel",
+               dict(_types("X", "W", "DY", "DX"), COS=F32, SIN=F32, DW_PART=F32), rope, fn.NUM_WARPS),
+        Launch("gated_recurrence.triton:_recurrence_bwd_kernel", rec,
+               dict(segments, HAS_INIT=False, HAS_CARRY=False, SUMMARY=True), gr.NUM_WARPS),
+        Launch("gated_recurrence.triton:_carry_kernel", carry,
+               dict(HAS_INIT=False, REVERSE=True, BLOCK_N=gr.CARRY_BLOCK_N, UNROLL=gr.CARRY_UNROLL), 2),
+        Launch("gated_recurrence.triton:_recurrence_bwd_kernel", rec,
+               dict(segments, HAS_INIT=False, HAS_CARRY=True, SUMMARY=False), gr.NUM_WARPS),
     ])]
 
 
