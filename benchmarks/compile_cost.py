@@ -305,7 +305,8 @@ def _compile_row(launch: Launch, cache: dict) -> dict:
 
 
 def run(arch: str | None = None, kernel: str | None = None) -> list[dict]:
-    """Rows {arch, path, kernel, configs, seconds, shared, compiled: [...]} for the catalogue's launches."""
+    """Rows {arch, path, kernel, configs, seconds, shared, compiled: [...]} for the catalogue's launches,
+    then the kernels that benchmarks.sm90's reports describe (RATTENTION's RLA, FoX's Gluon kernels)."""
     _ensure_fresh_cache()
     compile_seconds(_warm_up_kernel, {"X": F32}, {"BLOCK": 16}, 1, 1)  # loads the compiler: not counted
     cache, rows = {}, []
@@ -315,6 +316,64 @@ def run(arch: str | None = None, kernel: str | None = None) -> list[dict]:
         for launch in path.launches:
             if kernel is None or kernel in launch.kernel:
                 rows.append(dict(_compile_row(launch, cache), arch=path.arch, path=path.path))
+    for report_arch, path, note, make_rows in REPORTS:
+        if (arch is None or arch == report_arch) and (kernel is None or kernel in note):
+            rows += [dict(row, arch=report_arch, path=path) for row in _timed_report(make_rows, note)]
+    return rows
+
+
+def _rla_rows():
+    """RATTENTION's RLA kernels at the first-use test's shape: the default tiles on CUDA (chunk 32,
+    whole value rows, halves apart below FUSE_HALVES_MIN_TOKENS)."""
+    from .sm90 import rla_report
+
+    return rla_report([(32, 128, None, False)])
+
+
+def _fox_hopper_rows():
+    from .sm90 import _resources
+
+    return _resources().fox_hopper_report((HEAD_DIM,)) + _resources().fox_hopper_backward_report((HEAD_DIM,))
+
+
+# (arch, path, note naming the module, rows) of kernels that benchmarks.sm90 already describes.
+REPORTS = [
+    ("rattention", "train", "residual_linear_attention.triton (RLA)", _rla_rows),
+    ("fox", "train", "forgetting_attention.hopper* (Gluon, the sm_90 default)", _fox_hopper_rows),
+]
+
+
+def _timed_report(make_rows, note: str) -> list[dict]:
+    """Rows of a benchmarks.sm90 report with each compile timed (its compile helpers wrapped for the
+    call; the wgmma check's second ptxas run skipped, as a GPU build does not make it)."""
+    from .sm90 import _resources
+
+    module, timings = _resources(), []
+
+    def timed(compile_fn):
+        def wrapper(*args, **kwargs):
+            start, cpu_start = time.perf_counter(), _cpu_seconds()
+            out = compile_fn(*args, **kwargs)
+            timings.append((time.perf_counter() - start, _cpu_seconds() - cpu_start))
+            return out
+        return wrapper
+
+    saved = {name: getattr(module, name) for name in ("compile_for_sm90", "compile_gluon_for_sm90", "_wgmma_serialized")}
+    module.compile_for_sm90 = timed(saved["compile_for_sm90"])
+    module.compile_gluon_for_sm90 = timed(saved["compile_gluon_for_sm90"])
+    module._wgmma_serialized = lambda ptx: False
+    try:
+        reported = make_rows()
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+    rows = []
+    for row, (seconds, cpu) in zip([r for r in reported if "error" not in r], timings):
+        rows.append({"kernel": row["kernel"], "configs": 1, "note": note, "seconds": round(seconds, 3), "shared": False,
+                     "compiled": [{"regs": row.get("regs"), "spill_bytes": row.get("stack_bytes"), "cpu_s": round(cpu, 3),
+                                   "seconds": round(seconds, 3)}]})
+    rows += [{"kernel": r["kernel"], "configs": 1, "note": note, "seconds": 0.0, "shared": False,
+              "compiled": [{"error": r["error"], "seconds": 0.0}]} for r in reported if "error" in r]
     return rows
 
 
@@ -384,8 +443,8 @@ def unroll_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_cost", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=("rat", "rat_plus", "fox"))
-    parser.add_argument("--kernel", help="only launches whose kernel (module:name) contains this")
+    parser.add_argument("--arch", choices=("rat", "rat_plus", "fox", "rattention"))
+    parser.add_argument("--kernel", help="only launches whose kernel (module:name) contains this (reports: their note)")
     parser.add_argument("--unroll", action="store_true", help="RAT's keys/values kernels at each token unroll")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)

@@ -75,3 +75,26 @@ def test_a_tiny_case_compiles_for_sm90_and_reports_its_seconds(tmp_path):
     [built] = row["compiled"]
     assert "error" not in built and 0 < built["regs"] <= 255
     assert "_add_rms_norm_kernel" in done.stdout and "total compile s" in done.stdout
+
+
+def test_report_rows_are_timed_per_compile_and_the_helpers_put_back(monkeypatch):
+    """_timed_report on a stand-in report: one timed row per compile, errors kept, helpers restored."""
+    from benchmarks.sm90 import _resources
+
+    module = _resources()
+    monkeypatch.setattr(module, "compile_for_sm90", lambda *args, **kwargs: {"regs": 40, "stack_bytes": 0})
+    before = (module.compile_for_sm90, module.compile_gluon_for_sm90, module._wgmma_serialized)
+
+    def report():
+        rows = []
+        for name in ("_a_kernel", "_b_kernel"):
+            rows.append(dict(kernel=name, **module.compile_for_sm90(None, {}, {}, 4)))
+        rows.append({"kernel": "_c_kernel", "error": "ValueError: no"})
+        return rows
+
+    rows = compile_cost._timed_report(report, "stand-in")
+    assert [r["kernel"] for r in rows] == ["_a_kernel", "_b_kernel", "_c_kernel"]
+    assert all(r["compiled"][0]["cpu_s"] >= 0 and r["compiled"][0]["regs"] == 40 for r in rows[:2])
+    assert rows[2]["compiled"][0]["error"].startswith("ValueError")
+    assert (module.compile_for_sm90, module.compile_gluon_for_sm90, module._wgmma_serialized) == before
+    assert {arch for arch, *_ in compile_cost.REPORTS} == {"rattention", "fox"}
