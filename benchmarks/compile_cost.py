@@ -2,7 +2,7 @@
 H100 (sm_90), on any machine (no GPU needed: Triton ships ptxas).
 
     python -m benchmarks.compile_cost                     every catalogued launch, per architecture and path
-    python -m benchmarks.compile_cost --arch rat          one architecture
+    python -m benchmarks.compile_cost --arch rat          one architecture (rat, rat_plus, fox, rattention)
     python -m benchmarks.compile_cost --kernel output_gate  launches whose kernel name contains this
     python -m benchmarks.compile_cost --unroll            RAT's keys/values kernels at each token unroll
     python -m benchmarks.compile_cost --json F            also write the rows as JSON
@@ -15,14 +15,17 @@ more than the compile seconds shown. The seconds are this machine's: wall second
 seconds of the build (ptxas included), which a busy machine stretches less. A GPU host's differ, but
 the ranking holds (and Triton's version may differ from the GPU machine's).
 
-The catalogue (:func:`catalogue`, built on call from the kernel modules' shipped constants) is the launches as the host code makes them on an H100 at the
-first-use test's shape (tests/gpu/test_first_use_gpu.py: 16 heads x 128, bf16, T = 2048, prompt
-512): kernel, argument types, constexprs, warps and stages. It is written by hand, since on a CPU
-the host code picks the interpreter's tiles, and it covers the kernels of RAT's paths and the ones
-whose compile was found to dominate elsewhere; the GPU test's JSON has every architecture's actual
-compiles (``compiles``: kernel, seconds) from a compile hook. The script's tests
-(benchmarks/tests/test_compile_cost.py) check every catalogued launch against its kernel's
-declared arguments and constexprs.
+The catalogue (:func:`catalogue`, built on call from the kernel modules' shipped constants) is the
+launches as the host code makes them on an H100 at the first-use test's shape
+(tests/gpu/test_first_use_gpu.py: 16 heads x 128, bf16, T = 2048, prompt 512): kernel, argument
+types, constexprs, warps and stages. It is written by hand, since on a CPU the host code picks the
+interpreter's tiles. It covers RAT's training step and generate(), RAT+'s training step and FoX's
+portable (autotuned) attention; RATTENTION's RLA kernels and FoX's Gluon kernels (the sm_90
+default) come from benchmarks.sm90's reports (``REPORTS``). Not covered: Liger's backbone kernels,
+torch.compile's (RATTENTION's flex_attention), the SE hybrid's. The GPU test's JSON has every
+architecture's actual compiles (``compiles``: kernel, seconds) from a compile hook, and
+torch.compile's seconds. benchmarks/tests/test_compile_cost.py checks every catalogued launch
+against its kernel's declared arguments and constexprs.
 """
 from __future__ import annotations
 
