@@ -68,7 +68,7 @@ class Launch:
 @dataclass
 class Path:
     arch: str
-    path: str  # "train" or "generate"
+    path: str  # "train" or "generate" ("portable": FoX's training step where the Gluon kernels do not apply)
     launches: list = field(default_factory=list)
 
 
@@ -229,8 +229,8 @@ def _fox_launches():
     common = dict(GROUP=1, HEAD_DIM=HEAD_DIM, HAS_WINDOW=False, DOT_PREC="tf32")
     types = dict(_types("Q", "K", "V", "O", "DO", "DK", "DV", "DQ"), C=F32, LSE=F32, DELTA=F32, DC=F32, DCQ=F32,
                  CU=I32)
-    return [Path("fox", "train", [
-        Launch(f"forgetting_attention.triton:{name}", types, common, note="autotuned, portable path")
+    return [Path("fox", "portable", [  # a training step off Hopper (or deterministic): not the sm_90 default
+        Launch(f"forgetting_attention.triton:{name}", types, common, note="autotuned; training off Hopper")
         for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")
     ])]
 
