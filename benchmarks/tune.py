@@ -1,12 +1,13 @@
 """Tile-size sweep for the chunk-attention and recurrence kernels on the current GPU.
 
-    python -m benchmarks.tune [--seq 32768] [--batch 2]
+    python -m benchmarks.tune [--seq 32768] [--batch 2] [--only keys_values]
 
 Times each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, dQ and dK/dV
 kernels (dK/dV also with ATOMIC_DQ), BLOCK_N / warps of the recurrence and (columns, warps) of the
-fused keys/values backward at the RAT(L=16) training shape, prints a table and the best of each;
+fused keys/values backward and the tokens its two kernels unroll per loop step at the RAT(L=16)
+training shape, prints a table and the best of each;
 the winners are then written into FWD_CONFIG / DQ_CONFIG / DKV_CONFIG / ATOMIC_DQ of
-kernels/chunk_attention/triton.py and BWD_BLOCK_D / BWD_WARPS of
+kernels/chunk_attention/triton.py and BWD_BLOCK_D / BWD_WARPS / FWD_UNROLL / BWD_UNROLL of
 kernels/gated_recurrence/rat_keys_values_triton.py by hand (plain constants, so that reading them
 is easy). Run it at --seq 32768 --batch 2 and --seq 131072 --batch 1.
 """
@@ -22,6 +23,7 @@ DQ = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 4, 3), (64, 6
 DKV = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2)]
 REC = [(512, 2), (256, 2), (1024, 4)]
 KV_BWD = [(16, 4), (16, 2), (32, 4), (8, 2), (8, 1), (32, 2)]  # (columns per program, warps)
+KV_UNROLL = [(4, 2), (4, 4), (2, 2), (1, 1), (8, 8), (16, 16)]  # (forward, backward) tokens unrolled per loop step
 
 
 def _time(fn) -> float:
@@ -118,7 +120,17 @@ def sweep_keys_values(batch, seq, log):
         results[key] = _time(step)
         log(f"keys/values fwd+bwd {key}: {results[key]:.3f} ms")
     kv.BWD_BLOCK_D, kv.BWD_WARPS = base
+    base = (kv.FWD_UNROLL, kv.BWD_UNROLL)
+    for fwd, bwd in KV_UNROLL:  # (16, 16): every token of an L=16 chunk unrolled, the slowest to compile
+        kv.FWD_UNROLL, kv.BWD_UNROLL = fwd, bwd
+        key = f"UNROLL={fwd},{bwd}"
+        results[key] = _time(step)
+        log(f"keys/values fwd+bwd {key}: {results[key]:.3f} ms")
+    kv.FWD_UNROLL, kv.BWD_UNROLL = base
     return results
+
+
+SWEEPS = ("rat_L16", "recurrence", "keys_values")
 
 
 def main(argv=None) -> int:
@@ -126,12 +138,14 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--out", default=None, help="write the timings as JSON here")
+    p.add_argument("--only", choices=SWEEPS, action="append", help="run only these sweeps (repeatable)")
     args = p.parse_args(argv)
-    report = {
-        "rat_L16": sweep_attention(args.batch, args.seq, 16, 128, 16, 0, 0, print),
-        "recurrence": sweep_recurrence(args.batch, args.seq, 16, 128, print),
-        "keys_values": sweep_keys_values(args.batch, args.seq, print),
+    sweeps = {
+        "rat_L16": lambda: sweep_attention(args.batch, args.seq, 16, 128, 16, 0, 0, print),
+        "recurrence": lambda: sweep_recurrence(args.batch, args.seq, 16, 128, print),
+        "keys_values": lambda: sweep_keys_values(args.batch, args.seq, print),
     }
+    report = {name: sweeps[name]() for name in SWEEPS if not args.only or name in args.only}
     for name, part in report.items():
         for kernel, timings in part.items() if name == "rat_L16" else [("fwd" if name == "recurrence" else "fwd+bwd", part)]:
             ok = {k: v for k, v in timings.items() if isinstance(v, float)}

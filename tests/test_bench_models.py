@@ -45,6 +45,9 @@ def test_quick_cpu_run_writes_json_and_markdown_with_every_model(tmp_path):
     for r in decode:  # tokens/s counts the B x (new - 1) tokens after the first; prefill kept apart
         assert r["info"]["tokens"] == 2 * 3
         assert 0 < r["info"]["prefill_ms"] < r["info"]["generate_ms"]
+    for r in results:  # every cell that ran timed its first call (the warm-up: compiles, autotuning)
+        if r["value"] is not None:
+            assert r["info"]["first_call_ms"] > 0, r
     summary = (out / "bench.md").read_text()
     assert "| RAT+ D=16 |" in summary and "(1.00x)" in summary  # the per-model table, Llama = 1.00x
 
@@ -63,6 +66,20 @@ def test_summary_compares_with_the_fastest_llama():
     assert "50.0 (2.00x), 6.0 GB" in lines["RAT"]  # against Llama+Liger, the faster Llama
     assert "800 (2.00x)" in lines["RAT"]  # against Llama static, the faster decode
     assert "OOM" in lines["FoX (pro)"]
+
+
+def test_summary_shows_each_models_first_training_step():
+    def row(name, variant, value, first_ms=None):
+        return {"group": "models", "name": name, "variant": variant, "value": value, "unit": "ms", "status": "ok",
+                "peak_mem_gb": None, "info": {"first_call_ms": first_ms} if first_ms is not None else None}
+
+    results = [row("train T=8K", "Llama", 100.0, 2500.0), row("train T=8K", "RAT", 50.0, 14200.0),
+               row("train T=32K", "RAT", 200.0, 900.0), row("train T=8K", "FoX (pro)", 60.0)]
+    text = models.summary_markdown(results)
+    assert "first step, train T=8K (s)" in text.splitlines()[0]
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert lines["RAT"].endswith("| 14.2 |") and lines["Llama"].endswith("| 2.5 |")
+    assert lines["FoX (pro)"].endswith("| - |")  # no first call recorded
 
 
 def test_liger_llama_variant_is_skipped_without_cuda():

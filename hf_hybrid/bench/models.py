@@ -24,6 +24,12 @@ architecture's defaults. Cells (one Case each, every model a variant):
   the prefill and whole-call times in its info. The warm-up is a short generate() (a whole one
   for the static cache, compiled per cache length).
 
+Every cell's first call (its warm-up, where kernels compile and autotune) is timed too: the log line
+shows it as ``(first call X s)`` and the JSON keeps it as ``info["first_call_ms"]``; the summary's
+last column is the first training cell's, each model's first training step in the process (a first
+use when ``TRITON_CACHE_DIR`` starts empty; ``tests/gpu/test_first_use_gpu.py`` times first use in
+fresh processes).
+
 Every cell catches OOM (reported as OOM) and errors (reported, the suite goes on). The big shapes
 run 1 warm-up (compilation, autotuning) and one or two timed calls (a call is a whole training
 step or a whole generate(), itself an average over its tokens). A cold run is dominated by
@@ -310,8 +316,12 @@ class ModelCase(Case):
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(self.warmup):
-            getattr(fn, "warm_up", fn)()
+        first_ms = None
+        for i in range(self.warmup):
+            if i == 0:  # the first call: its kernels compile (and autotune) unless this process ran them already
+                first_ms = _host_timed_ms(getattr(fn, "warm_up", fn), device)
+            else:
+                getattr(fn, "warm_up", fn)()
         times = []
         while len(times) < (self.repeat or 1) and sum(times) < self.budget_s * 1e3:
             _sync(device)
@@ -328,7 +338,16 @@ class ModelCase(Case):
                 elapsed = (time.perf_counter() - t0) * 1e3
             times.append(float(measured) if isinstance(measured, (int, float)) else elapsed)  # self-timed calls
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        return Timing(statistics.median(times), min(times), max(times), len(times), peak)
+        return Timing(statistics.median(times), min(times), max(times), len(times), peak, first_ms)
+
+
+def _host_timed_ms(call, device: torch.device) -> float:
+    """Wall time of ``call()`` to the end of its device work, in ms (compiles run on the host)."""
+    _sync(device)
+    start = time.perf_counter()
+    call()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
 
 
 def _variants(config: BenchConfig, make_builder, llama_static=None, unfused: bool = False, inference: bool = True) -> dict:
@@ -415,6 +434,9 @@ def summary_markdown(results: list[dict]) -> str:
     columns = list(dict.fromkeys(names))
     variants = list(dict.fromkeys(r["variant"] for r in results if r["group"] == "models"))
     header = ["model"] + [f"{c} ({'tok/s' if 'decode' in c else 'ms'})" for c in columns]
+    first_train = next((c for c in columns if c.startswith("train")), None)
+    if first_train:  # the first call of the first training cell: the process's first step of that model
+        header.append(f"first step, {first_train} (s)")
     rows = []
     for variant in variants:
         row = [variant]
@@ -431,11 +453,16 @@ def summary_markdown(results: list[dict]) -> str:
             if r is not None and r.get("peak_mem_gb") is not None and "train" in column:
                 text += f", {r['peak_mem_gb']:.1f} GB"
             row.append(text)
+        if first_train:
+            first = ((_cell(results, first_train, variant) or {}).get("info") or {}).get("first_call_ms")
+            row.append(f"{first / 1e3:.1f}" if first is not None else "-")
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     notes = ("(x) = speed relative to the fastest Llama of the column (Llama as is, with Liger, and for decode "
-             "with the static cache); > 1 is faster. Train cells add the peak GPU memory.")
+             "with the static cache); > 1 is faster. Train cells add the peak GPU memory. First step: the wall time "
+             "of the model's first training step in the process, compiles and autotuning included (a first use "
+             "when the Triton cache was empty).")
     return "\n".join(lines) + "\n\n" + notes
 
 

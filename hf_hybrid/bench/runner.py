@@ -90,6 +90,8 @@ def run_case(case: Case, config: BenchConfig, log=print) -> list[Result]:
             custom = getattr(case, "time_variant", None)
             timing = custom(fn, config) if custom else time_fn(fn, config.device, config.warmup, case.repeat or config.repeat)
             value = timing.median_ms
+            if timing.first_ms is not None:
+                info = dict(info or {}, first_call_ms=round(timing.first_ms, 1))
             if case.unit == "tokens/s":
                 value = (info or {}).get("tokens", 1) / (timing.median_ms / 1e3)
         except torch.cuda.OutOfMemoryError:
@@ -111,5 +113,7 @@ def run_case(case: Case, config: BenchConfig, log=print) -> list[Result]:
         )
         results.append(result)
         shown = f"{value:.3f} {case.unit}" if value is not None else status
+        if info and info.get("first_call_ms") is not None:
+            shown += f" (first call {info['first_call_ms'] / 1e3:.1f} s)"
         log(f"[bench] {case.group} | {case.name} | {case.params} | {variant}: {shown}")
     return results

@@ -22,6 +22,7 @@ class Timing:
     max_ms: float
     repeat: int
     peak_mem_gb: float | None = None
+    first_ms: float | None = None  # the variant's first call (compiling and autotuning its kernels), where timed
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, repeat: int = MIN_REPEAT,

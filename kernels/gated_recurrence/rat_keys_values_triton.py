@@ -22,6 +22,8 @@ would recompute h_{t-1} with associative scans and read the gates three times, ~
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -84,11 +86,13 @@ def _fwd_kernel(
     K, V, LOGIT, BIAS, COS, SIN, KROT, VT,
     T, n_chunks, sk_b, sk_t, sc_b, sc_t,
     GROUPS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    L: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+    L: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One chunk of one batch row for BLOCK_H heads, token by token: the state is a few [BLOCK_H,
     D/2] float32 tiles, so many programs fit on an SM and the loads of later tokens do not wait
-    for the recurrence."""
+    for the recurrence. The token loop is a runtime loop over groups of UNROLL unrolled steps
+    (UNROLL divides L): the loads of a group are in flight together, and the compiled code does
+    not grow with L."""
     b = (tl.program_id(0) // n_chunks).to(tl.int64)
     t0 = ((tl.program_id(0) % n_chunks) * L).to(tl.int64)  # t * token stride passes 2**31 in long rows
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -98,24 +102,26 @@ def _fwd_kernel(
     hk2 = hk1
     hv1 = hk1
     hv2 = hk1
-    for step in tl.static_range(L):
-        t = t0 + step
-        in_seq = (cols * 0 + t) < T  # a [1, D/2] row mask: the interpreter rejects scalar masks
-        ok = head_ok & in_seq
-        row = (b * T + t) * (HEADS * D)
-        k_row = b * sk_b + t * sk_t
-        g1 = tl.sigmoid(tl.load(LOGIT + row + first, mask=ok, other=0.0).to(tl.float32) + bias1)
-        g2 = tl.sigmoid(tl.load(LOGIT + row + first + HALF, mask=ok, other=0.0).to(tl.float32) + bias2)
-        hk1 = g1 * hk1 + (1.0 - g1) * tl.load(K + k_row + k_first, mask=ok, other=0.0).to(tl.float32)
-        hk2 = g2 * hk2 + (1.0 - g2) * tl.load(K + k_row + k_first + HALF, mask=ok, other=0.0).to(tl.float32)
-        hv1 = g1 * hv1 + (1.0 - g1) * tl.load(V + row + first, mask=ok, other=0.0).to(tl.float32)
-        hv2 = g2 * hv2 + (1.0 - g2) * tl.load(V + row + first + HALF, mask=ok, other=0.0).to(tl.float32)
-        cos1, cos2, sin1, sin2 = _rope_row(COS, SIN, b * sc_b + t * sc_t + cols, t < T, HALF, HAS_ROPE)
-        r1, r2 = hk1 * cos1 - hk2 * sin1, hk2 * cos2 + hk1 * sin2
-        tl.store(KROT + row + first, r1.to(KROT.dtype.element_ty), mask=ok)
-        tl.store(KROT + row + first + HALF, r2.to(KROT.dtype.element_ty), mask=ok)
-        tl.store(VT + row + first, hv1.to(VT.dtype.element_ty), mask=ok)
-        tl.store(VT + row + first + HALF, hv2.to(VT.dtype.element_ty), mask=ok)
+    for s0 in range(0, L, UNROLL):
+        for u in tl.static_range(UNROLL):
+            step = s0 + u
+            t = t0 + step
+            in_seq = (cols * 0 + t) < T  # a [1, D/2] row mask: the interpreter rejects scalar masks
+            ok = head_ok & in_seq
+            row = (b * T + t) * (HEADS * D)
+            k_row = b * sk_b + t * sk_t
+            g1 = tl.sigmoid(tl.load(LOGIT + row + first, mask=ok, other=0.0).to(tl.float32) + bias1)
+            g2 = tl.sigmoid(tl.load(LOGIT + row + first + HALF, mask=ok, other=0.0).to(tl.float32) + bias2)
+            hk1 = g1 * hk1 + (1.0 - g1) * tl.load(K + k_row + k_first, mask=ok, other=0.0).to(tl.float32)
+            hk2 = g2 * hk2 + (1.0 - g2) * tl.load(K + k_row + k_first + HALF, mask=ok, other=0.0).to(tl.float32)
+            hv1 = g1 * hv1 + (1.0 - g1) * tl.load(V + row + first, mask=ok, other=0.0).to(tl.float32)
+            hv2 = g2 * hv2 + (1.0 - g2) * tl.load(V + row + first + HALF, mask=ok, other=0.0).to(tl.float32)
+            cos1, cos2, sin1, sin2 = _rope_row(COS, SIN, b * sc_b + t * sc_t + cols, t < T, HALF, HAS_ROPE)
+            r1, r2 = hk1 * cos1 - hk2 * sin1, hk2 * cos2 + hk1 * sin2
+            tl.store(KROT + row + first, r1.to(KROT.dtype.element_ty), mask=ok)
+            tl.store(KROT + row + first + HALF, r2.to(KROT.dtype.element_ty), mask=ok)
+            tl.store(VT + row + first, hv1.to(VT.dtype.element_ty), mask=ok)
+            tl.store(VT + row + first + HALF, hv2.to(VT.dtype.element_ty), mask=ok)
 
 
 @launch_cached
@@ -125,11 +131,13 @@ def _bwd_kernel(
     T, n_chunks, sk_b, sk_t, sc_b, sc_t,
     GROUPS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     L: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """One chunk of one batch row for all heads (BLOCK_H >= HEADS, so a group's dk sums in
     registers) and BLOCK_D columns of each half, token by token from the chunk's end: the
     adjoints are [BLOCK_H, BLOCK_D] float32 tiles and the previous states come from the forward's
-    outputs (KROT un-rotated, VT). Narrow column slices keep registers low and programs many."""
+    outputs (KROT un-rotated, VT). Narrow column slices keep registers low and programs many.
+    The token loop runs as the forward's: groups of UNROLL unrolled steps in a runtime loop."""
     # One flat grid, column slices fastest: the slices of one chunk run side by side, so the 128-byte
     # lines they split (BLOCK_D columns each) are fetched from memory once, not once per slice.
     slices = tl.cdiv(HALF, BLOCK_D)
@@ -150,46 +158,47 @@ def _bwd_kernel(
     dbias2 = ck1
     cos1, cos2, sin1, sin2 = _rope_row(COS, SIN, b * sc_b + (t0 + L - 1) * sc_t + cols, t0 + L - 1 < T,
                                        HALF, HAS_ROPE)
-    for back in tl.static_range(L):
-        step = L - 1 - back
-        t = t0 + step
-        ok = head_ok & ((cols * 0 + t) < T)
-        row = (b * T + t) * (HEADS * D)
-        g1 = tl.sigmoid(tl.load(LOGIT + row + first, mask=ok, other=0.0).to(tl.float32) + bias1)
-        g2 = tl.sigmoid(tl.load(LOGIT + row + first + HALF, mask=ok, other=0.0).to(tl.float32) + bias2)
-        dy1 = tl.load(DKROT + row + first, mask=ok, other=0.0).to(tl.float32)
-        dy2 = tl.load(DKROT + row + first + HALF, mask=ok, other=0.0).to(tl.float32)
-        # c_t = dh_t + g_{t+1} c_{t+1}, with dh of k~ = RoPE^T(d k_rot)
-        ck1 = dy1 * cos1 + dy2 * sin2 + g_next1 * ck1
-        ck2 = dy2 * cos2 - dy1 * sin1 + g_next2 * ck2
-        cv1 = tl.load(DVT + row + first, mask=ok, other=0.0).to(tl.float32) + g_next1 * cv1
-        cv2 = tl.load(DVT + row + first + HALF, mask=ok, other=0.0).to(tl.float32) + g_next2 * cv2
-        tl.store(DV + row + first, ((1.0 - g1) * cv1).to(DV.dtype.element_ty), mask=ok)
-        tl.store(DV + row + first + HALF, ((1.0 - g2) * cv2).to(DV.dtype.element_ty), mask=ok)
-        k_row = b * sk_b + t * sk_t
-        _store_group_sums(DK + k_row, (1.0 - g1) * ck1, (1.0 - g2) * ck2, heads, offs_d, t < T,
-                          GROUPS, HEADS, D, HALF)
-        # dg_t = c_k (hk_{t-1} - k_t) + c_v (hv_{t-1} - v_t); h_{t-1} = 0 at the chunk's start
-        d1 = -(ck1 * tl.load(K + k_row + k_first, mask=ok, other=0.0).to(tl.float32)
-               + cv1 * tl.load(V + row + first, mask=ok, other=0.0).to(tl.float32))
-        d2 = -(ck2 * tl.load(K + k_row + k_first + HALF, mask=ok, other=0.0).to(tl.float32)
-               + cv2 * tl.load(V + row + first + HALF, mask=ok, other=0.0).to(tl.float32))
-        if step > 0:
-            prev = row - HEADS * D
-            cos1, cos2, sin1, sin2 = _rope_row(COS, SIN, b * sc_b + (t - 1) * sc_t + cols, t - 1 < T,
-                                               HALF, HAS_ROPE)
-            r1 = tl.load(KROT + prev + first, mask=ok, other=0.0).to(tl.float32)
-            r2 = tl.load(KROT + prev + first + HALF, mask=ok, other=0.0).to(tl.float32)
-            d1 += ck1 * (r1 * cos1 + r2 * sin2) + cv1 * tl.load(VT + prev + first, mask=ok, other=0.0).to(tl.float32)
-            d2 += ck2 * (r2 * cos2 - r1 * sin1) + cv2 * tl.load(VT + prev + first + HALF, mask=ok, other=0.0).to(tl.float32)
-        dl1 = tl.where(ok, d1 * g1 * (1.0 - g1), 0.0)
-        dl2 = tl.where(ok, d2 * g2 * (1.0 - g2), 0.0)
-        tl.store(DLOGIT + row + first, dl1.to(DLOGIT.dtype.element_ty), mask=ok)
-        tl.store(DLOGIT + row + first + HALF, dl2.to(DLOGIT.dtype.element_ty), mask=ok)
-        dbias1 += dl1
-        dbias2 += dl2
-        g_next1 = g1
-        g_next2 = g2
+    for b0 in range(0, L, UNROLL):
+        for u in tl.static_range(UNROLL):
+            step = L - 1 - (b0 + u)
+            t = t0 + step
+            ok = head_ok & ((cols * 0 + t) < T)
+            row = (b * T + t) * (HEADS * D)
+            g1 = tl.sigmoid(tl.load(LOGIT + row + first, mask=ok, other=0.0).to(tl.float32) + bias1)
+            g2 = tl.sigmoid(tl.load(LOGIT + row + first + HALF, mask=ok, other=0.0).to(tl.float32) + bias2)
+            dy1 = tl.load(DKROT + row + first, mask=ok, other=0.0).to(tl.float32)
+            dy2 = tl.load(DKROT + row + first + HALF, mask=ok, other=0.0).to(tl.float32)
+            # c_t = dh_t + g_{t+1} c_{t+1}, with dh of k~ = RoPE^T(d k_rot)
+            ck1 = dy1 * cos1 + dy2 * sin2 + g_next1 * ck1
+            ck2 = dy2 * cos2 - dy1 * sin1 + g_next2 * ck2
+            cv1 = tl.load(DVT + row + first, mask=ok, other=0.0).to(tl.float32) + g_next1 * cv1
+            cv2 = tl.load(DVT + row + first + HALF, mask=ok, other=0.0).to(tl.float32) + g_next2 * cv2
+            tl.store(DV + row + first, ((1.0 - g1) * cv1).to(DV.dtype.element_ty), mask=ok)
+            tl.store(DV + row + first + HALF, ((1.0 - g2) * cv2).to(DV.dtype.element_ty), mask=ok)
+            k_row = b * sk_b + t * sk_t
+            _store_group_sums(DK + k_row, (1.0 - g1) * ck1, (1.0 - g2) * ck2, heads, offs_d, t < T,
+                              GROUPS, HEADS, D, HALF)
+            # dg_t = c_k (hk_{t-1} - k_t) + c_v (hv_{t-1} - v_t); h_{t-1} = 0 at the chunk's start
+            d1 = -(ck1 * tl.load(K + k_row + k_first, mask=ok, other=0.0).to(tl.float32)
+                   + cv1 * tl.load(V + row + first, mask=ok, other=0.0).to(tl.float32))
+            d2 = -(ck2 * tl.load(K + k_row + k_first + HALF, mask=ok, other=0.0).to(tl.float32)
+                   + cv2 * tl.load(V + row + first + HALF, mask=ok, other=0.0).to(tl.float32))
+            if step > 0:
+                prev = row - HEADS * D
+                cos1, cos2, sin1, sin2 = _rope_row(COS, SIN, b * sc_b + (t - 1) * sc_t + cols, t - 1 < T,
+                                                   HALF, HAS_ROPE)
+                r1 = tl.load(KROT + prev + first, mask=ok, other=0.0).to(tl.float32)
+                r2 = tl.load(KROT + prev + first + HALF, mask=ok, other=0.0).to(tl.float32)
+                d1 += ck1 * (r1 * cos1 + r2 * sin2) + cv1 * tl.load(VT + prev + first, mask=ok, other=0.0).to(tl.float32)
+                d2 += ck2 * (r2 * cos2 - r1 * sin1) + cv2 * tl.load(VT + prev + first + HALF, mask=ok, other=0.0).to(tl.float32)
+            dl1 = tl.where(ok, d1 * g1 * (1.0 - g1), 0.0)
+            dl2 = tl.where(ok, d2 * g2 * (1.0 - g2), 0.0)
+            tl.store(DLOGIT + row + first, dl1.to(DLOGIT.dtype.element_ty), mask=ok)
+            tl.store(DLOGIT + row + first + HALF, dl2.to(DLOGIT.dtype.element_ty), mask=ok)
+            dbias1 += dl1
+            dbias2 += dl2
+            g_next1 = g1
+            g_next2 = g2
     bias_row = DBIAS + chunk_row.to(tl.int64) * (HEADS * D)
     tl.store(bias_row + first, dbias1, mask=head_ok)
     tl.store(bias_row + first + HALF, dbias2, mask=head_ok)
@@ -201,6 +210,17 @@ def _bwd_kernel(
 # The backward takes every head (a group's dk sums in registers) x BWD_BLOCK_D columns.
 FWD_HEADS, FWD_WARPS = 8, 4
 BWD_BLOCK_D, BWD_WARPS = 16, 4
+# Tokens unrolled per iteration of the runtime token loop (at most; a divisor of L). Unrolling all
+# L tokens kept more loads in flight but made the sm_90 build grow much faster than L, the largest
+# part of a first RAT training step's compiles (docs/benchmarks/rat.md, "First use"); the backward's
+# registers grow with its unroll too. `python -m benchmarks.compile_cost --unroll` prints both,
+# `python -m benchmarks.tune --only keys_values` times the choices on a GPU.
+FWD_UNROLL, BWD_UNROLL = 4, 2
+
+
+def unroll_for(chunk_size: int, most: int) -> int:
+    """The largest power of two that divides ``chunk_size`` and is at most ``most``."""
+    return math.gcd(chunk_size, 1 << (most.bit_length() - 1))
 
 
 def _launch(kernel, tensors, k_groups, v, chunk_size, cos_sin, num_warps, grid_y, **blocks):
@@ -227,7 +247,7 @@ class _RatKeysValues(torch.autograd.Function):
         v_tilde = torch.empty_like(v)
         block_h = min(FWD_HEADS, triton.next_power_of_2(v.shape[2]))
         _launch(_fwd_kernel, (k_groups, v, gate_logits, gate_bias, k_rot, v_tilde), k_groups, v, chunk_size, cos_sin,
-                FWD_WARPS, triton.cdiv(v.shape[2], block_h), BLOCK_H=block_h)
+                FWD_WARPS, triton.cdiv(v.shape[2], block_h), BLOCK_H=block_h, UNROLL=unroll_for(chunk_size, FWD_UNROLL))
         ctx.save_for_backward(k_groups, v, gate_logits, gate_bias, cos, sin, k_rot, v_tilde)
         ctx.meta = (chunk_size, has_rope)
         return k_rot, v_tilde
@@ -248,7 +268,7 @@ class _RatKeysValues(torch.autograd.Function):
             _bwd_kernel,
             (k_groups, v, gate_logits, gate_bias, k_rot, v_tilde, d_k_rot, d_v_tilde, dk, dv, dlogit, dbias_parts),
             k_groups, v, chunk_size, (cos, sin) if has_rope else None, BWD_WARPS, 1,
-            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=block_d,
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=block_d, UNROLL=unroll_for(chunk_size, BWD_UNROLL),
         )
         dbias = dbias_parts.sum(0).to(gate_bias.dtype).view(gate_bias.shape)
         return dk, dv, dlogit, dbias, None, None, None, None

@@ -2,8 +2,10 @@
 
 * flex_attention with a block mask: tiles entirely outside the band are skipped, so the cost is
   ~ T (w + tile) instead of T^2 / 2. Compiled once per process on CUDA (eager elsewhere, which
-  materialises the scores: fine for tests only). Block masks are cached per (T, w, device); inside
-  torch.compile(model) both are traced into the model's graph instead.
+  materialises the scores: fine for tests only). Block masks are cached per (T, w, device), built
+  by a compiled builder on CUDA from EAGER_MASK_MAX_TOKENS + 1 tokens (eagerly below: no compile of
+  the builder at first use); inside torch.compile(model) both are traced into the model's graph
+  instead.
 * SDPA with a boolean band mask: any device; and SDPA's causal kernel when the window covers the
   whole sequence (w >= T - 1), where the band is just the causal mask. On CPU it runs over blocks
   of queries, each over its band of keys with its rows of the mask (memory and work ~ T (w +
@@ -46,6 +48,17 @@ def sliding_window_attention_sdpa(q, k, v, window_size: int, scale: float | None
     return out.transpose(1, 2)
 
 
+# Up to this length the block mask is built eagerly: its [seq, seq] grid is small (16M elements at
+# 4K), while compiling the builder costs a first use seconds of torch.compile.
+EAGER_MASK_MAX_TOKENS = 4096
+
+
+def compiles_mask_builder(seq: int, device) -> bool:
+    """Whether the block mask of a ``seq``-token band is built by a compiled builder: on CUDA past
+    EAGER_MASK_MAX_TOKENS, and never inside torch.compile (the outer compile traces the builder)."""
+    return torch.device(device).type == "cuda" and seq > EAGER_MASK_MAX_TOKENS and not torch.compiler.is_compiling()
+
+
 def _build_block_mask(seq: int, window_size: int, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -53,10 +66,9 @@ def _build_block_mask(seq: int, window_size: int, device):
         return (kv_idx <= q_idx) & (q_idx - kv_idx <= window_size)
 
     # Eagerly, create_block_mask evaluates in_band over the whole [seq, seq] grid (128 GiB at 128K
-    # tokens); compiled, it builds the block lists without that grid. Inside torch.compile the
-    # outer compile traces it instead.
-    compile_builder = torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
-    return create_block_mask(in_band, None, None, seq, seq, device=device, _compile=compile_builder)
+    # tokens); compiled, it builds the block lists without that grid. The same BlockMask either way.
+    return create_block_mask(in_band, None, None, seq, seq, device=device,
+                             _compile=compiles_mask_builder(seq, device))
 
 
 _block_mask = functools.lru_cache(maxsize=32)(_build_block_mask)  # eager: one mask per (T, w, device string)

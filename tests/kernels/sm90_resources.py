@@ -110,9 +110,10 @@ def rat_keys_values_report(warps=(2, 4, 8, 16)) -> list[dict]:
     inputs = dict(K=bf, V=bf, LOGIT=bf, BIAS=bf, COS=f32, SIN=f32)
     constexprs = dict(GROUPS=2, HEADS=16, D=128, HALF=64, L=16, HAS_ROPE=True)
     kernels = {
-        "_fwd_kernel": (dict(inputs, KROT=bf, VT=bf), dict(constexprs, BLOCK_H=kv.FWD_HEADS)),
+        "_fwd_kernel": (dict(inputs, KROT=bf, VT=bf),
+                        dict(constexprs, BLOCK_H=kv.FWD_HEADS, UNROLL=kv.unroll_for(16, kv.FWD_UNROLL))),
         "_bwd_kernel": (dict(inputs, KROT=bf, VT=bf, DKROT=bf, DVT=bf, DK=bf, DV=bf, DLOGIT=bf, DBIAS=f32),
-                        dict(constexprs, BLOCK_H=16, BLOCK_D=kv.BWD_BLOCK_D)),
+                        dict(constexprs, BLOCK_H=16, BLOCK_D=kv.BWD_BLOCK_D, UNROLL=kv.unroll_for(16, kv.BWD_UNROLL))),
     }
     rows = []
     for name, (pointers, kernel_constexprs) in kernels.items():

@@ -402,3 +402,30 @@ def test_cuda_default_fuses_the_feature_halves_of_long_sequences():
     assert not plan(threshold - 1)
     assert not plan(2 * threshold, fuse=False) and plan(16, fuse=True)
     assert not plan(2 * threshold, device="cpu")
+
+
+def test_block_masks_of_short_bands_are_built_without_compiling_the_builder(monkeypatch):
+    """On CUDA the SWA branch's block mask is built eagerly up to EAGER_MASK_MAX_TOKENS (no
+    torch.compile of the builder at a first use), by a compiled builder past it; never on CPU."""
+    from hf_hybrid.kernels.residual_linear_attention import sliding_window as sw
+
+    limit = sw.EAGER_MASK_MAX_TOKENS
+    assert not sw.compiles_mask_builder(limit, "cuda") and sw.compiles_mask_builder(limit + 1, "cuda")
+    assert not sw.compiles_mask_builder(4 * limit, "cpu")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the outer compile traces the builder
+    assert not sw.compiles_mask_builder(4 * limit, "cuda")
+
+
+@pytest.mark.slow  # compiles the builder with Inductor on the CPU
+def test_eager_and_compiled_mask_builders_give_the_same_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seq, w = 640, 200
+
+    def in_band(batch, head, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= w)
+
+    eager = create_block_mask(in_band, None, None, seq, seq, device="cpu", _compile=False)
+    compiled = create_block_mask(in_band, None, None, seq, seq, device="cpu", _compile=True)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(eager, name), getattr(compiled, name)), name
