@@ -9,7 +9,7 @@ Shape: 8 layers of the 1.3B shape (the models suite's), bf16 weights, B=1, rando
 activation checkpointing per decoder layer (how sequences this long are trained). One step:
 forward, loss (Liger's fused loss when installed), backward, and on N GPUs the gradient sum over
 the group (hf_hybrid.distributed.context_parallel, every rank one contiguous shard); no optimizer.
-The length doubles from --start x N while the next length's predicted peak memory (linear in T
+The length doubles from --first-tokens x N while the next length's predicted peak memory (linear in T
 from the last two steps, the largest over the ranks) fits --memory-fraction of the GPU and the
 last step took under --max-step-s; "longest" is the longest length that ran. Each length: one
 warm-up step (compilation, autotuning at that shape), then one timed step.
@@ -115,7 +115,7 @@ def sweep(args) -> None:
     for name in names:
         torch.manual_seed(0)
         model = _build(name, device)
-        trials = [_timed_step(model, cp, args.start * world, device)]
+        trials = [_timed_step(model, cp, args.first_tokens * world, device)]
         while (tokens := next_length(trials, capacity, args.memory_fraction, args.max_step_s, args.max_tokens)) is not None:
             trials.append(_timed_step(model, cp, tokens, device))
         if local_rank == 0 and (cp is None or cp.rank == 0):
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="append one line per model and GPU count here")
     parser.add_argument("--report", help="print the table from such a file and exit")
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--start", type=int, default=32768, help="first length per GPU")
+    parser.add_argument("--first-tokens", type=int, default=32768, help="first length per GPU (not --start: torchrun would take it for its --start-method)")
     parser.add_argument("--max-tokens", type=int, default=4 * 2**20)
     parser.add_argument("--memory-fraction", type=float, default=0.9)
     parser.add_argument("--max-step-s", type=float, default=6.0, help="stop doubling after a step this slow")
