@@ -1,7 +1,8 @@
 """One rank of the CPU context-parallelism check (tests/distributed/test_context_parallel_cpu.py):
 
     torchrun --standalone --nproc-per-node N tests/distributed/context_parallel_cpu_worker.py OUT_DIR [MODEL ...]
-        [--device cuda --dtype bfloat16 --seq 2048 --hidden 256]    (GPUs: tests/gpu/context_parallel_gpu_check.py)
+        [--device cuda --dtype bfloat16 --seq 2048 --hidden 256] [--layouts contiguous,balanced]
+        (GPUs: tests/gpu/context_parallel_gpu_check.py)
 
 Per model (float32, reference kernels): one process runs the whole sequence (logits, loss and
 every parameter's gradient), then the ranks run it split over the gloo group with
@@ -30,7 +31,13 @@ from hf_hybrid.layers.context import SequenceContext  # noqa: E402
 BATCH = 2
 # Set by the command line: CPU float32 at the tiny size by default; GPUs run wider heads (the
 # Triton kernels take head_dim 16 .. 256) and longer rows in bf16.
-SETTINGS = {"device": "cpu", "dtype": "float32", "seq": 32, "hidden": 0}
+SETTINGS = {"device": "cpu", "dtype": "float32", "seq": 32, "hidden": 0, "layouts": "contiguous,balanced"}
+
+
+def seq_len(cp: ContextParallelGroup) -> int:
+    """The rows' length: SETTINGS' seq, longer where the balanced layout's chunks (2 per rank) would
+    be shorter than 8 tokens (the tiny models' sliding window of 6 reaches into one chunk before)."""
+    return max(SETTINGS["seq"], 8 * cp.num_chunks)
 
 
 def build(model_type: str, **overrides):
@@ -99,7 +106,7 @@ def gathered_tokens(shard_len: int):
 def check(name: str, cp: ContextParallelGroup) -> dict:
     model_type, overrides = MODELS[name]
     model = build(model_type, **dict(overrides))
-    ids = random_ids(BATCH, SETTINGS["seq"], seed=11).to(SETTINGS["device"])
+    ids = random_ids(BATCH, seq_len(cp), seed=11).to(SETTINGS["device"])
     labels = ids.clone()
     labels[0, 5] = -100  # an ignored target: the counts must come from the whole sequence
 
@@ -109,7 +116,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     model.zero_grad()
 
     targets = cp.shard_labels(labels)
-    with context_parallel(model, cp), gathered_tokens(SETTINGS["seq"] // cp.world_size) as gathered:
+    with context_parallel(model, cp), gathered_tokens(seq_len(cp) // cp.world_size) as gathered:
         out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False, skip_logits=False)
         out.loss.backward()  # inside the block: a checkpointed layer's recompute exchanges too
     cp.all_reduce_gradients(model)
@@ -149,7 +156,7 @@ def check_layer(name: str, cp: ContextParallelGroup) -> dict:
     model_type, index = LAYERS[name]
     layer = build(model_type).model.layers[index]
     param = next(layer.parameters())
-    hidden = torch.randn(BATCH, SETTINGS["seq"], layer.mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(3))
+    hidden = torch.randn(BATCH, seq_len(cp), layer.mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(3))
     weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(4))
     hidden, weights = hidden.to(param.device, param.dtype), weights.to(param.device, param.dtype)
 
@@ -194,7 +201,7 @@ def check_ring(name: str, cp: ContextParallelGroup) -> dict:
 
     device, dtype = SETTINGS["device"], getattr(torch, SETTINGS["dtype"])
     g = torch.Generator().manual_seed(5)
-    seq, heads, kv_heads, dim = SETTINGS["seq"], 4, 2, 16
+    seq, heads, kv_heads, dim = seq_len(cp), 4, 2, 16
     shapes = [(BATCH, seq, heads, dim), (BATCH, seq, kv_heads, dim), (BATCH, seq, kv_heads, dim)]
     q, k, v = (torch.randn(shape, generator=g).to(device, dtype) for shape in shapes)
     log_f = F.logsigmoid(torch.randn(BATCH, seq, heads, generator=g) * 2 + 1.5).to(device)
@@ -236,9 +243,12 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
         torch.set_num_threads(1)
-    cp = ContextParallelGroup.from_group()
     checks = {**dict.fromkeys(MODELS, check), **dict.fromkeys(LAYERS, check_layer), **dict.fromkeys(RINGS, check_ring)}
-    results = {name: checks[name](name, cp) for name in names}
+    results = {}
+    for layout in SETTINGS["layouts"].split(","):  # results of the balanced layout as "name:balanced"
+        cp = ContextParallelGroup.from_group(layout=layout)
+        suffix = "" if layout == "contiguous" else f":{layout}"
+        results |= {name + suffix: checks[name](name, cp) for name in names}
     if cp.rank == 0:
         with open(os.path.join(out_dir, f"results-{cp.world_size}.json"), "w") as file:
             json.dump(results, file, indent=1)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...layers.loss import shifted_labels
+from . import layout as layouts
 
 
 @dataclass(frozen=True)
@@ -18,26 +19,67 @@ class ContextParallelGroup:
     group: dist.ProcessGroup
     rank: int
     world_size: int
+    layout: str = "contiguous"  # or "balanced": two chunks per rank (layout.py)
+
+    def __post_init__(self):
+        layouts.check_layout(self.layout)
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup | None = None) -> ContextParallelGroup:
+    def from_group(cls, group: dist.ProcessGroup | None = None, layout: str = "contiguous") -> ContextParallelGroup:
         group = group or dist.group.WORLD
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), layout)
 
     @classmethod
-    def from_mesh(cls, mesh, mesh_dim: str | int | None = None) -> ContextParallelGroup:
+    def from_mesh(cls, mesh, mesh_dim: str | int | None = None, layout: str = "contiguous") -> ContextParallelGroup:
         """The group of one dimension of a DeviceMesh (the only one of a 1-D mesh)."""
-        return cls.from_group(mesh.get_group(mesh_dim) if mesh_dim is not None else mesh.get_group())
+        return cls.from_group(mesh.get_group(mesh_dim) if mesh_dim is not None else mesh.get_group(), layout)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def num_chunks(self) -> int:
+        """How many chunks the sequence is cut into (ranks, or twice that when balanced)."""
+        return layouts.num_chunks(self.layout, self.world_size)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The chunk indices this rank holds, in the order its shard concatenates them."""
+        return layouts.rank_chunks(self.layout, self.rank, self.world_size)
+
+    def segment_starts(self, shard_len: int) -> list[int]:
+        """The true position of the first token of each of this rank's chunks (shard of ``shard_len``)."""
+        size = shard_len // len(self.chunks)
+        return [chunk * size for chunk in self.chunks]
+
+    def positions(self, shard_len: int, device=None) -> torch.Tensor:
+        """[shard_len] the true positions of this rank's tokens."""
+        size = shard_len // len(self.chunks)
+        return torch.cat([torch.arange(start, start + size, device=device) for start in self.segment_starts(shard_len)])
 
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's contiguous part of ``tensor`` along ``dim`` (the sequence)."""
+        """This rank's part of ``tensor`` along ``dim`` (the sequence): its chunks, in order."""
         length = tensor.shape[dim]
-        if length % self.world_size:
+        if length % self.num_chunks:
             raise ValueError(
-                f"context parallelism: the sequence length {length} must divide evenly over {self.world_size} ranks; "
-                "pad the rows (labels -100) to a multiple."
+                f"context parallelism: the sequence length {length} must divide evenly into {self.num_chunks} chunks "
+                f"({self.world_size} ranks, layout {self.layout!r}); pad the rows (labels -100) to a multiple."
             )
-        return tensor.chunk(self.world_size, dim)[self.rank].contiguous()
+        pieces = tensor.chunk(self.num_chunks, dim)
+        return torch.cat([pieces[chunk] for chunk in self.chunks], dim).contiguous()
+
+    def unshard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole sequence from every rank's shard (e.g. the logits), in sequence order; differentiable."""
+        per_chunk = torch.stack(tensor.chunk(len(self.chunks), dim), 0)
+        gathered = self.gather_chunks(per_chunk)
+        return torch.cat(gathered.unbind(0), dim)
+
+    def gather_chunks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[chunks of the sequence, ...] from this rank's [its chunks, ...] (one entry per chunk it
+        holds), in sequence order, differentiable."""
+        gathered = self.all_gather(tensor, 0)
+        if self.layout == "contiguous":
+            return gathered
+        order = torch.tensor(layouts.gathered_order(self.layout, self.world_size), device=tensor.device)
+        return gathered.index_select(0, order)
 
     def shard_labels(self, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """The targets of this rank's tokens: ``labels`` shifted left over the whole sequence, then

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .group import ContextParallelGroup
+from .layout import ring_block_pairs
 
 
 class RingPass:
@@ -69,14 +70,23 @@ class _RingAttention(torch.autograd.Function):
         transfer = RingPass(cp, own) if cp.world_size > 1 else None
         o, lse = _block(q, own, c, True, scale, backend)
         o = o.float()
+        seq = q.shape[1]
         for step in range(1, cp.world_size):
             held = transfer.wait()
             transfer = RingPass(cp, held) if step + 1 < cp.world_size else None
-            if step <= cp.rank:
-                o_block, lse_block = _block(q, held, c, False, scale, backend)
-                merged = torch.logaddexp(lse, lse_block)
-                o = o * _by_token(torch.exp(lse - merged)) + o_block.float() * _by_token(torch.exp(lse_block - merged))
-                lse = merged
+            pairs = ring_block_pairs(cp, (cp.rank - step) % cp.world_size, seq)
+            if pairs:  # the pairs stacked along the batch: one call on blocks of equal length
+                q_part, c_part, held_part = _pair_inputs(q, c, held, pairs)
+                o_block, lse_block = _block(q_part, held_part, c_part, False, scale, backend)
+                for (rows, _), o_pair, lse_pair in zip(pairs, o_block.chunk(len(pairs)), lse_block.chunk(len(pairs))):
+                    lse_rows = lse[..., rows]
+                    merged = torch.logaddexp(lse_rows, lse_pair)
+                    mixed = o[:, rows] * _by_token(torch.exp(lse_rows - merged)) + o_pair.float() * _by_token(torch.exp(lse_pair - merged))
+                    if rows == slice(None):
+                        o, lse = mixed, merged
+                    else:
+                        o, lse = o.clone(), lse.clone()
+                        o[:, rows], lse[..., rows] = mixed, merged
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, c, o, lse)
         ctx.cp, ctx.scale, ctx.backend = cp, scale, backend
@@ -97,17 +107,25 @@ class _RingAttention(torch.autograd.Function):
         for step in range(1, cp.world_size):
             held = kv_transfer.wait()
             kv_transfer = RingPass(cp, held) if step + 1 < cp.world_size else None
-            parts = _block_grads(grad, q, held, c, o, lse, delta, False, scale, backend) if step <= cp.rank else None
+            pairs = ring_block_pairs(cp, (cp.rank - step) % cp.world_size, q.shape[1])
+            parts = None
+            if pairs:
+                q_part, c_part, held_part = _pair_inputs(q, c, held, pairs)
+                o_part, grad_part = (_stacked(t, [rows for rows, _ in pairs]) for t in (o, grad))
+                lse_part, delta_part = (_stacked(t.transpose(1, 2), [rows for rows, _ in pairs]).transpose(1, 2).contiguous()
+                                        for t in (lse, delta))
+                parts = _block_grads(grad_part, q_part, held_part, c_part, o_part, lse_part, delta_part, False, scale, backend)
             if sums_transfer is None:  # the block's own rank adds nothing to the sums it sends on
                 sums = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in held)
             else:
                 sums = sums_transfer.wait()  # meanwhile the block's gradients were computed
             if parts is not None:
                 dq_block, dc_q, held_grads = parts
-                dq = dq + dq_block
-                if c is not None:
-                    own_grads[2] = own_grads[2] + dc_q
-                sums = tuple(total + part.float() for total, part in zip(sums, held_grads))
+                for p, (rows, cols) in enumerate(pairs):
+                    dq = _add_rows(dq, dq_block.chunk(len(pairs))[p], rows)
+                    if c is not None:
+                        own_grads[2] = _add_rows(own_grads[2], dc_q.chunk(len(pairs))[p], rows)
+                    sums = tuple(_add_rows(total, part.float().chunk(len(pairs))[p], cols) for total, part in zip(sums, held_grads))
             sums_transfer = RingPass(cp, sums)
         if sums_transfer is not None:  # after a full turn: this rank's own block's sums
             own_grads = [g + total for g, total in zip(own_grads, sums_transfer.wait())]
@@ -151,6 +169,29 @@ def _softmax_kind(qt, kt, backend: str) -> str:
     from ...kernels._lse_attention import kernel_kind
 
     return "math" if backend == "reference" else kernel_kind(qt, kt)
+
+
+def _stacked(t, parts: list[slice]):
+    """``t``'s rows (dim 1) at each of ``parts``, stacked along the batch (``t`` itself for one whole part)."""
+    if t is None or parts == [slice(None)]:
+        return t
+    return torch.cat([t[:, part] for part in parts], 0).contiguous()
+
+
+def _pair_inputs(q, c, held, pairs):
+    """This rank's queries (and their c) and the held block's tensors of each (query rows, key rows)
+    pair, the pairs stacked along the batch."""
+    rows, cols = [r for r, _ in pairs], [k for _, k in pairs]
+    return _stacked(q, rows), _stacked(c, rows), tuple(_stacked(t, cols) for t in held)
+
+
+def _add_rows(total: torch.Tensor, part: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``total`` with ``part`` added at ``rows`` of the sequence (dim 1)."""
+    if rows == slice(None):
+        return total + part
+    total = total.clone()
+    total[:, rows] += part.to(total.dtype)
+    return total
 
 
 def _by_token(weights: torch.Tensor) -> torch.Tensor:
