@@ -116,3 +116,18 @@ def earlier_chunks_sum(cp, parts):
     gathered = gather_segments(cp, parts)
     weights = earlier_chunk_weights(cp, gathered.device).to(gathered.dtype)
     return torch.einsum("sc,c...->s...", weights, gathered)
+
+
+def gather_sequence(cp, parts):
+    """[batch, chunks of the sequence x n, ...]: one [batch, n, ...] tensor per segment of this rank
+    (``parts``: tokens each segment gives, e.g. its chunk ends) from every rank, in sequence order;
+    an all-gather along the sequence (dim 1), differentiable."""
+    import torch
+
+    n = parts[0].shape[1]
+    gathered = cp.all_gather(torch.cat(list(parts), 1), dim=1)  # rank by rank, each rank's segments in order
+    if cp.layout == "contiguous":
+        return gathered
+    by_chunk = gathered.unflatten(1, (-1, n))
+    order = torch.tensor(gathered_order(cp.layout, cp.world_size), device=gathered.device)
+    return by_chunk.index_select(1, order).flatten(1, 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .group import ContextParallelGroup, check_plain, keep_in_graph
+from .layout import gather_sequence, gather_segments, segments
 from .ring import ring_softmax_attention
 
 
@@ -19,21 +20,21 @@ def rat_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_l
     check_plain(mixer, context, cache_layer)
     batch, seq, _ = hidden_states.shape
     heads, dim, L, groups = mixer.num_heads, mixer.head_dim, mixer.chunk_size, mixer.num_qk_groups
-    if seq % L:
-        raise ValueError(f"context parallelism with RAT: each shard ({seq} tokens) must hold whole chunks of {L}.")
+    size = seq // len(cp.chunks)
+    if size % L:
+        raise ValueError(f"context parallelism with RAT: each chunk of the {cp.layout} layout ({size} tokens) must hold whole RAT chunks of {L}.")
     q, k, v, gate_logits, gate_z = (proj(hidden_states) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.g_proj, mixer.z_proj))
     q, k = q.view(batch, seq, groups, dim), k.view(batch, seq, groups, dim)
     v, gate_logits = v.view(batch, seq, heads, dim), gate_logits.view(batch, seq, heads, dim)
-    start = cp.rank * seq
-    positions = torch.arange(start, start + seq, device=hidden_states.device)[None]
+    positions = cp.positions(seq, hidden_states.device)[None]
     chunk_index = torch.div(positions, L, rounding_mode="floor")
-    cos_sin = rotary_tables(mixer.rotary, context, chunk_index, tag=("context parallel chunk", L, start))
-    # Chunk-local recurrences: a shard of whole chunks starts at a restart.
-    k_tilde, v_tilde = mixer._recurrences(k, v, gate_logits, start, positions, None)
+    cos_sin = rotary_tables(mixer.rotary, context, chunk_index, tag=("context parallel chunk", L, cp.layout, int(positions[0, 0])))
+    # Chunk-local recurrences: every segment (a rank's chunk) starts at a restart, as position 0 does.
+    k_tilde, v_tilde = mixer._recurrences(k, v, gate_logits, 0, positions, None)
     k_rot = rotate(k_tilde, cos_sin, backend=mixer.backend)
     q = expand_groups(rotate(q, cos_sin, backend=mixer.backend), heads)
-    k_ends = cp.all_gather(chunk_ends(k_rot, L), dim=1)  # every chunk's end, in order
-    v_ends = cp.all_gather(chunk_ends(v_tilde, L), dim=1)
+    # Every RAT chunk's end, in sequence order (each segment's ends gathered, then ordered by chunk).
+    k_ends, v_ends = (gather_sequence(cp, [chunk_ends(part, L) for part in segments(cp, t)]) for t in (k_rot, v_tilde))
     y = chunk_end_attention(q, k_rot, v_tilde, k_ends, v_ends, query_chunk=chunk_index.expand(batch, seq), backend=mixer.backend)
     return mixer._output(gate_z, y)
 
