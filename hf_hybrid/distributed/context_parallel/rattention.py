@@ -1,10 +1,11 @@
-"""Context-parallel forwards of RATTENTION's local (window halo, residual linear attention state)
-and global (ring attention) layers."""
+"""Context-parallel forwards of RATTENTION's local (window halo, residual linear attention state,
+each per segment: a rank's chunk, with its own chunk before) and global (ring attention) layers."""
 from __future__ import annotations
 
 import torch
 
-from .group import ContextParallelGroup, check_plain, keep_in_graph, previous_rank_only, window_mask
+from .group import ContextParallelGroup, check_plain, keep_in_graph, window_mask
+from .layout import earlier_chunks_sum, previous_chunk_entries, segments
 from .ring import ring_softmax_attention
 
 
@@ -18,43 +19,49 @@ def rattention_local_forward(mixer, cp: ContextParallelGroup, hidden_states, con
     check_plain(mixer, context, cache_layer)
     batch, seq, _ = hidden_states.shape
     q, k, v = mixer.project(hidden_states)
-    w, start = mixer.window_size, cp.rank * seq
-    halo = w + 1  # the window of the shard's first token: the previous shard's last w + 1 tokens
-    if seq < halo:
-        raise ValueError(f"context parallelism with RATTENTION: each shard ({seq} tokens) needs at least window_size + 1 = {halo}.")
-    held = halo if cp.rank > 0 else 0
-    previous = previous_rank_only(cp, q.device)
+    w, size, starts = mixer.window_size, seq // len(cp.chunks), cp.segment_starts(seq)
+    halo = w + 1  # the window of a chunk's first token: the chunk before's last w + 1 tokens
+    if size < halo:
+        raise ValueError(f"context parallelism with RATTENTION: each chunk of the {cp.layout} layout ({size} tokens) "
+                         f"needs at least window_size + 1 = {halo}.")
 
-    def from_previous(t):  # [batch, halo, ...] of the previous shard (zeros on the first rank)
-        return torch.einsum("r,rb...->b...", previous.to(t.dtype), cp.from_previous_ranks(t[:, seq - halo:]))
+    def from_previous(t):  # [segments, batch, halo, ...]: each segment's chunk before's last tokens (zeros before the first)
+        return previous_chunk_entries(cp, [part[:, size - halo:] for part in segments(cp, t)])
+
+    def with_halo(halo_part, part, start):  # the segment's tokens after the part of its halo that exists
+        return torch.cat([halo_part, part], 1)[:, halo - (halo if start > 0 else 0):]
 
     o_swa = o_rla = None
-    unused_halos = []
+    halos = [from_previous(v)]
     if mixer.use_swa:
-        positions = torch.arange(start, start + seq, device=q.device)[None]
-        cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", start))
+        positions = cp.positions(seq, q.device)[None]
+        cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, int(positions[0, 0])))
         q_swa, k_swa = mixer.normed(q, k, cos_sin)
-        halo_k, halo_v = from_previous(k_swa), from_previous(v)
-        keys, values = torch.cat([halo_k, k_swa], 1)[:, halo - held:], torch.cat([halo_v, v], 1)[:, halo - held:]
-        mask = window_mask(start, seq, held, w + 1, q.device)
-        o_swa = _attend(q_swa, keys, values, mask, mixer.num_heads, mixer.num_kv_heads)
-        unused_halos += [halo_k, halo_v]
+        halos.append(from_previous(k_swa))
+        o_swa = torch.cat([
+            _attend(q_seg, with_halo(halo_k, k_seg, start), with_halo(halo_v, v_seg, start),
+                    window_mask(start, size, halo if start > 0 else 0, w + 1, q.device), mixer.num_heads, mixer.num_kv_heads)
+            for start, q_seg, k_seg, v_seg, halo_k, halo_v in zip(starts, *(segments(cp, t) for t in (q_swa, k_swa, v)), halos[1], halos[0])
+        ], 1)
     if mixer.use_rla:
-        # RLA state entering the window: every earlier token's phi(k) v^T, summed over the earlier
-        # shards, less the halo's (still in the window). The sums are additive: no decay.
+        # RLA state entering a segment's window: every earlier token's phi(k) v^T, summed over the
+        # earlier chunks, less its halo's (still in the window). The sums are additive: no decay.
         phi = feature_map_fn(k, mixer.feature_map)
-        own_sum = torch.einsum("bthf,bthd->bhfd", phi.float(), v.float())
-        earlier = (torch.arange(cp.world_size, device=q.device) < cp.rank).to(own_sum.dtype)
-        halo_raw, halo_v = from_previous(k), from_previous(v)
-        halo_sum = torch.einsum("bthf,bthd->bhfd", feature_map_fn(halo_raw, mixer.feature_map).float(), halo_v.float())
-        state = torch.einsum("r,rbhfd->bhfd", earlier, cp.from_previous_ranks(own_sum)) - halo_sum
-        q_ext = torch.cat([q.new_zeros(batch, held, *q.shape[2:]), q], dim=1)
-        raw = torch.cat([halo_raw, k], 1)[:, halo - held:]
-        vals = torch.cat([halo_v, v], 1)[:, halo - held:]
-        o_rla, _ = residual_linear_attention(q_ext, raw, vals, w, mixer.feature_map, state, backend=mixer.backend)
-        o_rla = o_rla[:, held:]
+        own_sums = [torch.einsum("bthf,bthd->bhfd", p.float(), v_seg.float()) for p, v_seg in zip(segments(cp, phi), segments(cp, v))]
+        earlier = earlier_chunks_sum(cp, own_sums)
+        halos.append(from_previous(k))
+        outs = []
+        for i, (start, q_seg, k_seg, v_seg) in enumerate(zip(starts, *(segments(cp, t) for t in (q, k, v)))):
+            halo_raw, halo_v = halos[-1][i], halos[0][i]
+            held = halo if start > 0 else 0
+            halo_sum = torch.einsum("bthf,bthd->bhfd", feature_map_fn(halo_raw, mixer.feature_map).float(), halo_v.float())
+            q_ext = torch.cat([q_seg.new_zeros(batch, held, *q_seg.shape[2:]), q_seg], dim=1)
+            o_seg, _ = residual_linear_attention(q_ext, with_halo(halo_raw, k_seg, start), with_halo(halo_v, v_seg, start), w,
+                                                 mixer.feature_map, earlier[i] - halo_sum, backend=mixer.backend)
+            outs.append(o_seg[:, held:])
+        o_rla = torch.cat(outs, 1)
     out = sum_branch_norms(o_swa, mixer.swa_norm, o_rla, mixer.rla_norm, norm_backend(mixer.backend, batch * seq))
-    return keep_in_graph(mixer.o_proj(out.reshape(batch, seq, -1)), unused_halos if held == 0 else [])
+    return keep_in_graph(mixer.o_proj(out.reshape(batch, seq, -1)), halos)
 
 
 def rattention_global_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None, **unused):
