@@ -56,49 +56,53 @@ def rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, ca
     group_kv = [sorted({h // rep for h in group_heads}) for _, group_heads in groups]
     q, k, v, gate_z = (proj(hidden_states) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.z_proj))
     q, k, v = q.view(batch, seq, heads, dim), k.view(batch, seq, kv, dim), v.view(batch, seq, kv, dim)
-    start, end = cp.rank * seq, (cp.rank + 1) * seq
-    unused_gathers = []
+    size, starts = seq // len(cp.chunks), cp.segment_starts(seq)
+    gathers = []  # kept in every rank's graph (zero weight where unused): the same collectives in each backward
     if mixer.use_recurrence:
-        # The recurrence runs over the whole sequence: the state entering this shard is the earlier
-        # shards' final states (each from zero) carried through the later shards' gate products.
+        # The recurrence runs over the whole sequence: the state entering a segment (a rank's chunk)
+        # is the earlier chunks' final states (each from zero) carried through the later ones' gate products.
         gate = torch.sigmoid(mixer.g_proj(hidden_states).float()).view(batch, seq, kv, dim)
-        products = cp.from_previous_ranks(gate.prod(dim=1))  # [ranks, batch, kv, dim]
+        products = gather_segments(cp, [part.prod(dim=1) for part in segments(cp, gate)])  # [chunks, batch, kv, dim]
+        gathers.append(products)
         tilde = []
         for x in (k, v):
-            finals = cp.from_previous_ranks(gated_recurrence(x, gate, 0, 0, None, backend=mixer.backend, out_dtype=torch.float32)[:, -1])
-            state = torch.zeros_like(finals[0])
-            for j in range(cp.rank):
-                state = products[j] * state + finals[j]
-            tilde.append(gated_recurrence(x, gate, 0, 0, state, backend=mixer.backend, out_dtype=torch.float32))
-            unused_gathers.append(finals)
-        unused_gathers.append(products)
+            finals = gather_segments(cp, [
+                gated_recurrence(x_s, g_s, 0, 0, None, backend=mixer.backend, out_dtype=torch.float32)[:, -1]
+                for x_s, g_s in zip(segments(cp, x), segments(cp, gate))
+            ])
+            gathers.append(finals)
+            parts = []
+            for chunk, x_s, g_s in zip(cp.chunks, segments(cp, x), segments(cp, gate)):
+                state = torch.zeros_like(finals[0])
+                for j in range(chunk):
+                    state = products[j] * state + finals[j]
+                parts.append(gated_recurrence(x_s, g_s, 0, 0, state, backend=mixer.backend, out_dtype=torch.float32))
+            tilde.append(torch.cat(parts, 1))
         k_tilde, v_tilde = tilde
     else:
         k_tilde, v_tilde = k.float(), v.float()
-    positions = torch.arange(start, end, device=q.device)[None]
-    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", start))
+    positions = cp.positions(seq, q.device)[None]
+    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, int(positions[0, 0])))
     rope_backend = mixer.backend if mixer.backend in ("reference", "triton") else "auto"
     q = rotary(q, cos_sin, backend=rope_backend)
     k_rot = rotary(k_tilde.to(q.dtype), cos_sin, backend=rope_backend)
     # Dense groups (D = 1) read every earlier key: ring attention (ring.py). Dilated groups read
-    # each earlier shard's chunk ends, window halo and sinks (shard_tokens_read), all-gathered.
+    # each earlier chunk's chunk ends, window halo and sinks (shard_tokens_read), all-gathered.
     own_values = v_tilde.to(q.dtype)
     dilated = [pattern for pattern, _ in groups if pattern.kind == "dilated"]
+    per_segment = []  # (query positions, keys, values, key positions) of each segment for the dilated groups
     if dilated:
-        read = shard_tokens_read(dilated, seq)
-        if read is None:  # a dilation, window or sink count that does not fit a shard: every key
-            keys, values = cp.all_gather(k_rot, dim=1)[:, :end], cp.all_gather(own_values, dim=1)[:, :end]
-            k_pos = torch.arange(end, device=q.device)
-        else:
-            index = torch.tensor(read, device=q.device)
-            earlier = cp.rank * len(read)
-            gathered = [cp.all_gather(t[:, index], dim=1) for t in (k_rot, own_values)]
-            keys, values = (torch.cat([g[:, :earlier], t], dim=1) for g, t in zip(gathered, (k_rot, own_values)))
-            ranks_before = torch.arange(cp.rank, device=q.device)[:, None]
-            k_pos = torch.cat([(ranks_before * seq + index).flatten(), positions[0]])
-            if cp.rank == 0:
-                unused_gathers += gathered
-        q_pos, k_pos = positions.expand(batch, seq), k_pos[None].expand(batch, -1)
+        read = shard_tokens_read(dilated, size)
+        index = torch.arange(size, device=q.device) if read is None else torch.tensor(read, device=q.device)
+        gathered = [gather_sequence(cp, [part[:, index] for part in segments(cp, t)]) for t in (k_rot, own_values)]
+        gathers += gathered
+        for chunk, start, k_seg, v_seg in zip(cp.chunks, starts, segments(cp, k_rot), segments(cp, own_values)):
+            earlier = chunk * len(index)  # the gathered tokens of the chunks before this one
+            keys, values = (torch.cat([g[:, :earlier], t], dim=1) for g, t in zip(gathered, (k_seg, v_seg)))
+            chunks_before = torch.arange(chunk, device=q.device)[:, None]
+            k_pos = torch.cat([(chunks_before * size + index).flatten(), torch.arange(start, start + size, device=q.device)])
+            q_pos = torch.arange(start, start + size, device=q.device)
+            per_segment.append((q_pos[None].expand(batch, size), keys, values, k_pos[None].expand(batch, -1)))
     y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
     for (pattern, group_heads), kv_heads in zip(groups, group_kv):
         q_group = q if len(groups) == 1 else q[:, :, list(group_heads)]
@@ -109,22 +113,26 @@ def rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, ca
             per_query = lambda x: x if _whole_kv_groups(group_heads, kv_heads, rep) else mixer._expand(x, kv_heads, group_heads)  # noqa: E731
             out = ring_softmax_attention(q_group, per_query(pick(k_rot)), per_query(pick(own_values)), cp, dim**-0.5, mixer.backend)
         else:
-            out = mixer._group_attention(pattern, group_heads, kv_heads, q_group, pick(keys), pick(values), q_pos, k_pos, None, False)
+            out = torch.cat([
+                mixer._group_attention(pattern, group_heads, kv_heads, q_seg, pick(keys), pick(values), q_pos, k_pos, None, False)
+                for q_seg, (q_pos, keys, values, k_pos) in zip(segments(cp, q_group), per_segment)
+            ], 1)
         if y is None:
             y = out
         else:
             y[:, :, list(group_heads)] = out
     out = mixer.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=mixer.backend))
-    return keep_in_graph(out, unused_gathers if cp.rank == 0 else [])
+    return keep_in_graph(out, gathers)
 
 
 def shard_tokens_read(patterns, seq: int) -> list[int] | None:
-    """Indices within a shard of ``seq`` tokens of the keys that later shards' queries read under
-    dilated ``patterns`` (the union over them): the chunk ends ((position + 1) % D == 0), the last
-    ``local_window`` tokens (the window of the next shard's first queries) and the first
-    ``num_sink_tokens`` (read from the first shard only; the later shards' are masked). The same on
-    every rank when D divides ``seq``. None where every earlier key must be gathered: a dense
-    pattern, or a dilation, window or sink count that does not fit a shard."""
+    """Indices within a chunk of ``seq`` tokens (a rank's shard, or each of its two chunks in the
+    balanced layout) of the keys that later chunks' queries read under dilated ``patterns`` (the
+    union over them): the chunk ends ((position + 1) % D == 0), the last ``local_window`` tokens
+    (the window of the next chunk's first queries) and the first ``num_sink_tokens`` (read from
+    the first chunk only; the later chunks' are masked). The same on every rank when D divides
+    ``seq``. None where every earlier key must be gathered: a dense pattern, or a dilation, window
+    or sink count that does not fit a chunk."""
     read = set()
     for pattern in patterns:
         if pattern.kind != "dilated":
