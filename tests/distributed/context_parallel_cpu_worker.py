@@ -131,6 +131,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
         max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters() if n in reference_grads),
         max(g.abs().max().item() for g in reference_grads.values()),
         (alone - cp.shard(full.logits.detach())).abs().max().item(),
+        (cp.unshard(out.logits.detach()) - full.logits.detach()).abs().max().item(),  # the layout's gather
     ])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
     missing = [n for n, p in model.named_parameters() if (p.grad is None) != (n not in reference_grads)]
@@ -146,7 +147,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
         model.zero_grad()
         model(input_ids=cp.shard(ids), use_cache=False)  # a plain forward after it puts the mixers back
     return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
-            "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "loss": full.loss.item(),
+            "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "unshard_logits_diff": diffs[5].item(), "loss": full.loss.item(),
             "missing_grads": missing, "largest_gather": max(gathered, default=0.0), "late_backward_refused": late_backward_refused}
 
 

@@ -1,6 +1,8 @@
 """Context parallelism on CPU (gloo, 2 and 4 processes, float32, reference kernels): one sequence
 split over the ranks (hf_hybrid.distributed.context_parallel) gives the forward, the loss and
-every gradient of one process on the whole sequence.
+every gradient of one process on the whole sequence, under both layouts: contiguous shards, and
+the balanced layout (2N chunks, rank r holding chunks r and 2N - 1 - r), where every mixer's
+exchange follows each rank's two chunks (one launch of the worker runs both).
 
 Covered: RAT (whole models, RoPE and NoPE: the chunk ends all-gathered; hybrids with sliding-window
 and full softmax layers: the window halo, ring attention), RAT+ (its joint objective of a dense and
@@ -43,16 +45,19 @@ def results(tmp_path_factory, ranks: int) -> dict:
     return _results[ranks]
 
 
-@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~35 s more
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~70 s more
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("name", CHECKS)
-def test_split_sequence_matches_one_process(tmp_path_factory, ranks, name):
-    result = results(tmp_path_factory, ranks)[name]
+def test_split_sequence_matches_one_process(tmp_path_factory, ranks, layout, name):
+    result = results(tmp_path_factory, ranks)[name if layout == "contiguous" else f"{name}:{layout}"]
     assert result["missing_grads"] == []
     assert result["loss_diff"] <= 1e-5
     assert result["logits_diff"] <= 1e-5
     # Gradients: 1e-5 relative to the largest gradient (Mamba-2's reach ~100 on these inputs).
     assert result["grad_diff"] <= 1e-5 * max(1.0, result["grad_scale"])
     assert result["no_exchange_logits_diff"] > 1e-3
+    if "unshard_logits_diff" in result:  # whole models: the logits gathered back in sequence order
+        assert result["unshard_logits_diff"] <= 1e-5
     if name.endswith("_checkpointed"):  # a backward after the block would recompute without the exchange
         assert result["late_backward_refused"] is True
 
@@ -67,17 +72,22 @@ LARGEST_GATHER = {
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_ring_mixers_gather_no_keys_of_the_prefix(tmp_path_factory, ranks):
-    shard = 32 // ranks
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_ring_mixers_gather_no_keys_of_the_prefix(tmp_path_factory, ranks, layout):
+    suffix = "" if layout == "contiguous" else f":{layout}"
+    seq = 32 if layout == "contiguous" else max(32, 16 * ranks)  # the worker's rows (seq_len)
+    chunk = seq // ranks // (1 if layout == "contiguous" else 2)
     for name, largest in LARGEST_GATHER.items():
-        assert results(tmp_path_factory, ranks)[name]["largest_gather"] == pytest.approx(largest), name
+        assert results(tmp_path_factory, ranks)[name + suffix]["largest_gather"] == pytest.approx(largest), name
     # RAT+ (dense heads on the ring) with dilation D, window w and s sinks: each shard's D-th keys,
-    # its last w and its first s
+    # its last w and its first s, of each of its chunks
     dilated = {"rat_plus": (8, 0, 0), "rat_plus_dilated": (4, 2, 2), "rat_plus_mixed_heads": (4, 0, 1)}
     for name, (dilation, window, sinks) in dilated.items():
-        read = set(range(dilation - 1, shard, dilation)) | set(range(shard - window, shard)) | set(range(sinks))
-        assert results(tmp_path_factory, ranks)[name]["largest_gather"] == pytest.approx(len(read) / shard), name
-    assert results(tmp_path_factory, ranks)["se_hybrid"]["largest_gather"] == 1.0
+        read = set(range(dilation - 1, chunk, dilation)) | set(range(chunk - window, chunk)) | set(range(sinks))
+        if chunk % dilation:  # a dilation that does not divide the chunk: every key gathered
+            read = set(range(chunk))
+        assert results(tmp_path_factory, ranks)[name + suffix]["largest_gather"] == pytest.approx(len(read) / chunk), name
+    assert results(tmp_path_factory, ranks)["se_hybrid" + suffix]["largest_gather"] == 1.0
 
 
 def test_uncovered_patterns_are_named():
@@ -121,3 +131,69 @@ def test_dilated_patterns_gather_only_what_they_read():
     assert shard_tokens_read([dilated, AttentionPattern(dilation=8, num_sink_tokens=0)], 16) == [0, 3, 7, 11, 14, 15]
     assert shard_tokens_read([dilated, AttentionPattern(dilation=1)], 16) is None
     assert shard_tokens_read([AttentionPattern(dilation=3)], 16) is None
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
+def test_balanced_layout_gives_every_rank_the_same_causal_work(ranks):
+    """With 2N chunks and rank r holding chunks r and 2N - 1 - r, every rank computes the same
+    number of causal (query chunk, key chunk) pairs and of causal (query, key) token pairs; with
+    contiguous shards the last rank does (2N - 1) times the first's."""
+    from hf_hybrid.distributed.context_parallel.layout import causal_block_pairs, rank_chunks
+
+    balanced = [causal_block_pairs("balanced", rank, ranks) for rank in range(ranks)]
+    assert balanced == [2 * ranks + 1] * ranks
+    contiguous = [causal_block_pairs("contiguous", rank, ranks) for rank in range(ranks)]
+    assert contiguous == list(range(1, ranks + 1))
+    chunk = 5  # tokens per chunk: query i sees keys 0 .. i
+    tokens = [sum(c * chunk + t + 1 for c in rank_chunks("balanced", rank, ranks) for t in range(chunk)) for rank in range(ranks)]
+    assert len(set(tokens)) == 1
+    # every chunk held exactly once
+    assert sorted(c for rank in range(ranks) for c in rank_chunks("balanced", rank, ranks)) == list(range(2 * ranks))
+
+
+def test_balanced_ring_steps_do_equal_work():
+    """Each ring step of the balanced layout pairs two of this rank's query chunks' worth of rows
+    with keys (never a fully masked pair): two (query chunk, key chunk) pairs per step, the same
+    on every rank, and together with the diagonal they cover exactly the causal pairs."""
+    import torch.distributed as dist
+
+    from hf_hybrid.distributed.context_parallel import ContextParallelGroup
+    from hf_hybrid.distributed.context_parallel.layout import ring_block_pairs
+
+    ranks, shard = 4, 8
+    for rank in range(ranks):
+        cp = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=rank, world_size=ranks, layout="balanced")
+        seen = {(q, k) for q in cp.chunks for k in cp.chunks if k <= q}  # the diagonal block, causally
+        for held in range(ranks):
+            if held == rank:
+                continue
+            pairs = ring_block_pairs(cp, held, shard)
+            assert len(pairs) == 2
+            held_chunks = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=held, world_size=ranks, layout="balanced").chunks
+            for rows, cols in pairs:
+                q_chunk = cp.chunks[0 if rows.start in (None, 0) else 1]
+                k_chunk = held_chunks[0 if cols.start in (None, 0) else 1]
+                assert k_chunk < q_chunk  # whole, unmasked
+                seen.add((q_chunk, k_chunk))
+        assert seen == {(q, k) for q in cp.chunks for k in range(2 * ranks) if k <= q}
+
+
+def test_balanced_shard_and_unshard_follow_the_layout():
+    """shard gives rank r chunks r and 2N - 1 - r; positions are their true positions; a wrong
+    layout name is refused."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_hybrid.distributed.context_parallel import ContextParallelGroup
+
+    sequence = torch.arange(16)[None]
+    cp = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=1, world_size=2, layout="balanced")
+    assert cp.shard(sequence).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert cp.positions(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    cp0 = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=0, world_size=2, layout="balanced")
+    assert cp0.shard(sequence).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert cp0.positions(8).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    with pytest.raises(ValueError, match="4 chunks"):
+        cp0.shard(torch.arange(10)[None])
+    with pytest.raises(ValueError, match="layout='zigzag'"):
+        ContextParallelGroup(group=dist.GroupMember.WORLD, rank=0, world_size=2, layout="zigzag")
