@@ -1,7 +1,8 @@
 """Context parallelism's scaling: tokens/s per GPU of a training step with one sequence of N x T
 tokens split over N ranks, against one GPU stepping a sequence of T.
 
-    torchrun --standalone --nproc-per-node N -m benchmarks.context_parallel_scaling [--seq T] [--only FoX (pro),RAT] [--json OUT]
+    torchrun --standalone --nproc-per-node N -m benchmarks.context_parallel_scaling [--seq T] [--only FoX (pro),RAT]
+        [--layout contiguous,balanced] [--json OUT]
     torchrun --standalone --nproc-per-node 2 -m benchmarks.context_parallel_scaling --device cpu --quick   # CPU smoke run (gloo)
 
 Shape: the models suite's (hf_hybrid/bench/models.py: 8 layers of the 1.3B shape, bf16, B=1;
@@ -10,7 +11,10 @@ exchange: the one-GPU baseline, every GPU at once), then the ranks time steps of
 sequence under ``context_parallel`` (hf_hybrid.distributed.context_parallel; loss.backward() and
 the gradients' all-reduce over the group). A cell is the median of --repeat steps after one
 warm-up, the slowest rank's. ``ratio`` = (T / split step) / (T / one-GPU step): 1.0 is perfect
-scaling; the peak memory per GPU of both is reported. Rank 0 prints the table and writes --json.
+scaling; the peak memory per GPU of both is reported. ``--layout``: how the sequence is split
+(contiguous shards, or balanced: 2N chunks, rank r holding chunks r and 2N - 1 - r, so causal
+attention's work is even over the ranks); a comma-separated list gives a row per layout. Rank 0
+prints the table and writes --json.
 """
 from __future__ import annotations
 
@@ -93,7 +97,7 @@ def measure(arch, config: BenchConfig, cp: ContextParallelGroup, seq: int, repea
     _reset_peak(config.device)
     split = _slowest(_timed(split_step, config.device, repeat), cp)
     split_peak = _slowest(_peak_gb(config.device), cp)
-    return {"name": arch.name, "ranks": cp.world_size, "seq_per_rank": seq, "one_gpu_s": one, "split_s": split,
+    return {"name": arch.name, "layout": cp.layout, "ranks": cp.world_size, "seq_per_rank": seq, "one_gpu_s": one, "split_s": split,
             "one_gpu_tokens_per_s": seq / one, "split_tokens_per_s_per_gpu": seq / split, "ratio": one / split,
             "one_gpu_peak_gb": one_peak, "split_peak_gb": split_peak}
 
@@ -105,6 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="FoX (pro)", help="comma-separated rows of the models suite, or 'all'")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true", help="the models suite's tiny shape, float32")
+    parser.add_argument("--layout", default="contiguous,balanced", help="comma-separated: contiguous, balanced (a row each)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.device == "cuda":
@@ -114,7 +119,8 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    cp = ContextParallelGroup.from_group()
+    groups = [ContextParallelGroup.from_group(layout=layout.strip()) for layout in args.layout.split(",")]
+    cp = groups[0]
     config = BenchConfig(device=device, dtype=torch.float32 if args.quick else torch.bfloat16, quick=args.quick)
     seq = args.seq or (32 if args.quick else 8192)
     wanted = None if args.only == "all" else {name.strip() for name in args.only.split(",")}
@@ -122,21 +128,22 @@ def main(argv=None) -> int:
     for arch in architectures(args.quick):
         if not arch.trains or (wanted is not None and arch.name not in wanted):
             continue
-        try:
-            rows.append(measure(arch, config, cp, seq, args.repeat))
-        except (NotImplementedError, ValueError) as error:  # no exchange, or a shard too short: alike on every rank
-            rows.append({"name": arch.name, "skipped": str(error).split(";")[0]})
-        except torch.OutOfMemoryError:  # pragma: no cover (GPUs only)
-            rows.append({"name": arch.name, "skipped": "out of memory"})
-            torch.cuda.empty_cache()
+        for group in groups:
+            try:
+                rows.append(measure(arch, config, group, seq, args.repeat))
+            except (NotImplementedError, ValueError) as error:  # no exchange, or a shard too short: alike on every rank
+                rows.append({"name": arch.name, "layout": group.layout, "skipped": str(error).split(";")[0]})
+            except torch.OutOfMemoryError:  # pragma: no cover (GPUs only)
+                rows.append({"name": arch.name, "layout": group.layout, "skipped": "out of memory"})
+                torch.cuda.empty_cache()
     if cp.rank == 0:
         print(f"{cp.world_size} ranks x {seq} tokens vs one GPU at {seq}, {device.type}, {config.dtype}")
-        print(f"{'model':<14} {'1 GPU tok/s':>12} {'split tok/s/GPU':>16} {'ratio':>6} {'1 GPU GB':>9} {'split GB':>9}")
+        print(f"{'model':<14} {'layout':<11} {'1 GPU tok/s':>12} {'split tok/s/GPU':>16} {'ratio':>6} {'1 GPU GB':>9} {'split GB':>9}")
         for row in rows:
             if "skipped" in row:
-                print(f"{row['name']:<14} skipped: {row['skipped']}")
+                print(f"{row['name']:<14} {row['layout']:<11} skipped: {row['skipped']}")
                 continue
-            print(f"{row['name']:<14} {row['one_gpu_tokens_per_s']:12.0f} {row['split_tokens_per_s_per_gpu']:16.0f} "
+            print(f"{row['name']:<14} {row['layout']:<11} {row['one_gpu_tokens_per_s']:12.0f} {row['split_tokens_per_s_per_gpu']:16.0f} "
                   f"{row['ratio']:6.2f} {row['one_gpu_peak_gb']:9.2f} {row['split_peak_gb']:9.2f}")
         if args.json:
             with open(args.json, "w") as file:

@@ -1,10 +1,11 @@
 """Context parallelism on GPUs in bf16 (2 GPUs or more, from the repository root):
 
-    python tests/gpu/context_parallel_gpu_check.py OUT_DIR [--nproc 2] [--seq 2048] [--hidden 256]
+    python tests/gpu/context_parallel_gpu_check.py OUT_DIR [--nproc 2] [--seq 2048] [--hidden 256] [--layouts contiguous,balanced]
 
 Runs tests/distributed/context_parallel_cpu_worker.py under torchrun with NCCL, one GPU per rank,
 in bf16 with the Triton kernels (hidden 256 = 4 heads of 64): for every covered mixer, one process
-on the whole sequence vs the sequence split over the ranks (forward, loss, every gradient). Ring
+on the whole sequence vs the sequence split over the ranks (forward, loss, every gradient), under
+each layout (contiguous shards; balanced: rank r holds chunks r and 2N - 1 - r, rows "name:balanced"). Ring
 attention runs its FoX blocks on the Triton kernels (the diagonal on the causal ones, Hopper's
 where they apply) and its softmax blocks on cuDNN / FlashAttention-2; ``fox_ring_triton`` checks
 the ring alone against the float32 reference.
@@ -36,11 +37,13 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layouts", default="contiguous,balanced", help="comma-separated: contiguous, balanced")
     args = parser.parse_args()
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", str(WORKER),
-               str(out), "--device", "cuda", "--dtype", "bfloat16", "--seq", str(args.seq), "--hidden", str(args.hidden)]
+               str(out), "--device", "cuda", "--dtype", "bfloat16", "--seq", str(args.seq), "--hidden", str(args.hidden),
+               "--layouts", args.layouts]
     with open(out / "worker.log", "w") as log:
         done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=540)
     if done.returncode != 0:
@@ -49,9 +52,9 @@ def main() -> int:
     results = json.loads((out / f"results-{args.nproc}.json").read_text())
     failures = []
     print(f"{args.nproc} ranks, seq {args.seq}, hidden {args.hidden}, bf16")
-    print(f"{'mixer':<18} {'loss':>9} {'logits':>9} {'grad':>9} {'grad max':>9} {'no exch.':>9}")
+    print(f"{'mixer':<32} {'loss':>9} {'logits':>9} {'grad':>9} {'grad max':>9} {'no exch.':>9}")
     for name, r in results.items():
-        print(f"{name:<18} {r['loss_diff']:9.2e} {r['logits_diff']:9.2e} {r['grad_diff']:9.2e} {r['grad_scale']:9.2e} "
+        print(f"{name:<32} {r['loss_diff']:9.2e} {r['logits_diff']:9.2e} {r['grad_diff']:9.2e} {r['grad_scale']:9.2e} "
               f"{r['no_exchange_logits_diff']:9.2e}")
         checks = [
             (not r["missing_grads"], "every gradient present"),
