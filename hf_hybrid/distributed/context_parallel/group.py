@@ -1,5 +1,5 @@
-"""The context-parallel group (which ranks hold which part of the sequence), its differentiable
-all-gather and the helpers every mixer's exchange shares."""
+"""The context-parallel group (which ranks hold which chunks of the sequence: ``layout``, see
+layout.py), its differentiable all-gather and the helpers every mixer's exchange shares."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,18 +19,19 @@ class ContextParallelGroup:
     group: dist.ProcessGroup
     rank: int
     world_size: int
-    layout: str = "contiguous"  # or "balanced": two chunks per rank (layout.py)
+    # "balanced": rank r holds chunks r and 2N - 1 - r of 2N (even causal work); "contiguous": chunk r of N (layout.py)
+    layout: str = "balanced"
 
     def __post_init__(self):
         layouts.check_layout(self.layout)
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup | None = None, layout: str = "contiguous") -> ContextParallelGroup:
+    def from_group(cls, group: dist.ProcessGroup | None = None, layout: str = "balanced") -> ContextParallelGroup:
         group = group or dist.group.WORLD
         return cls(group, dist.get_rank(group), dist.get_world_size(group), layout)
 
     @classmethod
-    def from_mesh(cls, mesh, mesh_dim: str | int | None = None, layout: str = "contiguous") -> ContextParallelGroup:
+    def from_mesh(cls, mesh, mesh_dim: str | int | None = None, layout: str = "balanced") -> ContextParallelGroup:
         """The group of one dimension of a DeviceMesh (the only one of a 1-D mesh)."""
         return cls.from_group(mesh.get_group(mesh_dim) if mesh_dim is not None else mesh.get_group(), layout)
 
@@ -136,14 +137,6 @@ def window_mask(start: int, seq: int, held: int, window: int | None, device) -> 
         visible = visible & (query - key < window)
     return visible[None, None]
 
-
-
-def previous_rank_only(cp: ContextParallelGroup, device) -> torch.Tensor:
-    """[ranks] weights picking the previous rank's entry of from_previous_ranks (all zero on rank 0)."""
-    weights = torch.zeros(cp.world_size, device=device)
-    if cp.rank > 0:
-        weights[cp.rank - 1] = 1
-    return weights
 
 
 def keep_in_graph(out: torch.Tensor, tensors) -> torch.Tensor:

@@ -13,6 +13,8 @@ each segment's predecessor is the chunk before it in the sequence, wherever it l
 """
 from __future__ import annotations
 
+import torch
+
 LAYOUTS = ("contiguous", "balanced")
 
 
@@ -49,11 +51,9 @@ def causal_block_pairs(layout: str, rank: int, world_size: int) -> int:
     return sum(key <= query for query in rank_chunks(layout, rank, world_size) for key in range(num_chunks(layout, world_size)))
 
 
-def previous_chunk_weights(cp, device) -> "torch.Tensor":
+def previous_chunk_weights(cp, device) -> torch.Tensor:
     """[this rank's chunks, chunks of the sequence] float: row i picks the entry of the chunk just
     before this rank's i-th chunk (all zero for the first chunk of the sequence)."""
-    import torch
-
     weights = torch.zeros(len(cp.chunks), cp.num_chunks, device=device)
     for row, chunk in enumerate(cp.chunks):
         if chunk > 0:
@@ -61,11 +61,9 @@ def previous_chunk_weights(cp, device) -> "torch.Tensor":
     return weights
 
 
-def earlier_chunk_weights(cp, device) -> "torch.Tensor":
+def earlier_chunk_weights(cp, device) -> torch.Tensor:
     """[this rank's chunks, chunks of the sequence] float: row i is 1 at every chunk before this
     rank's i-th chunk."""
-    import torch
-
     chunks = torch.arange(cp.num_chunks, device=device)
     return (chunks[None, :] < torch.tensor(cp.chunks, device=device)[:, None]).float()
 
@@ -93,8 +91,6 @@ def segments(cp, tensor, dim: int = 1):
 def gather_segments(cp, parts):
     """[chunks of the sequence, ...]: one tensor per segment of this rank (``parts``, alike in
     shape) from every rank, in sequence order (differentiable)."""
-    import torch
-
     return cp.gather_chunks(torch.stack(list(parts), 0))
 
 
@@ -102,8 +98,6 @@ def previous_chunk_entries(cp, parts):
     """[this rank's chunks, ...]: for each segment, the entry (of ``parts``, one per segment on
     every rank) of the chunk just before it; zeros before the first chunk. Every gathered entry
     stays in the graph (zero weights), so every rank's backward reaches the same collectives."""
-    import torch
-
     gathered = gather_segments(cp, parts)
     weights = previous_chunk_weights(cp, gathered.device).to(gathered.dtype)
     return torch.einsum("sc,c...->s...", weights, gathered)
@@ -111,8 +105,6 @@ def previous_chunk_entries(cp, parts):
 
 def earlier_chunks_sum(cp, parts):
     """[this rank's chunks, ...]: for each segment, the sum of the entries of every chunk before it."""
-    import torch
-
     gathered = gather_segments(cp, parts)
     weights = earlier_chunk_weights(cp, gathered.device).to(gathered.dtype)
     return torch.einsum("sc,c...->s...", weights, gathered)
@@ -122,8 +114,6 @@ def gather_sequence(cp, parts):
     """[batch, chunks of the sequence x n, ...]: one [batch, n, ...] tensor per segment of this rank
     (``parts``: tokens each segment gives, e.g. its chunk ends) from every rank, in sequence order;
     an all-gather along the sequence (dim 1), differentiable."""
-    import torch
-
     n = parts[0].shape[1]
     gathered = cp.all_gather(torch.cat(list(parts), 1), dim=1)  # rank by rank, each rank's segments in order
     if cp.layout == "contiguous":
@@ -131,3 +121,11 @@ def gather_sequence(cp, parts):
     by_chunk = gathered.unflatten(1, (-1, n))
     order = torch.tensor(gathered_order(cp.layout, cp.world_size), device=gathered.device)
     return by_chunk.index_select(1, order).flatten(1, 2)
+
+
+def longer_chunks_hint(cp) -> str:
+    """The fix for a chunk too short for a mixer's halo or chunking, naming the layout with longer chunks."""
+    hint = " Use longer rows or fewer ranks"
+    if cp.layout == "balanced":
+        hint += ", or ContextParallelGroup(..., layout='contiguous') (one chunk per rank: twice as long)"
+    return hint + "."

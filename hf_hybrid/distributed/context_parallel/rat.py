@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .group import ContextParallelGroup, check_plain, keep_in_graph
-from .layout import gather_sequence, gather_segments, segments
+from .layout import gather_segments, gather_sequence, longer_chunks_hint, segments
 from .ring import ring_softmax_attention
 
 
@@ -22,7 +22,7 @@ def rat_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_l
     heads, dim, L, groups = mixer.num_heads, mixer.head_dim, mixer.chunk_size, mixer.num_qk_groups
     size = seq // len(cp.chunks)
     if size % L:
-        raise ValueError(f"context parallelism with RAT: each chunk of the {cp.layout} layout ({size} tokens) must hold whole RAT chunks of {L}.")
+        raise ValueError(f"context parallelism with RAT: each chunk of the {cp.layout} layout ({size} tokens) must hold whole RAT chunks of {L}." + longer_chunks_hint(cp))
     q, k, v, gate_logits, gate_z = (proj(hidden_states) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.g_proj, mixer.z_proj))
     q, k = q.view(batch, seq, groups, dim), k.view(batch, seq, groups, dim)
     v, gate_logits = v.view(batch, seq, heads, dim), gate_logits.view(batch, seq, heads, dim)

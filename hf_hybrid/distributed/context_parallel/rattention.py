@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .group import ContextParallelGroup, check_plain, keep_in_graph, window_mask
-from .layout import earlier_chunks_sum, previous_chunk_entries, segments
+from .layout import earlier_chunks_sum, longer_chunks_hint, previous_chunk_entries, segments
 from .ring import ring_softmax_attention
 
 
@@ -23,7 +23,7 @@ def rattention_local_forward(mixer, cp: ContextParallelGroup, hidden_states, con
     halo = w + 1  # the window of a chunk's first token: the chunk before's last w + 1 tokens
     if size < halo:
         raise ValueError(f"context parallelism with RATTENTION: each chunk of the {cp.layout} layout ({size} tokens) "
-                         f"needs at least window_size + 1 = {halo}.")
+                         f"needs at least window_size + 1 = {halo}." + longer_chunks_hint(cp))
 
     def from_previous(t):  # [segments, batch, halo, ...]: each segment's chunk before's last tokens (zeros before the first)
         return previous_chunk_entries(cp, [part[:, size - halo:] for part in segments(cp, t)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .group import ContextParallelGroup, check_plain, keep_in_graph
-from .layout import gather_segments, gather_sequence, previous_chunk_entries, segments
+from .layout import gather_segments, gather_sequence, longer_chunks_hint, previous_chunk_entries, segments
 
 
 def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None,
@@ -69,7 +69,7 @@ def mamba2_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cach
     gate, xBC, dt = mixer.in_proj(hidden_states).split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
     K, size = mixer.conv_kernel_size, seq // len(cp.chunks)
     if size < K:
-        raise ValueError(f"context parallelism with Mamba-2: each chunk of the {cp.layout} layout needs at least the conv width {K} tokens; got {size}.")
+        raise ValueError(f"context parallelism with Mamba-2: each chunk of the {cp.layout} layout needs at least the conv width {K} tokens; got {size}." + longer_chunks_hint(cp))
     # Halo: a segment's conv state is the last K inputs of the chunk before (zeros before the first).
     tails = previous_chunk_entries(cp, [part[:, -K:].transpose(1, 2) for part in segments(cp, xBC)])  # [segments, batch, channels, K]
     xBC = torch.cat([

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .group import ContextParallelGroup, check_plain, keep_in_graph, window_mask
-from .layout import previous_chunk_entries, segments
+from .layout import longer_chunks_hint, previous_chunk_entries, segments
 from .ring import ring_softmax_attention
 
 
@@ -32,7 +32,7 @@ def softmax_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cac
     size = seq // len(cp.chunks)
     if size < halo:
         raise ValueError(f"context parallelism with a sliding window of {window}: each chunk of the {cp.layout} "
-                         f"layout needs at least {halo} tokens; got {size}.")
+                         f"layout needs at least {halo} tokens; got {size}." + longer_chunks_hint(cp))
     halos = [previous_chunk_entries(cp, [part[:, size - halo:] for part in segments(cp, t)]) for t in (k, v)]
     outs = []
     for index, (start, q_seg, k_seg, v_seg) in enumerate(zip(cp.segment_starts(seq), *(segments(cp, t) for t in (q, k, v)))):
