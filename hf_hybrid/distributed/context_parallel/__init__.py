@@ -1,5 +1,5 @@
-"""Context parallelism: one sequence split contiguously over the ranks of a process group, each
-token mixer exchanging only what its math needs across the shard borders.
+"""Context parallelism: one sequence split over the ranks of a process group, each token mixer
+exchanging only what its math needs across the chunk borders.
 
     cp = ContextParallelGroup.from_mesh(mesh)               # a 1-D DeviceMesh (or .from_group)
     ids, targets = cp.shard(input_ids), cp.shard_labels(labels)   # targets: already shifted
@@ -8,11 +8,21 @@ token mixer exchanging only what its math needs across the shard borders.
     loss.backward()                                          # then sum each gradient over the group
     cp.all_reduce_gradients(model)
 
-Rank r holds tokens [r S, (r + 1) S) of every row (S = seq / ranks). The labels are shifted
-before they are split (``shift_labels``), so the target of a shard's last token is the next
-shard's first token and the loss is exact at the borders; with ``num_items_in_batch`` set to the
-group's count of targets, each rank's loss is its share of the global mean and the shares add
-up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
+Layouts (layout.py; ``layout=`` of the group). ``"balanced"`` (the default): the sequence is cut
+into 2N chunks of C tokens and rank r holds chunks r and 2N - 1 - r, concatenated (ring-attention
+implementations call it zigzag); under causal attention every rank then does the same work.
+``"contiguous"``: rank r holds tokens [r S, (r + 1) S), S = seq / N; the last rank does about
+(2N - 1) / N times the average attention work. ``cp.positions`` are a rank's true token positions
+(RoPE, RAT's chunk indices, RAT+'s dilation grid); ``cp.unshard`` gathers per-token outputs back in
+sequence order. The mixers work per segment (one of a rank's chunks): each segment's predecessor is
+the chunk before it in the sequence, wherever it lives, and per-chunk quantities (halos, states,
+sums) are all-gathered and read in sequence order (``gather_chunks``).
+
+The labels are shifted before they are split (``shift_labels``), so the target of a chunk's last
+token is the next chunk's first token and the loss is exact at the borders; with
+``num_items_in_batch`` set to the group's count of targets, each rank's loss is its share of the
+global mean and the shares add up to it. Norms, MLPs and embeddings act per token; what each mixer
+exchanges ("shard" below: a segment):
 
 - RAT (``RatAttention``): a query sees its own chunk's recurrent state and the end of every
   earlier chunk. The recurrence restarts at every chunk, so a shard of whole chunks computes its
@@ -29,7 +39,8 @@ up to it. Norms, MLPs and embeddings act per token; what each mixer exchanges:
   log forget gates over the whole sequence. Each shard's c is its own running sum plus the earlier
   shards' totals (all-gathered, one number per row and head). Ring attention (ring.py): the keys,
   values and c of each shard travel rank to rank, one block per step, each rank attending to the
-  block in hand (the diagonal causally) and merging the partial outputs by their log-sum-exps; the
+  block in hand (the diagonal causally; balanced, the two unmasked chunk pairs of each other rank's
+block, stacked in one call) and merging the partial outputs by their log-sum-exps; the
   backward passes the blocks again with their dK, dV, dc accumulators. A rank holds its own block
   and two in transit, never the prefix. The KV-shift reads the previous shard's last key and value.
 - RATTENTION local layers (``RattentionLocalAttention``): the sliding window of the shard's first
@@ -53,12 +64,12 @@ Every other exchange is an all-gather whose backward sums the gradient over the 
 the own part, so forward, loss and every gradient equal one process on the whole sequence. A
 model with another mixer raises NotImplementedError naming it (see ``supported_mixers``). SE
 attention still gathers the earlier keys and values whole (its retrieval mask is no causal
-block pattern): each rank holds the keys up to its shard, exact but not the memory of a ring.
-Shards are contiguous, so the last rank does the most causal work; a balanced layout (two chunks
-per rank) would change every mixer's sharding and is not done.
+block pattern): each rank holds the whole sequence's keys, exact but not the memory of a ring.
+Halos must fit in one chunk (the balanced layout's chunks are half a contiguous shard); a chunk too
+short raises, naming ``layout="contiguous"``.
 
-Modules: group.py (the group, its all-gather, shared helpers), ring.py (ring attention and its
-point-to-point passes), one module per mixer family (rat.py, fox.py, rattention.py, softmax.py,
+Modules: group.py (the group, its all-gather, shared helpers), layout.py (which chunks each rank
+holds, the per-chunk exchanges' helpers), ring.py (ring attention and its point-to-point passes), one module per mixer family (rat.py, fox.py, rattention.py, softmax.py,
 se_hybrid.py).
 """
 from __future__ import annotations

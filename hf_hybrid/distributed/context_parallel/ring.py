@@ -12,9 +12,15 @@ prefix.
 
 The backward passes the blocks around again, each with float32 accumulators of its dK, dV (and dc):
 every rank adds its share (from the merged output and log-sum-exp it saved) and passes the
-accumulators on; after a full turn they reach the block's own rank. Later shards' blocks pass
-through a rank untouched, so with contiguous shards the last rank does the most work (a balanced
-"two chunks per rank" layout would change every mixer's sharding; not done).
+accumulators on; after a full turn they reach the block's own rank.
+
+Layouts (layout.py): with contiguous shards a rank attends to every earlier rank's block whole and
+lets later ones pass untouched, so the last rank does the most work. Balanced (rank r holds chunks
+r and 2N-1-r): the own block is causal as one (its late chunk sees all of its early one); of an
+earlier rank's block, both query chunks see its first chunk and neither its second; of a later
+rank's block, the second query chunk sees both chunks. Each step is two unmasked (query chunk, key
+chunk) pairs on every rank, stacked along the batch into one block call of equal lengths
+(``ring_block_pairs``); fully masked pairs are never computed.
 """
 from __future__ import annotations
 
@@ -47,8 +53,8 @@ class RingPass:
 
 
 def ring_forgetting_attention(q, k, v, c, cp: ContextParallelGroup, scale: float, backend: str = "auto") -> torch.Tensor:
-    """FoX of this rank's queries over the keys of its shard and of every earlier shard (module
-    docstring); q [B,S,HQ,D], k/v [B,S,HKV,D], c [B,S,HQ] float32 the whole sequence's cumulative
+    """FoX of this rank's queries over every key at or before them (module docstring; the shard
+    in ``cp``'s layout); q [B,S,HQ,D], k/v [B,S,HKV,D], c [B,S,HQ] float32 the whole sequence's cumulative
     log forget at this shard's tokens. Differentiable in q, k, v and c; o in q's dtype."""
     return _RingAttention.apply(q, k, v, c, cp, scale, backend)
 
