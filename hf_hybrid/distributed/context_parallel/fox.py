@@ -38,7 +38,7 @@ def fox_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_l
         q, k = qk_norm_rotary(q, k, mixer.q_norm, mixer.k_norm, None, norms)
     if mixer.rotary is not None:
         positions = cp.positions(seq, q.device)[None]
-        cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, int(positions[0, 0])))
+        cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, cp.rank, seq))
         q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
     # c = cumsum(log f) over the whole sequence: each segment's own running sum plus the earlier chunks' totals.
     own = segments(cp, log_f)

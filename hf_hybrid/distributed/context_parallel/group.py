@@ -79,8 +79,7 @@ class ContextParallelGroup:
         gathered = self.all_gather(tensor, 0)
         if self.layout == "contiguous":
             return gathered
-        order = torch.tensor(layouts.gathered_order(self.layout, self.world_size), device=tensor.device)
-        return gathered.index_select(0, order)
+        return torch.stack([gathered[i] for i in layouts.gathered_order(self.layout, self.world_size)])
 
     def shard_labels(self, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """The targets of this rank's tokens: ``labels`` shifted left over the whole sequence, then

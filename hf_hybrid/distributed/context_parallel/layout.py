@@ -51,23 +51,6 @@ def causal_block_pairs(layout: str, rank: int, world_size: int) -> int:
     return sum(key <= query for query in rank_chunks(layout, rank, world_size) for key in range(num_chunks(layout, world_size)))
 
 
-def previous_chunk_weights(cp, device) -> torch.Tensor:
-    """[this rank's chunks, chunks of the sequence] float: row i picks the entry of the chunk just
-    before this rank's i-th chunk (all zero for the first chunk of the sequence)."""
-    weights = torch.zeros(len(cp.chunks), cp.num_chunks, device=device)
-    for row, chunk in enumerate(cp.chunks):
-        if chunk > 0:
-            weights[row, chunk - 1] = 1
-    return weights
-
-
-def earlier_chunk_weights(cp, device) -> torch.Tensor:
-    """[this rank's chunks, chunks of the sequence] float: row i is 1 at every chunk before this
-    rank's i-th chunk."""
-    chunks = torch.arange(cp.num_chunks, device=device)
-    return (chunks[None, :] < torch.tensor(cp.chunks, device=device)[:, None]).float()
-
-
 def ring_block_pairs(cp, held_rank: int, shard_len: int) -> list[tuple[slice, slice]]:
     """Which parts of this rank's queries attend to which parts of the block of ``held_rank`` (not
     this rank), each pair whole (no causal mask): [(query rows, key rows)], alike in length.
@@ -96,18 +79,17 @@ def gather_segments(cp, parts):
 
 def previous_chunk_entries(cp, parts):
     """[this rank's chunks, ...]: for each segment, the entry (of ``parts``, one per segment on
-    every rank) of the chunk just before it; zeros before the first chunk. Every gathered entry
-    stays in the graph (zero weights), so every rank's backward reaches the same collectives."""
+    every rank) of the chunk just before it; zeros before the first chunk. The gathered entries
+    stay in the graph (zero weight for the first chunk), so every rank's backward reaches the same
+    collectives; no index tensor is copied to the device."""
     gathered = gather_segments(cp, parts)
-    weights = previous_chunk_weights(cp, gathered.device).to(gathered.dtype)
-    return torch.einsum("sc,c...->s...", weights, gathered)
+    return torch.stack([gathered[chunk - 1] if chunk > 0 else gathered[0] * 0 for chunk in cp.chunks])
 
 
 def earlier_chunks_sum(cp, parts):
     """[this rank's chunks, ...]: for each segment, the sum of the entries of every chunk before it."""
     gathered = gather_segments(cp, parts)
-    weights = earlier_chunk_weights(cp, gathered.device).to(gathered.dtype)
-    return torch.einsum("sc,c...->s...", weights, gathered)
+    return torch.stack([gathered[:chunk].sum(0) if chunk > 0 else gathered[0] * 0 for chunk in cp.chunks])
 
 
 def gather_sequence(cp, parts):
@@ -118,9 +100,7 @@ def gather_sequence(cp, parts):
     gathered = cp.all_gather(torch.cat(list(parts), 1), dim=1)  # rank by rank, each rank's segments in order
     if cp.layout == "contiguous":
         return gathered
-    by_chunk = gathered.unflatten(1, (-1, n))
-    order = torch.tensor(gathered_order(cp.layout, cp.world_size), device=gathered.device)
-    return by_chunk.index_select(1, order).flatten(1, 2)
+    return torch.cat([gathered[:, i * n:(i + 1) * n] for i in gathered_order(cp.layout, cp.world_size)], 1)
 
 
 def longer_chunks_hint(cp) -> str:

@@ -28,7 +28,7 @@ def rat_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_l
     v, gate_logits = v.view(batch, seq, heads, dim), gate_logits.view(batch, seq, heads, dim)
     positions = cp.positions(seq, hidden_states.device)[None]
     chunk_index = torch.div(positions, L, rounding_mode="floor")
-    cos_sin = rotary_tables(mixer.rotary, context, chunk_index, tag=("context parallel chunk", L, cp.layout, int(positions[0, 0])))
+    cos_sin = rotary_tables(mixer.rotary, context, chunk_index, tag=("context parallel chunk", L, cp.layout, cp.rank, seq))
     # Chunk-local recurrences: every segment (a rank's chunk) starts at a restart, as position 0 does.
     k_tilde, v_tilde = mixer._recurrences(k, v, gate_logits, 0, positions, None)
     k_rot = rotate(k_tilde, cos_sin, backend=mixer.backend)
@@ -82,7 +82,7 @@ def rat_plus_forward(mixer, cp: ContextParallelGroup, hidden_states, context, ca
     else:
         k_tilde, v_tilde = k.float(), v.float()
     positions = cp.positions(seq, q.device)[None]
-    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, int(positions[0, 0])))
+    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, cp.rank, seq))
     rope_backend = mixer.backend if mixer.backend in ("reference", "triton") else "auto"
     q = rotary(q, cos_sin, backend=rope_backend)
     k_rot = rotary(k_tilde.to(q.dtype), cos_sin, backend=rope_backend)

@@ -35,7 +35,7 @@ def rattention_local_forward(mixer, cp: ContextParallelGroup, hidden_states, con
     halos = [from_previous(v)]
     if mixer.use_swa:
         positions = cp.positions(seq, q.device)[None]
-        cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, int(positions[0, 0])))
+        cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, cp.rank, seq))
         q_swa, k_swa = mixer.normed(q, k, cos_sin)
         halos.append(from_previous(k_swa))
         o_swa = torch.cat([

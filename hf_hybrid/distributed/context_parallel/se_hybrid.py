@@ -27,7 +27,7 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
     k = mixer.k_proj(hidden_states).view(batch, seq, mixer.num_kv_heads, mixer.head_dim)
     v = mixer.v_proj(hidden_states).view(batch, seq, mixer.num_kv_heads, mixer.head_dim)
     positions = cp.positions(seq, q.device)[None]
-    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, int(positions[0, 0])))
+    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, cp.rank, seq))
     q, k = mixer._rotate(q, cos_sin), mixer._rotate(k, cos_sin)
     # The keys and values of the whole sequence, in order; each segment (a rank's chunk) reads those
     # up to its end. The retrieval (which blocks each group of queries reads) is chosen from the

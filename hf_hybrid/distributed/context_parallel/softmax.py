@@ -21,7 +21,7 @@ def softmax_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cac
     k = mixer.k_proj(hidden_states).view(batch, seq, kv_heads, dim)
     v = mixer.v_proj(hidden_states).view(batch, seq, kv_heads, dim)
     positions = cp.positions(seq, q.device)[None]
-    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, int(positions[0, 0])))
+    cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, cp.rank, seq))
     q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
     window = mixer.sliding_window
     if window is None:  # full attention
