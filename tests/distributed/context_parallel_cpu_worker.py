@@ -7,7 +7,8 @@
 Per model (float32, reference kernels): one process runs the whole sequence (logits, loss and
 every parameter's gradient), then the ranks run it split over the gloo group with
 hf_hybrid.distributed.context_parallel (each rank its shard, labels pre-shifted, gradients summed
-over the group). The largest differences over all ranks go to OUT_DIR/results-N.json, with the
+over the group), once per layout of --layouts (contiguous shards; balanced: rank r holds chunks r
+and 2N - 1 - r; its results named "name:balanced"), the logits also gathered back (unshard). The largest differences over all ranks go to OUT_DIR/results-N.json, with the
 largest share of a shard's tokens any all-gather along the sequence took (what a rank holds of the
 others' keys). Single layers (LAYERS) and FoX's ring alone on random inputs (RINGS) are checked
 the same way.
