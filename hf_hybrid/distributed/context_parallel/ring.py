@@ -72,7 +72,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, c, cp, scale, backend):
         own = (k, v) if c is None else (k, v, c)
-        # Step s: this rank holds the block of rank (rank - s) mod ranks; only earlier ranks' count.
+        # Step s: this rank holds the block of rank (rank - s) mod ranks; ring_block_pairs says
+        # which of its query rows attend to which of the block's keys (per the layout).
         transfer = RingPass(cp, own) if cp.world_size > 1 else None
         o, lse = _block(q, own, c, True, scale, backend)
         o = o.float()
@@ -90,8 +91,7 @@ class _RingAttention(torch.autograd.Function):
                     mixed = o[:, rows] * _by_token(torch.exp(lse_rows - merged)) + o_pair.float() * _by_token(torch.exp(lse_pair - merged))
                     if rows == slice(None):
                         o, lse = mixed, merged
-                    else:
-                        o, lse = o.clone(), lse.clone()
+                    else:  # o and lse are this call's own buffers
                         o[:, rows], lse[..., rows] = mixed, merged
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, c, o, lse)
@@ -108,6 +108,7 @@ class _RingAttention(torch.autograd.Function):
         # Each block travels with the accumulated gradients (dK, dV[, dc]) of the ranks it has passed.
         kv_transfer = RingPass(cp, own) if cp.world_size > 1 else None
         dq, dc, own_grads = _block_grads(grad, q, own, c, o, lse, delta, True, scale, backend)
+        dq = dq.float()  # accumulated over the steps in float32, as the key-side sums are
         own_grads = [g.float() for g in own_grads] + ([dc] if c is not None else [])
         sums_transfer = None
         for step in range(1, cp.world_size):
@@ -192,10 +193,10 @@ def _pair_inputs(q, c, held, pairs):
 
 
 def _add_rows(total: torch.Tensor, part: torch.Tensor, rows: slice) -> torch.Tensor:
-    """``total`` with ``part`` added at ``rows`` of the sequence (dim 1)."""
+    """``total`` with ``part`` added at ``rows`` of the sequence (dim 1); in place for a part of
+    the rows (``total`` is always one of the backward's own accumulators)."""
     if rows == slice(None):
         return total + part
-    total = total.clone()
     total[:, rows] += part.to(total.dtype)
     return total
 
