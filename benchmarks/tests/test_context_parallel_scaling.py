@@ -1,5 +1,6 @@
 """benchmarks/context_parallel_scaling.py's CPU path: two gloo ranks time FoX's one-rank step and
-its split step at the tiny shape, and rank 0 writes a row with both throughputs and their ratio."""
+its split step at the tiny shape under both layouts, and rank 0 writes a row per layout with both
+throughputs and their ratio."""
 from __future__ import annotations
 
 import json
@@ -26,8 +27,10 @@ def test_two_cpu_ranks_report_the_ratio(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    (row,) = json.loads(out.read_text())
-    assert row["name"] == "FoX (pro)" and row["ranks"] == 2 and row["seq_per_rank"] == 16
-    assert row["one_gpu_tokens_per_s"] > 0 and row["split_tokens_per_s_per_gpu"] > 0
-    assert abs(row["ratio"] - row["one_gpu_s"] / row["split_s"]) < 1e-9
+    rows = json.loads(out.read_text())
+    assert [row["layout"] for row in rows] == ["contiguous", "balanced"]  # a row per layout by default
+    for row in rows:
+        assert row["name"] == "FoX (pro)" and row["ranks"] == 2 and row["seq_per_rank"] == 16
+        assert row["one_gpu_tokens_per_s"] > 0 and row["split_tokens_per_s_per_gpu"] > 0
+        assert abs(row["ratio"] - row["one_gpu_s"] / row["split_s"]) < 1e-9
     assert "2 ranks x 16 tokens" in done.stdout
