@@ -44,12 +44,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
 from ...layers.rat_plus_attention import RatPlusAttention
-from ...sparse import SparseInferenceConfig
-from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from ...sparse import RowPatterns, SparseInferenceConfig
+from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel, check_input_shapes
 from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
 from .cache_rat_plus import RatPlusCache
 from .configuration_rat_plus import RatPlusConfig
 from .joint_objective import joint_loss
+from .stacked_patterns import stacked_joint_forward
 
 logger = logging.get_logger(__name__)
 
@@ -89,6 +90,14 @@ class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
                 f"past_key_values must be a RatPlusCache (build it with RatPlusCache(model.config)); got {type(cache).__name__}."
             )
 
+    def _resolve_sparse_config(self, sparse_config):
+        """The call's pattern (or the config's default); a RowPatterns (a pattern per row group, the
+        joint objective's one forward) is checked and kept."""
+        if isinstance(sparse_config, RowPatterns):
+            sparse_config.validate_for_model(self.config.num_hidden_layers, self.config.num_attention_heads, self.config.max_position_embeddings)
+            return sparse_config
+        return self.config.resolve_sparse_config(sparse_config)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -97,7 +106,7 @@ class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        sparse_config: SparseInferenceConfig | dict | None = None,
+        sparse_config: SparseInferenceConfig | RowPatterns | dict | None = None,
         **kwargs,
     ):
         return super().forward(
@@ -107,7 +116,7 @@ class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            sparse_config=self.config.resolve_sparse_config(sparse_config),
+            sparse_config=self._resolve_sparse_config(sparse_config),
             **kwargs,
         )
 
@@ -178,6 +187,16 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         keep_graphs = self._keeps_every_pattern_graph() if several else None
         if several and keep_graphs is None:
             first, loss, pattern_losses = joint_loss(pattern_forward, patterns, weights, common, parameters)
+        elif several and getattr(self, "context_parallel_group", None) is None:
+            # Every pattern's activations are kept anyway: one forward over the patterns' rows stacked.
+            if not torch.compiler.is_compiling():
+                logger.warning_once(
+                    f"RAT+'s joint objective runs its {len(patterns)} patterns as row groups of one forward (the "
+                    f"memory of {len(patterns)} passes): {keep_graphs}."
+                )
+            check_input_shapes(input_ids, inputs_embeds, self.config.hidden_size)
+            first, loss, pattern_losses = stacked_joint_forward(self, patterns, weights, common)
+            first = RatPlusCausalLMOutput(**first)
         else:
             if several and not torch.compiler.is_compiling():  # (logging would break a traced graph)
                 logger.warning_once(
