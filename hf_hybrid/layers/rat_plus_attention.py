@@ -12,7 +12,10 @@ For input x (after the block's pre-norm), with H query heads and H_kv key/value 
 
 Sparse pattern per head (``hf_hybrid.sparse``): dense causal (D = 1), dilated (key j visible to
 query i iff j <= i and ((j + 1) % D == 0 or i - j <= W or j < I)), or top-k blocks (|| dilation).
-Head groups with different patterns (layer/head hybrids) are computed separately.
+Head groups with different patterns (layer/head hybrids) are computed separately. A
+``RowPatterns`` call (a pattern per row group: RAT+'s joint objective as one forward over the
+patterns' stacked rows) runs projections, recurrence, RoPE and the output gate once over every row
+and only the attention of each row group under its own pattern.
 
 Differences from the official code, on purpose: the projections are separate Linear layers with
 Llama's names (q/k/v/o_proj) plus g_proj (recurrence gate) and z_proj (output gate), so dense

@@ -30,8 +30,12 @@ With gradients, a step holds one pattern's activations, not one per pattern: eve
 runs its backward right after its forward and its gradients reach the parameters through the
 caller's backward (``joint_objective.py``), so loss scaling, gradient accumulation and DDP apply to
 every pattern as to a plain sum. Where that cannot run (torch.compile, FSDP2, ZeRO-3, a
-context-parallel group, reentrant checkpointing, float16), every pattern's graph is kept until the
-backward, with a warning naming the reason (``_keeps_every_pattern_graph``).
+context-parallel group, reentrant checkpointing, float16), every pattern's activations are kept
+until the backward, with a warning naming the reason (``_keeps_every_pattern_graph``): the patterns
+then run as row groups of ONE forward over the batch stacked once per pattern
+(``stacked_patterns.py``: each parameter is used once per step, which ZeRO-3's gradient
+partitioning requires, and FSDP2 gathers each layer once), or, under a context-parallel group (whose
+exchanges run one pattern per forward), one forward per pattern.
 """
 from __future__ import annotations
 
@@ -125,9 +129,10 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
     base_model_class = RatPlusModel
 
     def _keeps_every_pattern_graph(self) -> str | None:
-        """Why the joint objective must keep every pattern's graph until the caller's backward (the
-        sum of the losses, as a plain sum), or None: then each other pattern's backward runs right
-        after its forward (joint_objective.py), one pass's memory."""
+        """Why the joint objective must keep every pattern's activations until the caller's backward
+        (one forward over the patterns' stacked rows, stacked_patterns.py, or one forward per
+        pattern under a context-parallel group), or None: then each other pattern's backward runs
+        right after its forward (joint_objective.py), one pass's memory."""
         if torch.compiler.is_compiling():
             return "torch.compile traces the forward as one graph, and a backward inside it breaks the graph"
         # FSDP2 (DTensor parameters) and ZeRO-3 gather parameters in forward hooks and reduce gradients
