@@ -1,5 +1,7 @@
-"""RAT+'s joint step on the GPU (Triton kernels): the same gradients as the summed graphs, and the
-peak memory of one pass (within 10% of the dense step's) where keeping both graphs needs more.
+"""RAT+'s joint step on the GPU (Triton kernels): one pattern's graph at a time (joint_objective.py)
+gives the same loss and gradients as the one forward over both patterns' stacked rows that FSDP2
+and ZeRO-3 run (stacked_patterns.py), and the peak memory of one pass (within 10% of the dense
+step's) where the stacked forward, holding both patterns' activations, needs more.
 
 Run: python -m pytest -m gpu tests/gpu/test_rat_plus_joint_step_gpu.py
 """
