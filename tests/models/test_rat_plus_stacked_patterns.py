@@ -141,6 +141,25 @@ def test_peft_lora(monkeypatch):
     assert_close_grads(got, grads(reference))
 
 
+def test_fused_loss_takes_each_row_groups_loss(monkeypatch):
+    """Where the LM head and the loss run fused (Liger on CUDA; here a PyTorch stand-in of the same
+    call), each pattern's loss is fused over its own rows and no logits are returned."""
+    import torch.nn.functional as F
+
+    from hf_hybrid.layers import loss as loss_module
+
+    def fused_stand_in(hidden, weight, targets, ignore_index, reduction):
+        return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index, reduction=reduction)
+
+    monkeypatch.setattr(loss_module, "fused_backbone_applies", lambda x: True)
+    monkeypatch.setattr(loss_module, "fused_linear_cross_entropy", fused_stand_in)
+    ids = batch()
+    labels = ids.clone()
+    labels[0, :4] = -100
+    out = check_against_summed_forwards(monkeypatch, input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(50))
+    assert out.logits is None
+
+
 def test_hidden_states_are_the_first_patterns(monkeypatch):
     ids = batch()
     reference = tiny_model()
