@@ -23,6 +23,9 @@ So ``layer_overrides={0: "dense", 12: "dense"}`` keeps layers 0 and 12 dense, an
 ``head_overrides={0: "dense", 1: "dense"}`` with ``dilation=16`` gives dense first two heads and
 D = 16 elsewhere. The config is plain data: ``to_dict`` / ``from_dict`` round-trip through JSON so
 it can sit in a model config as the default pattern and be replaced per call.
+
+:class:`RowPatterns` gives each row of one batch its own config (RAT+'s joint training objective
+runs its patterns as row groups of one forward).
 """
 from __future__ import annotations
 
