@@ -4,8 +4,9 @@ against the two passes timed alone: time and peak memory.
 Per sequence length, three training steps (forward + backward, batch 1, labels = inputs), each in
 its own measurement: ``dense`` (``training_dilations=[1]``), ``d64`` (``[64]``: dilation 64, no
 window, no sinks) and ``joint`` (``[1, 64]``, hf_hybrid/models/rat_plus/joint_objective.py); with
-``--kept-graphs`` also ``joint_kept_graphs``, the joint step that keeps both graphs until the
-backward (the path taken under torch.compile, FSDP2, ZeRO-3). The summary row gives
+``--kept-graphs`` also ``joint_kept_graphs``, the joint step that keeps both patterns' activations
+until the backward: one forward over the patterns' rows stacked along the batch
+(hf_hybrid/models/rat_plus/stacked_patterns.py; the path taken under torch.compile, FSDP2, ZeRO-3). The summary row gives
 time(joint) / (time(dense) + time(d64)) and peak(joint) / peak(dense).
 
     python -m benchmarks.rat_plus_joint_step                       8 layers of the 1.3B shape, bf16, T 8192 and 32768
@@ -51,7 +52,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _kept_graphs(model):
-    """The joint step that keeps every pattern's graph until the backward, as under FSDP2."""
+    """The joint step that keeps every pattern's activations (the stacked forward), as under FSDP2 and ZeRO-3."""
     return mock.patch.object(type(model), "_keeps_every_pattern_graph", lambda self: "measured for comparison")
 
 

@@ -23,6 +23,9 @@ So ``layer_overrides={0: "dense", 12: "dense"}`` keeps layers 0 and 12 dense, an
 ``head_overrides={0: "dense", 1: "dense"}`` with ``dilation=16`` gives dense first two heads and
 D = 16 elsewhere. The config is plain data: ``to_dict`` / ``from_dict`` round-trip through JSON so
 it can sit in a model config as the default pattern and be replaced per call.
+
+:class:`RowPatterns` gives each row of one batch its own config (RAT+'s joint training objective
+runs its patterns as row groups of one forward).
 """
 from __future__ import annotations
 
@@ -263,3 +266,49 @@ class SparseInferenceConfig:
         if isinstance(value, Mapping):
             return cls.from_dict(value)
         raise TypeError(f"sparse_config must be a SparseInferenceConfig, a dict or None; got {type(value).__name__}.")
+
+
+@dataclass(frozen=True)
+class RowPatterns:
+    """A sparse pattern per row of one batch: row r attends under ``patterns[row_pattern[r]]``.
+
+    RAT+'s joint objective stacks the same batch once per training pattern along the rows and runs
+    ONE forward (``RowPatterns.stacked``): projections, norms, MLPs and the LM head see every row
+    once, only the attention of each row group follows its pattern. The row assignment is plain
+    host data, so packed rows (whose documents become the rows of document batches) take the
+    entries of their documents' rows with :meth:`select_rows`.
+    """
+
+    patterns: tuple[SparseInferenceConfig, ...]
+    row_pattern: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patterns", tuple(SparseInferenceConfig.coerce(p) for p in self.patterns))
+        object.__setattr__(self, "row_pattern", tuple(self.row_pattern))
+        if not self.patterns:
+            raise ValueError("RowPatterns.patterns must hold at least one pattern.")
+        if not all(_is_int(i) and 0 <= i < len(self.patterns) for i in self.row_pattern):
+            raise ValueError(
+                f"RowPatterns.row_pattern must hold, per row, an index into patterns (0..{len(self.patterns) - 1}); "
+                f"got {list(self.row_pattern)[:16]}."
+            )
+
+    @classmethod
+    def stacked(cls, patterns, rows_per_pattern: int) -> "RowPatterns":
+        """Rows [0:B] under patterns[0], [B:2B] under patterns[1], ... (B = ``rows_per_pattern``)."""
+        return cls(tuple(patterns), tuple(i for i in range(len(patterns)) for _ in range(rows_per_pattern)))
+
+    def select_rows(self, rows) -> "RowPatterns":
+        """The patterns of the given rows, in that order (rows of a new batch taken from this one)."""
+        return RowPatterns(self.patterns, tuple(self.row_pattern[r] for r in rows))
+
+    def row_groups(self) -> list[tuple[SparseInferenceConfig, tuple[int, ...]]]:
+        """[(pattern, its rows)] for every pattern that has rows, in the order of ``patterns``."""
+        rows: dict[int, list[int]] = {}
+        for row, index in enumerate(self.row_pattern):
+            rows.setdefault(index, []).append(row)
+        return [(self.patterns[i], tuple(rows[i])) for i in sorted(rows)]
+
+    def validate_for_model(self, num_hidden_layers: int, num_attention_heads: int, max_position_embeddings: int | None = None) -> None:
+        for pattern in self.patterns:
+            pattern.validate_for_model(num_hidden_layers, num_attention_heads, max_position_embeddings)

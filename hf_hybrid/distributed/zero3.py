@@ -8,11 +8,11 @@ DecoderLayer a ZeRO-3 "leaf" module makes DeepSpeed gather all of a layer's para
 layer runs and release them after, as FSDP2 does per layer; the custom ops then read the gathered
 tensors in place (no copy per step).
 
-One model cannot train under ZeRO-3: RAT+ with its joint objective of several training patterns.
-Keeping every pattern's graph until the backward, ZeRO-3 reduces the gradient of a parameter used
-by several forwards more than once in one backward (DeepSpeed 0.19's bucket check fails: DeepSpeed
-issue #5321); running each other pattern's backward inside the forward (what RAT+ does elsewhere),
-DeepSpeed's backward hooks refuse ``torch.autograd.grad``. FSDP2 trains it.
+RAT+'s joint objective (several training patterns per step) runs here as ONE forward over the
+patterns' rows stacked along the batch (``models/rat_plus/stacked_patterns.py``, chosen when the
+parameters carry DeepSpeed's ``ds_id``): every parameter is gathered and its gradient reduced once
+per step, as ZeRO-3's hooks require (one forward per pattern would reduce a parameter twice,
+DeepSpeed issue #5321; a pattern's backward inside the forward is refused by its hooks).
 """
 from __future__ import annotations
 
@@ -30,13 +30,5 @@ def gather_whole_decoder_layers(model: nn.Module) -> nn.Module:
         raise ImportError("gather_whole_decoder_layers needs DeepSpeed: pip install deepspeed") from error
     if not any(isinstance(module, DecoderLayer) for module in model.modules()):
         raise ValueError(f"gather_whole_decoder_layers: {type(model).__name__} has no DecoderLayer; pass an hf-hybrid model.")
-    patterns = getattr(getattr(model, "config", None), "training_dilations", None)
-    if patterns is not None and len(patterns) > 1:
-        raise ValueError(
-            f"gather_whole_decoder_layers: this RAT+ model trains {len(patterns)} patterns per step "
-            f"(training_dilations={list(patterns)}), one forward each, which DeepSpeed ZeRO-3 cannot "
-            "partition gradients for. Train it with FSDP2 (examples/accelerate/fsdp2.yaml), or with a "
-            "single pattern under ZeRO-3 (e.g. training_dilations=[64])."
-        )
     set_z3_leaf_modules(model, [DecoderLayer])
     return model

@@ -74,6 +74,12 @@ def _fuse_loss(model, hidden_states, has_targets, logits_to_keep, skip_logits) -
     )
 
 
+def _plain_head(head: nn.Module) -> bool:
+    """Whether the LM head's weight may be read directly. A head with hooks (PEFT, accelerate
+    offload, DeepSpeed ZeRO-3's gather) must be called, not read."""
+    return type(head) is nn.Linear and head.bias is None and not (head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook"))
+
+
 def lm_head_and_loss(model, hidden_states, labels, logits_to_keep, kwargs: dict):
     """(logits, loss) of a causal LM with ``model.lm_head`` and ``model.loss_function``; logits is
     None when the fused loss ran (see the module docstring). ``kwargs``: the forward's extra keywords
@@ -84,13 +90,38 @@ def lm_head_and_loss(model, hidden_states, labels, logits_to_keep, kwargs: dict)
     has_targets = labels is not None or "shift_labels" in loss_kwargs
     # logits_to_keep: an int keeps the last N positions (0 = all), a tensor selects indices.
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    # A head with hooks (PEFT, accelerate offload, DeepSpeed ZeRO-3's gather) must be called, not read.
-    head = model.lm_head
-    plain_head = type(head) is nn.Linear and head.bias is None and not (head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook"))
-    if plain_head and _fuse_loss(model, hidden_states, has_targets, logits_to_keep, skip_logits):
+    if _plain_head(model.lm_head) and _fuse_loss(model, hidden_states, has_targets, logits_to_keep, skip_logits):
         return None, causal_lm_loss_from_hidden(hidden_states[:, keep, :], model.lm_head.weight, labels, **loss_kwargs)
     logits = model.lm_head(hidden_states[:, keep, :])
     loss = None
     if has_targets:
         loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
     return (None if skip_logits and has_targets else logits), loss
+
+
+def lm_head_and_row_group_losses(model, hidden_states, labels, logits_to_keep, kwargs: dict, num_groups: int):
+    """``lm_head_and_loss`` over ``num_groups`` copies of one batch stacked along the rows (rows
+    [0:B] the first copy, [B:2B] the second, ...; RAT+'s joint forward): the LM head runs once over
+    every row, and each copy's loss is taken against the batch's own targets (``labels`` /
+    ``shift_labels`` of B rows, the loss keywords as given). Returns (logits of every row, or None
+    where ``lm_head_and_loss`` returns none, the [num_groups] losses)."""
+    skip_logits = kwargs.get("skip_logits")
+    loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS and v is not None}
+    if labels is None and "shift_labels" not in loss_kwargs:
+        raise ValueError("lm_head_and_row_group_losses needs labels or shift_labels.")
+    if hidden_states.shape[0] % num_groups:
+        raise ValueError(f"{hidden_states.shape[0]} rows do not split into {num_groups} equal row groups.")
+    rows = hidden_states.shape[0] // num_groups
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    if _plain_head(model.lm_head) and _fuse_loss(model, hidden_states, True, logits_to_keep, skip_logits):
+        losses = [
+            causal_lm_loss_from_hidden(hidden_states[g * rows : (g + 1) * rows, keep, :], model.lm_head.weight, labels, **loss_kwargs)
+            for g in range(num_groups)
+        ]
+        return None, torch.stack(losses)
+    logits = model.lm_head(hidden_states[:, keep, :])
+    losses = [
+        model.loss_function(logits=logits[g * rows : (g + 1) * rows], labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
+        for g in range(num_groups)
+    ]
+    return (None if skip_logits else logits), torch.stack(losses)

@@ -12,7 +12,10 @@ For input x (after the block's pre-norm), with H query heads and H_kv key/value 
 
 Sparse pattern per head (``hf_hybrid.sparse``): dense causal (D = 1), dilated (key j visible to
 query i iff j <= i and ((j + 1) % D == 0 or i - j <= W or j < I)), or top-k blocks (|| dilation).
-Head groups with different patterns (layer/head hybrids) are computed separately.
+Head groups with different patterns (layer/head hybrids) are computed separately. A
+``RowPatterns`` call (a pattern per row group: RAT+'s joint objective as one forward over the
+patterns' stacked rows) runs projections, recurrence, RoPE and the output gate once over every row
+and only the attention of each row group under its own pattern.
 
 Differences from the official code, on purpose: the projections are separate Linear layers with
 Llama's names (q/k/v/o_proj) plus g_proj (recurrence gate) and z_proj (output gate), so dense
@@ -42,7 +45,7 @@ from ..kernels.topk_block_attention import (
     select_blocks,
     topk_block_mask,
 )
-from ..sparse import AttentionPattern, SparseInferenceConfig
+from ..sparse import AttentionPattern, RowPatterns, SparseInferenceConfig
 from .context import SequenceContext
 from .projections import project_few_rows
 from .rotary import build_rotary, rotary_tables
@@ -222,16 +225,20 @@ class RatPlusAttention(nn.Module):
         hidden_states: torch.Tensor,
         context: SequenceContext,
         cache_layer=None,
-        sparse_config: SparseInferenceConfig | None = None,
+        sparse_config: SparseInferenceConfig | RowPatterns | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         heads, kv, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        groups = (sparse_config or DENSE).layer_groups(self.layer_idx, heads)
-        store = self._fused_step_store(hidden_states, context, cache_layer, groups)
-        if store is not None:
-            return self._fused_static_step(hidden_states, context, cache_layer, store)
-        rep = heads // kv
-        group_kv = [sorted({h // rep for h in group_heads}) for _, group_heads in groups]
+        row_patterns = sparse_config if isinstance(sparse_config, RowPatterns) else None
+        if row_patterns is not None:
+            self._check_row_patterns(row_patterns, batch, cache_layer)
+            groups = group_kv = None
+        else:
+            groups = (sparse_config or DENSE).layer_groups(self.layer_idx, heads)
+            store = self._fused_step_store(hidden_states, context, cache_layer, groups)
+            if store is not None:
+                return self._fused_static_step(hidden_states, context, cache_layer, store)
+            group_kv = self._group_kv(groups)
 
         # One launch for the four projections when decoding (layers/projections.py).
         q, k, v, gate_z = project_few_rows(hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.z_proj))
@@ -251,10 +258,12 @@ class RatPlusAttention(nn.Module):
         # its own keys are all the keys, so dense and dilated groups run the block-end kernels on
         # them instead of a mask over the cache's layout (a dense T x T mask at a long prefill).
         fresh = context.key_valid is None and context.past_length == 0
+        if row_patterns is not None:
+            y = self._row_group_attention(row_patterns, q, k_rot, v_tilde_model, q_pos, k_pos_new, fresh)
+            return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
         own = None
         if cache_layer is None or fresh:
-            pick = lambda x, kv_heads: select_kv_heads(x, kv_heads, self._index_tensor)  # noqa: E731
-            own = [(pick(k_rot, kv_heads), pick(v_tilde_model, kv_heads), k_pos_new, None) for kv_heads in group_kv]
+            own = self._own_keys(group_kv, k_rot, v_tilde_model, k_pos_new)
         if cache_layer is not None:
             cache_layer.record_token_states(k_tilde, v_tilde)  # kept only while a crop may need them
             per_group = cache_layer.update(
@@ -267,8 +276,22 @@ class RatPlusAttention(nn.Module):
                 per_group = [c if pattern.kind == "topk" else o for (pattern, _), o, c in zip(groups, own, per_group)]
         else:
             per_group = own
+        y = self._attention(groups, group_kv, q, per_group, q_pos, fresh)
+        return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
 
-        y = q.new_empty(batch, seq, heads, dim) if len(groups) > 1 else None
+    def _group_kv(self, groups) -> list[list[int]]:
+        """The kv heads each head group reads."""
+        rep = self.num_heads // self.num_kv_heads
+        return [sorted({h // rep for h in group_heads}) for _, group_heads in groups]
+
+    def _own_keys(self, group_kv, k_rot, v_tilde, k_pos):
+        """Per head group, the call's own keys and values (no cache): (keys, values, positions, None)."""
+        return [(select_kv_heads(k_rot, kv_heads, self._index_tensor), select_kv_heads(v_tilde, kv_heads, self._index_tensor), k_pos, None)
+                for kv_heads in group_kv]
+
+    def _attention(self, groups, group_kv, q, per_group, q_pos, fresh) -> torch.Tensor:
+        """y [batch, seq, heads, dim]: each head group's attention under its pattern."""
+        y = q.new_empty(q.shape) if len(groups) > 1 else None
         for (pattern, group_heads), kv_heads, (keys, values, k_pos, summary) in zip(groups, group_kv, per_group):
             # Device index tensors made once (a captured decode step cannot copy an index from the host).
             heads_index = None if len(groups) == 1 else self._index_tensor(tuple(group_heads), q.device)
@@ -278,4 +301,38 @@ class RatPlusAttention(nn.Module):
                 y = out
             else:
                 y.index_copy_(2, heads_index, out.to(y.dtype))
-        return self.o_proj(sigmoid_gate(gate_z, y.reshape(gate_z.shape), backend=self.backend))
+        return y
+
+    # ------------------------------------------------------------------ a pattern per row group
+    def _check_row_patterns(self, row_patterns: RowPatterns, batch: int, cache_layer) -> None:
+        if cache_layer is not None:
+            raise ValueError(
+                "RowPatterns (a sparse pattern per row group, RAT+'s joint training forward) runs without a cache: "
+                "pass use_cache=False and no past_key_values."
+            )
+        if len(row_patterns.row_pattern) != batch:
+            raise ValueError(
+                f"RowPatterns assigns a pattern to {len(row_patterns.row_pattern)} rows but the batch has {batch} rows."
+            )
+
+    def _row_group_attention(self, row_patterns: RowPatterns, q, k_rot, v_tilde, q_pos, k_pos, fresh) -> torch.Tensor:
+        """y [batch, seq, heads, dim] when row groups attend under different patterns: everything
+        before and after attention ran once over all rows; here each group's rows attend alone."""
+        row_groups = row_patterns.row_groups()
+        y = q.new_empty(q.shape) if len(row_groups) > 1 else None
+        for config, rows in row_groups:
+            take = (lambda x: x) if y is None else (lambda x: self._take_rows(x, rows))  # noqa: E731
+            groups = config.layer_groups(self.layer_idx, self.num_heads)
+            group_kv = self._group_kv(groups)
+            own = self._own_keys(group_kv, take(k_rot), take(v_tilde), take(k_pos))
+            out = self._attention(groups, group_kv, take(q), own, take(q_pos), fresh)
+            if y is None:
+                return out
+            y.index_copy_(0, self._index_tensor(rows, q.device), out.to(y.dtype))
+        return y
+
+    def _take_rows(self, x: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+        """x[rows] along the batch: a view for consecutive rows, a gather otherwise."""
+        if rows == tuple(range(rows[0], rows[0] + len(rows))):
+            return x.narrow(0, rows[0], len(rows))
+        return x.index_select(0, self._index_tensor(rows, x.device))

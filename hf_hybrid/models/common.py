@@ -301,8 +301,10 @@ class HybridModel(HybridPreTrainedModel):
             context = SequenceContext.build(
                 group.num_docs, group.length, 0, None, group.positions, inputs_embeds.device,
             )
+            # A keyword with a value per row (RAT+'s RowPatterns) takes its documents' rows' values.
+            group_kwargs = {k: v.select_rows(group.rows) if hasattr(v, "select_rows") else v for k, v in mixer_kwargs.items()}
             hidden, all_hidden, _ = self._run_layers(
-                packed.unpack(inputs_embeds, group), context, None, mixer_kwargs, output_hidden_states, False
+                packed.unpack(inputs_embeds, group), context, None, group_kwargs, output_hidden_states, False
             )
             last.append(hidden)
             per_layer.append(all_hidden)

@@ -40,6 +40,7 @@ class DocumentGroup:
     positions: torch.Tensor  # [num_docs, length] long: each token's position (pads continue their document)
     num_docs: int
     length: int
+    rows: tuple[int, ...] = ()  # the packed row each document comes from (per-row mixer keywords follow it)
 
 
 @dataclass
@@ -186,7 +187,8 @@ def _plan(starts: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor 
             positions = first[:, None] + step[None, :]
             positions = torch.where(inside, flat_positions[token.clamp(max=total - 1)], positions)
         restore[token[inside]] = offset + (torch.arange(len(members), device=device)[:, None] * length + step[None, :])[inside]
-        groups.append(DocumentGroup(gather.reshape(-1), positions.contiguous(), len(members), length))
+        rows = tuple(start_list[d] // seq_length for d in members)
+        groups.append(DocumentGroup(gather.reshape(-1), positions.contiguous(), len(members), length, rows))
         offset += len(members) * length
     restore[~flat_valid] = offset  # the zero row after every group's outputs
     return PackedDocuments(groups, restore, batch_size, seq_length, length_list)

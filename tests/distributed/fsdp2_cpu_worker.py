@@ -43,10 +43,17 @@ def batches(world_size: int, rank: int):
         yield ids, ids[rank * share : (rank + 1) * share]
 
 
-def train_steps(model, optimizer, inputs, reduce: bool) -> list[float]:
+def train_steps(model, optimizer, inputs, reduce: bool, layer_calls: list | None = None) -> list[float]:
+    """Train on ``inputs``; ``layer_calls`` gets, per step, how often the first DecoderLayer ran
+    (once: one all-gather per layer, RAT+'s patterns stacked as row groups of one forward)."""
     losses = []
     for ids in inputs:
+        calls = []
+        hook = model.model.layers[0].register_forward_hook(lambda *args: calls.append(1))
         loss = model(input_ids=ids, labels=ids).loss
+        hook.remove()
+        if layer_calls is not None:
+            layer_calls.append(len(calls))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -75,7 +82,8 @@ def check_model_type(name: str, mesh, out_dir: str) -> dict:
 
     model = sharded_model(name, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    sharded_losses = train_steps(model, optimizer, local_batches[:CHECKPOINT_AFTER], reduce=True)
+    layer_calls: list[int] = []
+    sharded_losses = train_steps(model, optimizer, local_batches[:CHECKPOINT_AFTER], reduce=True, layer_calls=layer_calls)
     checkpoint = os.path.join(out_dir, f"sharded-{name}")
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
@@ -90,7 +98,8 @@ def check_model_type(name: str, mesh, out_dir: str) -> dict:
     resumed_losses = train_steps(resumed, resumed_optimizer, local_batches[CHECKPOINT_AFTER:], reduce=True)
 
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    result = {"reference_losses": reference_losses, "sharded_losses": sharded_losses, "resumed_losses": resumed_losses}
+    result = {"reference_losses": reference_losses, "sharded_losses": sharded_losses, "resumed_losses": resumed_losses,
+              "layer_calls_per_step": layer_calls}
     if rank == 0:
         plain = AutoModelForCausalLM.from_config(reference.config)
         plain.load_state_dict(full_state)

@@ -1,4 +1,5 @@
 """FSDP2 (fully_shard over each DecoderLayer) on CPU with 2 gloo processes, every tiny model type:
+each layer runs once per step (RAT+'s joint objective: its patterns as row groups of one forward),
 the loss of every step equals one process on the whole global batch (float32), a sharded
 checkpoint written mid-run resumes to the same losses bit for bit, and the gathered final state
 dict loads into a plain CPU model bit for bit and survives save_pretrained / from_pretrained.
@@ -32,6 +33,12 @@ def test_loss_matches_one_process(results, name):
     assert len(result["sharded_losses"]) == len(result["reference_losses"]) == 3
     for sharded, reference in zip(result["sharded_losses"], result["reference_losses"]):
         assert sharded == pytest.approx(reference, abs=1e-5, rel=0)
+
+
+@pytest.mark.parametrize("name", TINY_TYPES)
+def test_one_forward_per_step(results, name):
+    """Each layer runs (and is gathered) once per step; RAT+'s training patterns are row groups of that forward."""
+    assert results[name]["layer_calls_per_step"] == [1] * CHECKPOINT_AFTER
 
 
 @pytest.mark.parametrize("name", TINY_TYPES)

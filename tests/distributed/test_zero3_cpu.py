@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-3 on CPU with 2 gloo processes (needs the ``deepspeed`` package; skipped without
-it), every tiny model type but RAT+'s joint objective: each DecoderLayer gathered whole
-(hf_hybrid.distributed.gather_whole_decoder_layers), the loss of every step equals one process on
+it), every tiny model type: each DecoderLayer gathered whole
+(hf_hybrid.distributed.gather_whole_decoder_layers) and run once per step (RAT+'s joint objective:
+its training patterns as row groups of one forward), the loss of every step equals one process on
 the whole global batch (float32), a DeepSpeed checkpoint written mid-run resumes to the same
 losses bit for bit, and the gathered final weights load into a plain CPU model bit for bit.
 The ranks run tests/distributed/zero3_cpu_worker.py under torchrun; this test compares its results.
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow  # ~60 s of two processes on a 2-core runner (HF_H
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero3_cpu_worker.py")
 CHECKPOINT_AFTER = 2  # as in the worker
-ZERO3_TYPES = [name for name in TINY_TYPES if not name.startswith("rat_plus")]
+ZERO3_TYPES = list(TINY_TYPES)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,12 @@ def test_loss_matches_one_process(results, name):
 
 
 @pytest.mark.parametrize("name", ZERO3_TYPES)
+def test_one_forward_per_step(results, name):
+    """Each layer runs once per step (RAT+: its training patterns as row groups of that forward)."""
+    assert results[name]["layer_calls_per_step"] == [1] * CHECKPOINT_AFTER
+
+
+@pytest.mark.parametrize("name", ZERO3_TYPES)
 def test_checkpoint_resumes_exactly(results, name):
     result = results[name]
     assert result["resumed_losses"] == result["sharded_losses"][CHECKPOINT_AFTER:]
@@ -54,13 +61,13 @@ def test_final_weights_load_on_cpu(results, name):
     assert result["final_logits_diff_vs_reference"] < 1e-4
 
 
-def test_rat_plus_joint_objective_is_refused():
-    """RAT+ trains one forward per pattern; ZeRO-3 cannot partition gradients of parameters used by
-    several forwards, so preparing such a model names the problem and the fix."""
+def test_rat_plus_joint_objective_is_accepted():
+    """RAT+ with several training patterns trains under ZeRO-3 (one forward per step: the patterns'
+    rows stacked), so preparing it for ZeRO-3 is no longer refused."""
     from tiny_models import tiny_model
 
     from hf_hybrid.distributed import gather_whole_decoder_layers
 
-    with pytest.raises(ValueError, match="FSDP2"):
-        gather_whole_decoder_layers(tiny_model("rat_plus"))
-    gather_whole_decoder_layers(tiny_model("rat_plus", training_dilations=[8]))  # one pattern: accepted
+    model = tiny_model("rat_plus")
+    assert len(model.config.training_dilations) > 1
+    assert gather_whole_decoder_layers(model) is model

@@ -52,10 +52,18 @@ def engine_for(name: str, perturb: bool = False):
     return engine
 
 
-def train_engine(engine, inputs) -> list[float]:
+def train_engine(engine, inputs, layer_calls: list | None = None) -> list[float]:
+    """Train on ``inputs``; ``layer_calls`` gets, per step, how often the first DecoderLayer ran
+    (once: every parameter used by one forward, RAT+'s patterns stacked as row groups)."""
     losses = []
+    first_layer = engine.module.model.layers[0]
     for ids in inputs:
+        calls = []
+        hook = first_layer.register_forward_hook(lambda *args: calls.append(1))
         loss = engine(input_ids=ids, labels=ids).loss
+        hook.remove()
+        if layer_calls is not None:
+            layer_calls.append(len(calls))
         engine.backward(loss)
         engine.step()
         loss = loss.detach().clone()
@@ -81,7 +89,8 @@ def check_model_type(name: str, out_dir: str) -> dict:
         reference_losses.append(loss.item())
 
     engine = engine_for(name)
-    sharded_losses = train_engine(engine, local_batches[:CHECKPOINT_AFTER])
+    layer_calls: list[int] = []
+    sharded_losses = train_engine(engine, local_batches[:CHECKPOINT_AFTER], layer_calls)
     checkpoint = os.path.join(out_dir, f"zero3-{name}")
     engine.save_checkpoint(checkpoint, tag="mid")
     sharded_losses += train_engine(engine, local_batches[CHECKPOINT_AFTER:])
@@ -91,7 +100,8 @@ def check_model_type(name: str, out_dir: str) -> dict:
     resumed_losses = train_engine(resumed, local_batches[CHECKPOINT_AFTER:])
 
     full_state = engine._zero3_consolidated_16bit_state_dict()  # collective; rank 0 gets the tensors
-    result = {"reference_losses": reference_losses, "sharded_losses": sharded_losses, "resumed_losses": resumed_losses}
+    result = {"reference_losses": reference_losses, "sharded_losses": sharded_losses, "resumed_losses": resumed_losses,
+              "layer_calls_per_step": layer_calls}
     if rank == 0:
         plain = AutoModelForCausalLM.from_config(reference.config)
         plain.load_state_dict(full_state)
@@ -109,7 +119,7 @@ def check_model_type(name: str, out_dir: str) -> dict:
 
 
 def main() -> None:
-    out_dir, names = sys.argv[1], sys.argv[2:] or [name for name in MODEL_TYPES if not name.startswith("rat_plus")]
+    out_dir, names = sys.argv[1], sys.argv[2:] or list(MODEL_TYPES)
     hf_logging.disable_progress_bar()
     # DeepSpeed's CPU backend compiles a shared-memory all-reduce at start (minutes, a C++ build);
     # gloo does the collectives here, so it is not needed.

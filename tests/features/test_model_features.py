@@ -183,10 +183,12 @@ def test_gradient_checkpointing_on_frozen_base_gives_the_same_lora_gradients(nam
     (loss_plain, grads_plain, calls_plain), (loss_ckpt, grads_ckpt, calls_ckpt) = results
     # RAT+'s joint objective runs one forward per training pattern; with checkpointing each is
     # recomputed once (without it, on CPU, the earlier patterns are rebuilt once in the backward).
+    # Under reentrant checkpointing its patterns are row groups of one forward (stacked_patterns.py).
     config = model.base_model.model.config
     forwards = len(config.training_patterns(None)[0]) if hasattr(config, "training_patterns") else 1
     assert calls_plain in (forwards, 2 * forwards - 1), f"{calls_plain} mixer calls without checkpointing"
-    assert calls_ckpt == 2 * forwards, f"{calls_ckpt} mixer calls with checkpointing, {forwards} forwards"
+    forwards_ckpt = 1 if use_reentrant else forwards
+    assert calls_ckpt == 2 * forwards_ckpt, f"{calls_ckpt} mixer calls with checkpointing, {forwards_ckpt} forwards"
     torch.testing.assert_close(loss_ckpt, loss_plain, rtol=0, atol=1e-6)
     for key, grad in grads_plain.items():
         assert grad is not None and grads_ckpt[key] is not None, f"{key}: no gradient"

@@ -1,5 +1,7 @@
-"""RAT+'s joint step on the GPU (Triton kernels): the same gradients as the summed graphs, and the
-peak memory of one pass (within 10% of the dense step's) where keeping both graphs needs more.
+"""RAT+'s joint step on the GPU (Triton kernels): one pattern's graph at a time (joint_objective.py)
+gives the same loss and gradients as the one forward over both patterns' stacked rows that FSDP2
+and ZeRO-3 run (stacked_patterns.py), and the peak memory of one pass (within 10% of the dense
+step's) where the stacked forward, holding both patterns' activations, needs more.
 
 Run: python -m pytest -m gpu tests/gpu/test_rat_plus_joint_step_gpu.py
 """
@@ -47,6 +49,39 @@ def test_joint_step_gradients_equal_the_summed_graphs_fp32():
     for name, p in model.named_parameters():
         scale = expected[name].abs().max().clamp_min(1e-6)
         assert (p.grad - expected[name]).abs().max() <= 1e-4 * scale, name
+
+
+def test_stacked_forward_equals_the_summed_forwards_fp32():
+    """The one forward over both patterns' stacked rows (what FSDP2 and ZeRO-3 run) on the Triton
+    kernels: unpadded, left-padded and packed rows give the loss, pattern_losses and gradients of
+    one forward per pattern summed."""
+    seq = 512
+    model = model_of(torch.float32, seq)
+    ids = torch.randint(3, SHAPE["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(2)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :100] = 0
+    packed = torch.cat([torch.arange(200), torch.arange(seq - 200)]).expand(2, -1).cuda()
+    cases = {
+        "unpadded": dict(input_ids=ids, labels=ids),
+        "left-padded": dict(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)),
+        "packed": dict(input_ids=ids, position_ids=packed, labels=ids),
+    }
+    patterns, weights = model.config.training_patterns()
+    for case, inputs in cases.items():
+        model.zero_grad(set_to_none=True)
+        outputs = [model(sparse_config=p, **inputs) for p in patterns]
+        reference = sum(w * out.loss for w, out in zip(weights, outputs))
+        reference.backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        with mock.patch.object(RatPlusForCausalLM, "_keeps_every_pattern_graph", lambda self: "stacked"):
+            out = model(**inputs)
+        out.loss.backward()
+        torch.testing.assert_close(out.loss, reference, atol=1e-5, rtol=1e-5, msg=case)
+        torch.testing.assert_close(out.pattern_losses, torch.stack([o.loss.detach() for o in outputs]), atol=1e-5, rtol=1e-5, msg=case)
+        for name, p in model.named_parameters():
+            scale = expected[name].abs().max().clamp_min(1e-6)
+            assert (p.grad - expected[name]).abs().max() <= 1e-4 * scale, f"{case}: {name}"
 
 
 def _peak_of_step(model, ids, dilations, keep_graphs=False):

@@ -30,8 +30,12 @@ With gradients, a step holds one pattern's activations, not one per pattern: eve
 runs its backward right after its forward and its gradients reach the parameters through the
 caller's backward (``joint_objective.py``), so loss scaling, gradient accumulation and DDP apply to
 every pattern as to a plain sum. Where that cannot run (torch.compile, FSDP2, ZeRO-3, a
-context-parallel group, reentrant checkpointing, float16), every pattern's graph is kept until the
-backward, with a warning naming the reason (``_keeps_every_pattern_graph``).
+context-parallel group, reentrant checkpointing, float16), every pattern's activations are kept
+until the backward, with a warning naming the reason (``_keeps_every_pattern_graph``): the patterns
+then run as row groups of ONE forward over the batch stacked once per pattern
+(``stacked_patterns.py``: each parameter is used once per step, which ZeRO-3's gradient
+partitioning requires, and FSDP2 gathers each layer once), or, under a context-parallel group (whose
+exchanges run one pattern per forward), one forward per pattern.
 """
 from __future__ import annotations
 
@@ -44,12 +48,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
 from ...layers.rat_plus_attention import RatPlusAttention
-from ...sparse import SparseInferenceConfig
-from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from ...sparse import RowPatterns, SparseInferenceConfig
+from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel, check_input_shapes
 from ..heads import HybridForQuestionAnswering, HybridForSequenceClassification, HybridForTokenClassification
 from .cache_rat_plus import RatPlusCache
 from .configuration_rat_plus import RatPlusConfig
 from .joint_objective import joint_loss
+from .stacked_patterns import stacked_joint_forward
 
 logger = logging.get_logger(__name__)
 
@@ -89,6 +94,14 @@ class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
                 f"past_key_values must be a RatPlusCache (build it with RatPlusCache(model.config)); got {type(cache).__name__}."
             )
 
+    def _resolve_sparse_config(self, sparse_config):
+        """The call's pattern (or the config's default); a RowPatterns (a pattern per row group, the
+        joint objective's one forward) is checked and kept."""
+        if isinstance(sparse_config, RowPatterns):
+            sparse_config.validate_for_model(self.config.num_hidden_layers, self.config.num_attention_heads, self.config.max_position_embeddings)
+            return sparse_config
+        return self.config.resolve_sparse_config(sparse_config)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -97,7 +110,7 @@ class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        sparse_config: SparseInferenceConfig | dict | None = None,
+        sparse_config: SparseInferenceConfig | RowPatterns | dict | None = None,
         **kwargs,
     ):
         return super().forward(
@@ -107,7 +120,7 @@ class RatPlusModel(RatPlusPreTrainedModel, HybridModel):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            sparse_config=self.config.resolve_sparse_config(sparse_config),
+            sparse_config=self._resolve_sparse_config(sparse_config),
             **kwargs,
         )
 
@@ -116,9 +129,10 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
     base_model_class = RatPlusModel
 
     def _keeps_every_pattern_graph(self) -> str | None:
-        """Why the joint objective must keep every pattern's graph until the caller's backward (the
-        sum of the losses, as a plain sum), or None: then each other pattern's backward runs right
-        after its forward (joint_objective.py), one pass's memory."""
+        """Why the joint objective must keep every pattern's activations until the caller's backward
+        (one forward over the patterns' stacked rows, stacked_patterns.py, or one forward per
+        pattern under a context-parallel group), or None: then each other pattern's backward runs
+        right after its forward (joint_objective.py), one pass's memory."""
         if torch.compiler.is_compiling():
             return "torch.compile traces the forward as one graph, and a backward inside it breaks the graph"
         # FSDP2 (DTensor parameters) and ZeRO-3 gather parameters in forward hooks and reduce gradients
@@ -178,6 +192,16 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         keep_graphs = self._keeps_every_pattern_graph() if several else None
         if several and keep_graphs is None:
             first, loss, pattern_losses = joint_loss(pattern_forward, patterns, weights, common, parameters)
+        elif several and getattr(self, "context_parallel_group", None) is None:
+            # Every pattern's activations are kept anyway: one forward over the patterns' rows stacked.
+            if not torch.compiler.is_compiling():
+                logger.warning_once(
+                    f"RAT+'s joint objective runs its {len(patterns)} patterns as row groups of one forward (the "
+                    f"memory of {len(patterns)} passes): {keep_graphs}."
+                )
+            check_input_shapes(input_ids, inputs_embeds, self.config.hidden_size)
+            first, loss, pattern_losses = stacked_joint_forward(self, patterns, weights, common)
+            first = RatPlusCausalLMOutput(**first)
         else:
             if several and not torch.compiler.is_compiling():  # (logging would break a traced graph)
                 logger.warning_once(
