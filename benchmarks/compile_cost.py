@@ -9,9 +9,10 @@ H100 (sm_90), on any machine (no GPU needed: Triton ships ptxas).
 
 Each launch is compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` into an empty Triton
 cache (a fresh TRITON_CACHE_DIR for the process, every distinct launch compiled once, after one
-untimed compile that loads the compiler). An autotuned kernel compiles every configuration its
-autotuner keeps; on a GPU the autotuner also runs each of them several times, so its first use costs
-more than the compile seconds shown. The seconds are this machine's: wall seconds, and the CPU
+untimed compile that loads the compiler). FoX's portable kernels launch one tile each
+(``portable_tile``); under HF_HYBRID_AUTOTUNE=1 they are autotuned, and the rows compile every
+configuration the autotuner keeps (on a GPU it also runs each of them several times, so that first
+use costs more than the compile seconds shown). The totals count the builds per path. The seconds are this machine's: wall seconds, and the CPU
 seconds of the build (ptxas included), which a busy machine stretches less. A GPU host's differ, but
 the ranking holds (and Triton's version may differ from the GPU machine's).
 
@@ -20,7 +21,7 @@ launches as the host code makes them on an H100 at the first-use test's shape
 (tests/gpu/test_first_use_gpu.py: 16 heads x 128, bf16, T = 2048, prompt 512): kernel, argument
 types, constexprs, warps and stages. It is written by hand, since on a CPU the host code picks the
 interpreter's tiles. It covers RAT's training step and generate(), RAT+'s training step and FoX's
-portable (autotuned) attention; RATTENTION's RLA kernels and FoX's Gluon kernels (the sm_90
+portable attention; RATTENTION's RLA kernels and FoX's Gluon kernels (the sm_90
 default) come from benchmarks.sm90's reports (``REPORTS``). Not covered: Liger's backbone kernels,
 torch.compile's (RATTENTION's flex_attention), the SE hybrid's. The GPU test's JSON has every
 architecture's actual compiles (``compiles``: kernel, seconds) from a compile hook, and
@@ -63,6 +64,7 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 2
     note: str = ""
+    tuned: bool = False  # autotuned: every configuration the autotuner keeps is compiled
 
 
 @dataclass
@@ -225,14 +227,28 @@ def _rat_plus_launches():
 
 
 def _fox_launches():
-    """FoX's portable attention (off Hopper, or under deterministic algorithms): autotuned."""
+    """FoX's portable attention (off Hopper, with a window, or under deterministic algorithms): each
+    kernel at the tile ``portable_tile`` picks for T, or every autotuning candidate under
+    HF_HYBRID_AUTOTUNE=1."""
+    import torch
+
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+    from hf_hybrid.options import get as option
+
     common = dict(GROUP=1, HEAD_DIM=HEAD_DIM, HAS_WINDOW=False, DOT_PREC="tf32")
     types = dict(_types("Q", "K", "V", "O", "DO", "DK", "DV", "DQ"), C=F32, LSE=F32, DELTA=F32, DC=F32, DCQ=F32,
                  CU=I32)
-    return [Path("fox", "portable", [  # a training step off Hopper (or deterministic): not the sm_90 default
-        Launch(f"forgetting_attention.triton:{name}", types, common, note="autotuned; training off Hopper")
-        for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")
-    ])]
+    tuned = option("HF_HYBRID_AUTOTUNE")
+    launches = []
+    for kind, name in (("fwd", "_fwd_kernel"), ("dkdv", "_dkdv_kernel"), ("dq", "_dq_kernel")):
+        kernel = f"forgetting_attention.triton:{name}"
+        if tuned:
+            launches.append(Launch(kernel, types, common, note="autotuned (HF_HYBRID_AUTOTUNE=1)", tuned=True))
+        else:
+            tile = fa.portable_tile(kind, TOKENS, HEAD_DIM, torch.bfloat16)
+            launches.append(Launch(kernel, types, dict(common, **tile.kwargs), tile.num_warps, tile.num_stages,
+                                   note="portable_tile"))
+    return [Path("fox", "portable", launches)]  # a training step off Hopper (or deterministic): not the sm_90 default
 
 
 def catalogue() -> list[Path]:
@@ -285,7 +301,7 @@ def _cpu_seconds() -> float:
 def _compile_row(launch: Launch, cache: dict) -> dict:
     """One launch, every autotune configuration of it (each distinct build compiled once per process:
     ``shared`` says that an earlier row already built all of them)."""
-    configs = autotune_configs(launch.kernel) or [None]
+    configs = (autotune_configs(launch.kernel) if launch.tuned else []) or [None]
     row = {"kernel": launch.kernel, "configs": len(configs), "note": launch.note, "seconds": 0.0, "compiled": [],
            "shared": True}
     for config in configs:
@@ -427,11 +443,13 @@ def table(rows: list[dict]) -> str:
                      f"{r['note']}{(' ERROR ' + err) if err else ''}")
     totals = {}
     for r in rows:
-        wall, cpu = totals.get((r["arch"], r["path"]), (0.0, 0.0))
-        totals[(r["arch"], r["path"])] = (wall + r["seconds"], cpu + sum(c.get("cpu_s", 0.0) for c in r["compiled"]))
+        wall, cpu, builds = totals.get((r["arch"], r["path"]), (0.0, 0.0, 0))
+        totals[(r["arch"], r["path"])] = (wall + r["seconds"], cpu + sum(c.get("cpu_s", 0.0) for c in r["compiled"]),
+                                          builds + r["configs"])
     lines.append("")
-    lines += [f"{arch:<9} {path:<9} total compile s {wall:8.2f}, cpu s {cpu:7.2f} (its catalogued launches in a fresh "
-              f"process; * built once here, by an earlier path)" for (arch, path), (wall, cpu) in totals.items()]
+    lines += [f"{arch:<9} {path:<9} total compile s {wall:8.2f}, cpu s {cpu:7.2f}, {builds:3d} builds (its catalogued "
+              f"launches in a fresh process; * built once here, by an earlier path)"
+              for (arch, path), (wall, cpu, builds) in totals.items()]
     return "\n".join(lines)
 
 
