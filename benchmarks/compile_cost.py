@@ -2,16 +2,17 @@
 H100 (sm_90), on any machine (no GPU needed: Triton ships ptxas).
 
     python -m benchmarks.compile_cost                     every catalogued launch, per architecture and path
-    python -m benchmarks.compile_cost --arch rat          one architecture (rat, rat_plus, fox, rattention)
+    python -m benchmarks.compile_cost --arch rat          one architecture (rat, rat_plus, fox, rattention, se_hybrid)
     python -m benchmarks.compile_cost --kernel output_gate  launches whose kernel name contains this
     python -m benchmarks.compile_cost --unroll            RAT's keys/values kernels at each token unroll
     python -m benchmarks.compile_cost --json F            also write the rows as JSON
 
 Each launch is compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` into an empty Triton
 cache (a fresh TRITON_CACHE_DIR for the process, every distinct launch compiled once, after one
-untimed compile that loads the compiler). An autotuned kernel compiles every configuration its
-autotuner keeps; on a GPU the autotuner also runs each of them several times, so its first use costs
-more than the compile seconds shown. The seconds are this machine's: wall seconds, and the CPU
+untimed compile that loads the compiler). FoX's portable kernels launch one tile each
+(``portable_tile``); under HF_HYBRID_AUTOTUNE=1 they are autotuned, and the rows compile every
+configuration the autotuner keeps (on a GPU it also runs each of them several times, so that first
+use costs more than the compile seconds shown). The totals count the builds per path. The seconds are this machine's: wall seconds, and the CPU
 seconds of the build (ptxas included), which a busy machine stretches less. A GPU host's differ, but
 the ranking holds (and Triton's version may differ from the GPU machine's).
 
@@ -19,10 +20,10 @@ The catalogue (:func:`catalogue`, built on call from the kernel modules' shipped
 launches as the host code makes them on an H100 at the first-use test's shape
 (tests/gpu/test_first_use_gpu.py: 16 heads x 128, bf16, T = 2048, prompt 512): kernel, argument
 types, constexprs, warps and stages. It is written by hand, since on a CPU the host code picks the
-interpreter's tiles. It covers RAT's training step and generate(), RAT+'s training step and FoX's
-portable (autotuned) attention; RATTENTION's RLA kernels and FoX's Gluon kernels (the sm_90
+interpreter's tiles. It covers RAT's training step and generate(), RAT+'s training step, FoX's
+portable attention and the SE hybrid's Mamba-2 layers (training step and generate()); RATTENTION's RLA kernels and FoX's Gluon kernels (the sm_90
 default) come from benchmarks.sm90's reports (``REPORTS``). Not covered: Liger's backbone kernels,
-torch.compile's (RATTENTION's flex_attention), the SE hybrid's. The GPU test's JSON has every
+torch.compile's (RATTENTION's flex_attention). The GPU test's JSON has every
 architecture's actual compiles (``compiles``: kernel, seconds) from a compile hook, and
 torch.compile's seconds. benchmarks/tests/test_compile_cost.py checks every catalogued launch
 against its kernel's declared arguments and constexprs.
@@ -45,12 +46,16 @@ import triton
 import triton.language as tl
 
 BF, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
-FLOATS = {"eps", "eps_a", "eps_b", "qk_scale", "scale", "scale2"}  # fp32 scalars; other plain arguments are i32
+FLOATS = {"eps", "eps_a", "eps_b", "qk_scale", "scale", "scale2", "dt_min", "dt_max"}  # fp32 scalars; other plain arguments are i32
 
 # The first-use test's layer shape.
 HEADS, HEAD_DIM, QK_GROUPS, CHUNK = 16, 128, 2, 16
 TOKENS, PROMPT = 2048, 512
 RAT_PLUS_DILATION = 64  # RAT+'s sparse training pattern (dilation 1 takes the cuDNN chunk-end path at these lengths)
+# The SE hybrid's Mamba-2 mixer at the 1.3B shape: 64 heads x 64, state 128, one group, conv width 4;
+# inner width 2 x 2048 (the gated norm's group), conv channels inner + 2 x state.
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_CONV = 64, 64, 128, 4
+MAMBA_INNER = MAMBA_HEADS * MAMBA_HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 2
     note: str = ""
+    tuned: bool = False  # autotuned: every configuration the autotuner keeps is compiled
 
 
 @dataclass
@@ -225,20 +231,86 @@ def _rat_plus_launches():
 
 
 def _fox_launches():
-    """FoX's portable attention (off Hopper, or under deterministic algorithms): autotuned."""
+    """FoX's portable attention (off Hopper, with a window, or under deterministic algorithms): each
+    kernel at the tile ``portable_tile`` picks for T, or every autotuning candidate under
+    HF_HYBRID_AUTOTUNE=1."""
+    import torch
+
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+    from hf_hybrid.options import get as option
+
     common = dict(GROUP=1, HEAD_DIM=HEAD_DIM, HAS_WINDOW=False, DOT_PREC="tf32")
     types = dict(_types("Q", "K", "V", "O", "DO", "DK", "DV", "DQ"), C=F32, LSE=F32, DELTA=F32, DC=F32, DCQ=F32,
                  CU=I32)
-    return [Path("fox", "portable", [  # a training step off Hopper (or deterministic): not the sm_90 default
-        Launch(f"forgetting_attention.triton:{name}", types, common, note="autotuned; training off Hopper")
-        for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")
-    ])]
+    tuned = option("HF_HYBRID_AUTOTUNE")
+    launches = []
+    for kind, name in (("fwd", "_fwd_kernel"), ("dkdv", "_dkdv_kernel"), ("dq", "_dq_kernel")):
+        kernel = f"forgetting_attention.triton:{name}"
+        if tuned:
+            launches.append(Launch(kernel, types, common, note="autotuned (HF_HYBRID_AUTOTUNE=1)", tuned=True))
+        else:
+            tile = fa.portable_tile(kind, TOKENS, HEAD_DIM, torch.bfloat16)
+            launches.append(Launch(kernel, types, dict(common, **tile.kwargs), tile.num_warps, tile.num_stages,
+                                   note="portable_tile"))
+    return [Path("fox", "portable", launches)]  # a training step off Hopper (or deterministic): not the sm_90 default
+
+
+def _se_hybrid_launches():
+    """The SE hybrid's Mamba-2 layers: causal conv1d, the SSD scan (states, output; backward: the
+    states again stored in bf16, their gradients, the chunk backward), the gated RMSNorm; generate():
+    the forward kernels, then the decode step's conv step and SSM step. Its SE attention layer in
+    the 1.3B stack's mode (``full``) is one causal SDPA call (cuDNN / FlashAttention: no Triton) and
+    RoPE is PyTorch's."""
+    from hf_hybrid.kernels.causal_conv1d import triton as conv
+    from hf_hybrid.kernels.gated_rms_norm import triton as grn
+    from hf_hybrid.kernels.ssd_scan import triton as ssd
+
+    conv_common = dict(K=MAMBA_CONV, HAS_BIAS=True, HAS_STATE=False, SILU=True, BT=conv.BLOCK_T, BC=conv.BLOCK_C)
+    conv_fwd = Launch("causal_conv1d.triton:_conv_fwd", _types("X", "W", "BIAS", "STATE", "OUT"), conv_common)
+    ssd_common = dict(L=ssd.CHUNK, BP=ssd.BLOCK_PN, BN=ssd.BLOCK_PN, PREC="tf32", NATIVE16=True)
+    ssd_in = dict(_types("X", "Bm", "Cm", "Dv"), DT=F32, G=F32)
+
+    def states(dtype, note):
+        return Launch("ssd_scan.triton:_states_fwd", dict(ssd_in, S=dtype, INIT=dtype), dict(ssd_common, HAS_INIT=False),
+                      ssd.WARPS["states"], note=note)
+
+    output = Launch("ssd_scan.triton:_output_fwd", dict(ssd_in, S=F32, Y=BF), dict(ssd_common, HAS_D=True),
+                    ssd.WARPS["output"])
+    block_d, block_t = grn._tile(MAMBA_INNER)
+    norm = dict(GROUP=MAMBA_INNER, D_TOTAL=MAMBA_INNER, BLOCK_D=block_d, BLOCK_T=block_t)
+    norm_fwd = Launch("gated_rms_norm.triton:_fwd_kernel", _types("Y", "Z", "W", "OUT"), norm,
+                      grn._forward_warps(block_d * block_t))
+    train = [
+        conv_fwd, states(F32, "chunk states"), output, norm_fwd,
+        Launch("gated_rms_norm.triton:_bwd_kernel", dict(_types("Y", "Z", "W", "DOUT", "DY", "DZ"), DW_PART=F32), norm,
+               grn._backward_warps(block_d * block_t)),
+        states(BF, "backward: chunk states again, stored in bf16"),
+        Launch("ssd_scan.triton:_dstates_bwd", dict(ssd_in, DY=BF, DS=BF, DFINAL=F32, DINIT=F32),
+               dict(ssd_common, HAS_DFINAL=False), ssd.WARPS["dstates"]),
+        Launch("ssd_scan.triton:_chunk_bwd", dict(ssd_in, **_types("S", "DS", "DY", "DX", "DBH", "DCH"), DDT=F32, DG=F32,
+                                                  DDP=F32),
+               dict(ssd_common, BP=max(16, triton.next_power_of_2(MAMBA_HEAD_DIM)), HAS_D=True), ssd.WARPS["chunk_bwd"]),
+        Launch("causal_conv1d.triton:_conv_bwd_pre", dict(_types("X", "W", "BIAS", "STATE", "DOUT"), DPRE=F32,
+                                                          DW_PART=F32, DB_PART=F32), conv_common),
+        Launch("causal_conv1d.triton:_conv_bwd_dx", dict(DPRE=F32, W=BF, DX=BF),
+               dict(K=MAMBA_CONV, BT=conv.BLOCK_T, BC=conv.BLOCK_C)),
+    ]
+    block_n = max(16, triton.next_power_of_2(MAMBA_STATE))
+    generate = [
+        conv_fwd, states(F32, "prefill"), output, norm_fwd,
+        Launch("causal_conv1d.triton:_conv_step", _types("X", "STATE", "W", "BIAS", "OUT"),
+               dict(K=MAMBA_CONV, HAS_BIAS=True, SILU=True, BC=256), note="decode step"),
+        Launch("ssd_scan.triton:_step", dict(_types("X", "DT", "Bm", "Cm", "Dv", "DT_BIAS", "Y"), STATE=F32, A=F32),
+               dict(BP=max(1, min(triton.next_power_of_2(MAMBA_HEAD_DIM), 4096 // block_n)), BN=block_n, HAS_D=True,
+                    HAS_BIAS=True, SOFTPLUS=True), note="decode step"),
+    ]
+    return [Path("se_hybrid", "train", train), Path("se_hybrid", "generate", generate)]
 
 
 def catalogue() -> list[Path]:
     """Every catalogued (architecture, path) with its launches; the decode step's backbone kernels
     are added to every generate() path."""
-    paths = _rat_launches() + _rat_plus_launches() + _fox_launches()
+    paths = _rat_launches() + _rat_plus_launches() + _fox_launches() + _se_hybrid_launches()
     for path in paths:
         if path.path == "generate":
             path.launches += _decode_backbone_launches()
@@ -285,7 +357,7 @@ def _cpu_seconds() -> float:
 def _compile_row(launch: Launch, cache: dict) -> dict:
     """One launch, every autotune configuration of it (each distinct build compiled once per process:
     ``shared`` says that an earlier row already built all of them)."""
-    configs = autotune_configs(launch.kernel) or [None]
+    configs = (autotune_configs(launch.kernel) if launch.tuned else []) or [None]
     row = {"kernel": launch.kernel, "configs": len(configs), "note": launch.note, "seconds": 0.0, "compiled": [],
            "shared": True}
     for config in configs:
@@ -293,7 +365,9 @@ def _compile_row(launch: Launch, cache: dict) -> dict:
         if config is not None:
             constexprs.update(config.kwargs)
             warps, stages = config.num_warps, config.num_stages
-        key = (launch.kernel, json.dumps(constexprs, sort_keys=True), warps, stages)
+        # The argument types are part of a build (a bf16 or fp32 store is another variant).
+        key = (launch.kernel, json.dumps(signature_of(_module(launch.kernel), launch.types, constexprs), sort_keys=True),
+               json.dumps(constexprs, sort_keys=True), warps, stages)
         if key not in cache:
             row["shared"] = False
             try:
@@ -427,11 +501,13 @@ def table(rows: list[dict]) -> str:
                      f"{r['note']}{(' ERROR ' + err) if err else ''}")
     totals = {}
     for r in rows:
-        wall, cpu = totals.get((r["arch"], r["path"]), (0.0, 0.0))
-        totals[(r["arch"], r["path"])] = (wall + r["seconds"], cpu + sum(c.get("cpu_s", 0.0) for c in r["compiled"]))
+        wall, cpu, builds = totals.get((r["arch"], r["path"]), (0.0, 0.0, 0))
+        totals[(r["arch"], r["path"])] = (wall + r["seconds"], cpu + sum(c.get("cpu_s", 0.0) for c in r["compiled"]),
+                                          builds + r["configs"])
     lines.append("")
-    lines += [f"{arch:<9} {path:<9} total compile s {wall:8.2f}, cpu s {cpu:7.2f} (its catalogued launches in a fresh "
-              f"process; * built once here, by an earlier path)" for (arch, path), (wall, cpu) in totals.items()]
+    lines += [f"{arch:<9} {path:<9} total compile s {wall:8.2f}, cpu s {cpu:7.2f}, {builds:3d} builds (its catalogued "
+              f"launches in a fresh process; * built once here, by an earlier path)"
+              for (arch, path), (wall, cpu, builds) in totals.items()]
     return "\n".join(lines)
 
 
@@ -446,7 +522,7 @@ def unroll_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_cost", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=("rat", "rat_plus", "fox", "rattention"))
+    parser.add_argument("--arch", choices=("rat", "rat_plus", "fox", "rattention", "se_hybrid"))
     parser.add_argument("--kernel", help="only launches whose kernel (module:name) contains this (reports: their note)")
     parser.add_argument("--unroll", action="store_true", help="RAT's keys/values kernels at each token unroll")
     parser.add_argument("--json", help="write the rows here")

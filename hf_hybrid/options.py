@@ -52,6 +52,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            trades="glibc's mmap threshold fixed at 4 MiB (hf_hybrid/_compat/glibc_malloc.py), so freed activations "
                   "of long CPU steps return to the system (0.5-2 GB less peak RSS at 16K tokens); 0 leaves "
                   "malloc as it is for the whole process"),
+    Switch("HF_HYBRID_AUTOTUNE", "0", (), read="per call",
+           trades="Triton kernels with autotuning candidates (FoX's portable attention: off Hopper, windows, "
+                  "deterministic algorithms) launch with a fixed tile chosen by shape, one compile each at first use; "
+                  "1 compiles and times every candidate per length class instead (a slower first use, the "
+                  "measured fastest tile for the GPU at hand)"),
     Switch("HF_HYBRID_BLOCK_ENDS", "auto", ("auto", "triton", "sdpa"), read="per call",
            trades="RAT's chunk-end attention on CUDA: auto takes one cuDNN call from 1024 chunk ends; "
                   "triton keeps the Triton kernels, sdpa takes cuDNN from any length"),

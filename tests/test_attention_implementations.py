@@ -120,6 +120,36 @@ def test_block_mask_and_dense_mask_give_the_same_attention(case, window, dropped
         assert torch.equal(sdpa_mask, context.dense_mask(num_keys, key_start, window))
 
 
+def test_block_masks_of_small_grids_are_built_without_compiling_the_builder(monkeypatch):
+    """On CUDA a BlockMask over up to EAGER_MASK_MAX_CELLS (rows x queries x keys) is built eagerly:
+    no torch.compile of the mask builder at a first use; by a compiled builder past it; never on CPU
+    or inside an outer torch.compile."""
+    from hf_hybrid.layers import context as context_module
+
+    limit = context_module.EAGER_MASK_MAX_CELLS
+    assert limit >= 2048 * 2048  # a first training step at 2K tokens (one row) builds it eagerly
+    assert not context_module.compiles_mask_builder(limit, "cuda")
+    assert context_module.compiles_mask_builder(limit + 1, "cuda")
+    assert not context_module.compiles_mask_builder(4 * limit, "cpu")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not context_module.compiles_mask_builder(4 * limit, "cuda")
+
+
+@pytest.mark.slow  # compiles the builder with Inductor on the CPU
+@pytest.mark.parametrize("padded", [False, True])
+def test_eager_and_compiled_mask_builders_give_the_same_block_mask(padded, monkeypatch):
+    """The context's BlockMask (window, padding, a cache offset) is the same whichever way it is built."""
+    from hf_hybrid.layers import context as context_module
+
+    masks = {}
+    for compiled in (False, True):
+        monkeypatch.setattr(context_module, "compiles_mask_builder", lambda cells, device, c=compiled: c)
+        context = make_context(2, 300, 140, padded)
+        masks[compiled] = context.block_mask(440, 0, 200)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(masks[False], name), getattr(masks[True], name)), name
+
+
 def test_no_mask_where_causal_attention_is_exact():
     unpadded = make_context(2, 9, 0, False)
     assert not unpadded.needs_mask(9, 0)  # is_causal

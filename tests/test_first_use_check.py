@@ -45,6 +45,19 @@ def test_tiny_first_use_writes_its_times_and_leaves_triton_as_it_was(model_type,
     assert (jit.JITFunction._do_compile, autotuner.Autotuner.run) == before
 
 
+def test_fox_portable_run_holds_the_hopper_kernels_off_only_for_the_run(tmp_path):
+    from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
+
+    check = _check_module()
+    before = (fa_triton.hopper_forward_applies, fa_triton.hopper_backward_applies)
+    out = tmp_path / "result.json"
+    assert check.main(["--arch", "fox", "--mode", "train", "--out", str(out), "--tiny", "--device", "cpu",
+                       "--fox-portable"]) == 0
+    result = json.loads(out.read_text())
+    assert result["fox_portable"] is True and result["arch"] == "fox" and result["autotune"] == []
+    assert (fa_triton.hopper_forward_applies, fa_triton.hopper_backward_applies) == before
+
+
 def test_compile_log_times_each_compile_by_kernel_and_constexprs():
     """The hook around JITFunction._do_compile, driven by a stand-in for Triton's compile."""
     from triton.runtime import jit

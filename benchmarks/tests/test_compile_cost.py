@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import compile_cost
 
@@ -29,7 +30,8 @@ def _declared(kernel: str) -> tuple[list[str], set[str]]:
 
 def test_every_catalogued_launch_names_the_kernels_arguments_and_constexprs():
     paths = compile_cost.catalogue()
-    assert {(p.arch, p.path) for p in paths} >= {("rat", "train"), ("rat", "generate")}
+    assert {(p.arch, p.path) for p in paths} >= {("rat", "train"), ("rat", "generate"), ("se_hybrid", "train"),
+                                                  ("se_hybrid", "generate")}
     for path in paths:
         assert path.launches, path
         for launch in path.launches:
@@ -40,6 +42,24 @@ def test_every_catalogued_launch_names_the_kernels_arguments_and_constexprs():
             assert not missing, f"{launch.kernel}: constexprs {missing} not given"
             typed = set(launch.types) & set(names)
             assert typed and not typed & constexprs, launch.kernel
+
+
+def test_fox_portable_launches_build_one_tile_each_unless_autotuning_is_on():
+    from hf_hybrid import options
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+
+    def fox_launches():
+        return next(p for p in compile_cost.catalogue() if p.arch == "fox").launches
+
+    with options.override(HF_HYBRID_AUTOTUNE=None):
+        launches = fox_launches()
+        assert len(launches) == 3 and not any(l.tuned for l in launches)
+        for launch, kind in zip(launches, ("fwd", "dkdv", "dq")):
+            tile = fa.portable_tile(kind, compile_cost.TOKENS, compile_cost.HEAD_DIM, torch.bfloat16)
+            assert {k: launch.constexprs[k] for k in tile.kwargs} == tile.kwargs
+            assert (launch.num_warps, launch.num_stages) == (tile.num_warps, tile.num_stages)
+    with options.override(HF_HYBRID_AUTOTUNE="1"):
+        assert all(l.tuned and "BLOCK_M" not in l.constexprs for l in fox_launches())
 
 
 def test_rat_keys_values_launches_use_the_shipped_unroll():
@@ -69,9 +89,10 @@ def test_a_tiny_case_compiles_for_sm90_and_reports_its_seconds(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
-    assert [(r["arch"], r["path"]) for r in rows] == [("rat", "generate")]  # the decode step's fused norm
-    [row] = rows
-    assert row["configs"] == 1 and row["seconds"] > 0 and not row["shared"]
+    # The decode step's fused norm, in every generate() path: built once, by the first.
+    assert [(r["arch"], r["path"]) for r in rows] == [("rat", "generate"), ("se_hybrid", "generate")]
+    row, again = rows
+    assert row["configs"] == 1 and row["seconds"] > 0 and not row["shared"] and again["shared"]
     [built] = row["compiled"]
     assert "error" not in built and 0 < built["regs"] <= 255
     assert "_add_rms_norm_kernel" in done.stdout and "total compile s" in done.stdout

@@ -202,11 +202,17 @@ def sweep_forward(seqs, tokens, heads, head_dim, repeat):
 
 
 def _tuned_configs():
-    """The block sizes the autotuner picked, per kernel and tuning key."""
+    """The block sizes the autotuner picked, per kernel and tuning key (only under
+    HF_HYBRID_AUTOTUNE=1; by default the portable kernels launch ``portable_tile``'s tile, shown
+    per kernel for T = 4K and 64K at head_dim 128 in bf16): run the bench with and without the
+    switch to compare the fixed tiles' ``ours_portable`` rows with the autotuner's."""
     from hf_hybrid.kernels.forgetting_attention import triton as fa_triton
 
     kernels = {name: getattr(fa_triton, name) for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")}
-    return {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in kernels.items()}
+    tuned = {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in kernels.items()}
+    fixed = {kind: {seq: str(fa_triton.portable_tile(kind, seq, 128, torch.bfloat16)) for seq in (4096, 65536)}
+             for kind in ("fwd", "dkdv", "dq")}
+    return {"autotuned": tuned, "portable_tile": fixed}
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,17 @@ from dataclasses import dataclass, field, replace
 import torch
 
 _FLEX_BLOCK = 128  # flex_attention's default block size (BlockMask granularity)
+# Up to this many cells (rows x queries x keys) a BlockMask is built eagerly: create_block_mask then
+# evaluates the mask over the whole grid (at most 4K x 4K, the limit RATTENTION's band mask uses),
+# where compiling the builder costs a first use seconds of torch.compile. The same BlockMask either
+# way; past it the compiled builder never materialises the grid.
+EAGER_MASK_MAX_CELLS = 4096 * 4096
+
+
+def compiles_mask_builder(cells: int, device) -> bool:
+    """Whether a BlockMask over ``cells`` (rows x queries x keys) is built by a compiled builder: on
+    CUDA past EAGER_MASK_MAX_CELLS, and never inside torch.compile (the outer compile traces it)."""
+    return torch.device(device).type == "cuda" and cells > EAGER_MASK_MAX_CELLS and not torch.compiler.is_compiling()
 
 
 @dataclass
@@ -191,7 +202,8 @@ class SequenceContext:
     def block_mask(self, num_keys: int, key_start: int, window: int | None = None):
         """The same visibility as a flex_attention ``BlockMask`` (blocks of 128 x 128; blocks entirely
         outside the causal band, the window or a row's padding are skipped by the kernel). Built
-        with a compiled mask builder on CUDA, so no [seq, num_keys] tensor is materialised."""
+        eagerly up to EAGER_MASK_MAX_CELLS, past it by a compiled builder on CUDA, so no large
+        [seq, num_keys] tensor is materialised (``compiles_mask_builder``)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         window = self.effective_window(num_keys, key_start, window)
@@ -212,11 +224,12 @@ class SequenceContext:
                     allowed = allowed & key_valid[batch, kv_idx]
                 return allowed | (key_index == query)
 
-            device = self.positions.device
+            device, seq = self.positions.device, self.positions.shape[1]
             batch = None if key_valid is None else key_valid.shape[0]
+            cells = (batch or 1) * seq * num_keys
             self._masks[key] = create_block_mask(
-                visible, batch, None, self.positions.shape[1], num_keys, device=device,
-                BLOCK_SIZE=_FLEX_BLOCK, _compile=device.type == "cuda" and not torch.compiler.is_compiling(),
+                visible, batch, None, seq, num_keys, device=device,
+                BLOCK_SIZE=_FLEX_BLOCK, _compile=compiles_mask_builder(cells, device),
             )
         return self._masks[key]
 

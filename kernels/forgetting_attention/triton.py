@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from ...options import get as option
 from .._grid import folded, split_program_id
 from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
@@ -42,22 +43,53 @@ from .reference import row_boundaries
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
+# (BLOCK_M, BLOCK_N, warps, stages); forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV needs
+# BLOCK_N % BLOCK_M == 0 (diagonal blocks line up with the other side). Float32 accumulators of
+# 128 x 128 tiles need 8 warps to stay in registers. Forward: the four fastest of a 30-config sweep
+# at T = 4K and 64K (python -m hf_hybrid.bench.forgetting_attention --sweep-forward). The autotuner
+# (HF_HYBRID_AUTOTUNE=1) times these; by default each launch takes the tile of ``portable_tile``.
+CANDIDATES = {
+    "fwd": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 128, 8, 3)],
+    "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
+    "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+}
+# Tiny blocks under the interpreter so CPU tests cover several blocks, the diagonal and ragged ends
+# at T <= 40.
+INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+# float32 inputs (tests) and head_dim 256 get one small tile that fits shared memory.
+FLOAT32_TILE = (32, 32, 4, 2)
+HEAD_DIM_256_TILE = (64, 64, 4, 2)
+# The forward's tile by length: 4 warps x 32-key tiles win the sweep at 4K, 8 warps x 64 at 64K;
+# lengths up to SHORT_FORWARD_MAX_LEN take the short tile.
+SHORT_FORWARD_TILE, LONG_FORWARD_TILE = (128, 32, 4, 3), (128, 64, 8, 3)
+SHORT_FORWARD_MAX_LEN = 8192
+
+
+def _config(tile) -> triton.Config:
+    m, n, w, s = tile
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+
+
 def _configs(kind: str):
     if triton_interpreting():
-        # Tiny blocks so CPU tests cover several blocks, the diagonal and ragged ends at T <= 40.
-        small = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}[kind]
-        return [triton.Config({"BLOCK_M": small[0], "BLOCK_N": small[1]}, num_warps=4, num_stages=1)]
-    table = {
-        # (BLOCK_M, BLOCK_N, warps, stages); forward and dQ need BLOCK_M % BLOCK_N == 0,
-        # dK/dV needs BLOCK_N % BLOCK_M == 0 (diagonal blocks line up with the other side).
-        # Float32 accumulators of 128 x 128 tiles need 8 warps to stay in registers.
-        # Forward: the four fastest of a 30-config sweep at T = 4K and 64K
-        # (python -m hf_hybrid.bench.forgetting_attention --sweep-forward).
-        "fwd": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 128, 8, 3)],
-        "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
-        "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
-    }[kind]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table]
+        return [_config(INTERPRETER_TILES[kind])]
+    return [_config(tile) for tile in CANDIDATES[kind]]
+
+
+def portable_tile(kind: str, max_len: int, head_dim: int, dtype: torch.dtype) -> triton.Config:
+    """The tile a portable kernel (``kind``: "fwd", "dkdv" or "dq") launches with when it is not
+    autotuned: one compiled variant per kernel at a first use instead of four compiled and timed.
+    The forward's by length (the sweep's winners at 4K and 64K); dK/dV's and dQ's the first of
+    their candidates; float32 and head_dim 256 the one tile the autotuner keeps for them."""
+    if triton_interpreting():
+        return _config(INTERPRETER_TILES[kind])
+    if dtype == torch.float32:
+        return _config(FLOAT32_TILE)
+    if head_dim == 256:
+        return _config(HEAD_DIM_256_TILE)
+    if kind == "fwd":
+        return _config(SHORT_FORWARD_TILE if max_len <= SHORT_FORWARD_MAX_LEN else LONG_FORWARD_TILE)
+    return _config(CANDIDATES[kind][0])
 
 
 def _prune(configs, named_args, **kwargs):
@@ -66,20 +98,30 @@ def _prune(configs, named_args, **kwargs):
     if triton_interpreting():
         return configs
     if named_args["Q"].dtype == torch.float32:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
+        return [_config(FLOAT32_TILE)]
     if kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM")) == 256:
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
+        return [_config(HEAD_DIM_256_TILE)]
     return configs
 
 
 _PRUNE = {"early_config_prune": _prune}
 # The best tiles depend on the sequence length (4 warps x 32-key tiles win at 4K, 8 warps x 64 at
-# 64K), so each power-of-two length bucket is tuned once.
+# 64K), so the autotuner tunes each power-of-two length bucket once.
 _TUNE_KEY = ["HEAD_DIM", "GROUP", "HAS_WINDOW", "len_bucket"]
 
 
 def _len_bucket(max_len: int) -> int:
     return max(int(max_len), 1).bit_length()
+
+
+def _launch(kernel, kind: str, config: triton.Config | None, max_len: int, q: torch.Tensor):
+    """``kernel`` (an autotuned kernel) and the launch options of one call: ``config`` when given (a
+    test of one variant), else the autotuner under HF_HYBRID_AUTOTUNE=1, else ``portable_tile``'s."""
+    if config is None:
+        if option("HF_HYBRID_AUTOTUNE"):
+            return kernel, {}
+        config = portable_tile(kind, max_len, q.shape[-1], q.dtype)
+    return kernel.fn, dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,10 +465,7 @@ def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | N
     def grid(meta):
         return blocks_grid(max_len, meta["BLOCK_M"], nseq, hq)
 
-    kernel, extra = _fwd_kernel, {}
-    if config is not None:
-        kernel = _fwd_kernel.fn
-        extra = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    kernel, extra = _launch(_fwd_kernel, "fwd", config, max_len, q)
     kernel[grid](
         q, k, v, c_t, o, lse, cu, scale * 1.4426950408889634, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -460,21 +499,23 @@ def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
     def grid_kv(meta):
         return blocks_grid(max_len, meta["BLOCK_N"], nseq, hkv)
 
-    _dkdv_kernel[grid_kv](
+    kernel, extra = _launch(_dkdv_kernel, "dkdv", None, max_len, q)
+    kernel[grid_kv](
         q, k, v, c_t, lse, delta, do, dk, dv, dc, cu, scale, scale2, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), c_t.stride(0),
-        **common,
+        **common, **extra,
     )
 
     def grid_q(meta):
         return blocks_grid(max_len, meta["BLOCK_M"], nseq, hq)
 
-    _dq_kernel[grid_q](
+    kernel, extra = _launch(_dq_kernel, "dq", None, max_len, q)
+    kernel[grid_q](
         q, k, v, c_t, lse, delta, do, dq, dcq, cu, scale, scale2, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), c_t.stride(0),
-        **common,
+        **common, **extra,
     )
     return dq, dk, dv, dc + dcq
 

@@ -4,6 +4,7 @@ with empty Triton and Inductor caches).
 
     python tests/gpu/first_use_check.py --arch rat --mode train --out first_use_rat_train.json
     python tests/gpu/first_use_check.py --arch rat --mode train --out F --tiny --device cpu   (a smoke run)
+    python tests/gpu/first_use_check.py --arch fox --mode train --out F --fox-portable   (FoX off Hopper)
 
 Shape: 2 layers of the 1.3B shape (hidden 2048 = 16 heads x 128, SwiGLU 5632, vocab 32000), bf16,
 the model bench's row of the architecture (hf_hybrid/bench/models.py), one layer of each kind its
@@ -205,11 +206,20 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the model bench's quick shape (a smoke run)")
+    parser.add_argument("--fox-portable", action="store_true",
+                        help="FoX's portable Triton kernels where the Hopper (Gluon) ones would run (GPUs before Hopper)")
     args = parser.parse_args(argv)
 
     log = CompileLog().install()
     try:
-        result = _first_and_second_call(args, log)
+        if args.fox_portable:
+            from hf_hybrid.bench.forgetting_attention import portable_kernels
+
+            with portable_kernels(forward=True):
+                result = _first_and_second_call(args, log)
+            result["fox_portable"] = True
+        else:
+            result = _first_and_second_call(args, log)
     finally:
         log.uninstall()
     try:

@@ -71,3 +71,18 @@ def test_first_use_is_quick(model_type, mode, tmp_path):
     line = _summary(result)
     print(line)
     assert result["first_s"] <= LIMIT_S[mode], f"first {mode} took {result['first_s']:.1f} s > {LIMIT_S[mode]:.0f} s: {line}"
+
+
+def test_fox_portable_first_training_step_builds_one_tile_per_kernel(tmp_path, monkeypatch):
+    """FoX's portable kernels (GPUs before Hopper; held off the Gluon kernels here) launch the tile
+    portable_tile picks: nothing is autotuned, one build per kernel, within the first step's limit."""
+    monkeypatch.delenv("HF_HYBRID_AUTOTUNE", raising=False)
+    out_dir = _out_dir(tmp_path) / "fox_portable"
+    out_dir.mkdir(exist_ok=True)
+    result = first_use("fox", "train", out_dir, tmp_path, extra=("--fox-portable",))
+    line = _summary(result)
+    print("fox portable " + line)
+    assert result["fox_portable"] and not result["autotune"], line
+    portable = [c for c in result["compiles"] if "forgetting_attention.triton." in c["kernel"]]
+    assert portable and all(c["count"] == 1 for c in portable), portable
+    assert result["first_s"] <= LIMIT_S["train"], f"first train took {result['first_s']:.1f} s > {LIMIT_S['train']:.0f} s: {line}"

@@ -267,6 +267,60 @@ def test_triton_head_dim_limits_are_explained():
 
 
 # ------------------------------------------------------------------------------------------
+# launch tiles: one per kernel at a first use, the autotuner on request
+# ------------------------------------------------------------------------------------------
+def test_portable_tiles_are_the_tiles_the_autotuner_would_choose_from(monkeypatch):
+    """Without autotuning each portable kernel launches one of its candidates (the forward's by
+    length: the sweep's 4K and 64K winners), or the one tile the autotuner keeps for float32 and
+    head_dim 256, so a first use compiles one variant per kernel instead of four."""
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+
+    monkeypatch.setattr(fa, "triton_interpreting", lambda: False)
+
+    def tile(kind, max_len, head_dim=128, dtype=torch.bfloat16):
+        c = fa.portable_tile(kind, max_len, head_dim, dtype)
+        return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+
+    assert tile("fwd", 2048) == tile("fwd", fa.SHORT_FORWARD_MAX_LEN) == (128, 32, 4, 3)
+    assert tile("fwd", fa.SHORT_FORWARD_MAX_LEN + 1) == tile("fwd", 65536) == (128, 64, 8, 3)
+    for kind in ("fwd", "dkdv", "dq"):
+        for max_len in (1, 2048, 65536):
+            for head_dim in (64, 128):
+                assert tile(kind, max_len, head_dim) in fa.CANDIDATES[kind], (kind, max_len, head_dim)
+                assert tile(kind, max_len, head_dim, torch.float16) == tile(kind, max_len, head_dim)
+        for dtype, head_dim in ((torch.float32, 128), (torch.bfloat16, 256)):
+            kept = fa._prune(fa._configs(kind), {"Q": torch.empty(0, dtype=dtype)}, HEAD_DIM=head_dim)
+            assert len(kept) == 1 and str(kept[0]) == str(fa.portable_tile(kind, 2048, head_dim, dtype))
+
+
+def test_launches_are_autotuned_only_under_the_switch():
+    from hf_hybrid import options
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+
+    q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
+    with options.override(HF_HYBRID_AUTOTUNE=None):
+        kernel, extra = fa._launch(fa._dq_kernel, "dq", None, 2048, q)
+        tile = fa.portable_tile("dq", 2048, 128, torch.bfloat16)
+        assert kernel is fa._dq_kernel.fn
+        assert extra == dict(tile.kwargs, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    with options.override(HF_HYBRID_AUTOTUNE="1"):
+        assert fa._launch(fa._dq_kernel, "dq", None, 2048, q) == (fa._dq_kernel, {})
+
+
+@needs_triton
+def test_autotuned_and_fixed_tile_launches_agree():
+    q, k, v, log_f, do = make_inputs(2, 37, 4, 2, 16, torch.float32)
+    from hf_hybrid import options
+
+    with options.override(HF_HYBRID_AUTOTUNE="0"):
+        fixed = run_with_grads(q, k, v, log_f, do, backend="triton", window_size=9)
+    with options.override(HF_HYBRID_AUTOTUNE="1"):
+        tuned = run_with_grads(q, k, v, log_f, do, backend="triton", window_size=9)
+    for name, a, b in zip(NAMES, fixed, tuned):
+        assert rel_err(a, b) < 1e-5, name
+
+
+# ------------------------------------------------------------------------------------------
 # GPU: real lengths in bf16
 # ------------------------------------------------------------------------------------------
 @pytest.mark.gpu

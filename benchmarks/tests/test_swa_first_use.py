@@ -1,0 +1,32 @@
+"""benchmarks/swa_first_use.py: every way it times computes the sliding-window op's band."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import swa_first_use
+from hf_hybrid.kernels._backend import triton_interpreting
+
+
+@pytest.mark.parametrize("way", [w for w in swa_first_use.WAYS if w != "sdpa"])
+def test_every_way_computes_the_same_band_as_sdpa(way):
+    if way == "fox_window" and not (torch.cuda.is_available() or triton_interpreting()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 16, generator=g) for _ in range(3))
+    window = 9  # keys before each query: 10 visible, itself included
+    expected = swa_first_use.band_attention("sdpa", q, k, v, window, 0.25)
+    got = swa_first_use.band_attention(way, q, k, v, window, 0.25)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_an_unknown_way_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="flex, sdpa, fox_window"):
+        swa_first_use.band_attention("cudnn", *(torch.zeros(1, 4, 1, 16) for _ in range(3)), 2, 1.0)
+
+
+def test_it_needs_a_gpu_and_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert swa_first_use.main(["--seq", "64"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err
