@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_hybrid  # noqa: F401  (registers the architectures)
 from hf_hybrid.cli import parse_overrides
-from hf_hybrid.distributed import context_parallel, init_data_context_mesh
+from hf_hybrid.distributed import DataContextMesh, context_parallel, init_data_context_mesh
 
 
 def copy_task_rows(step: int, rows: int, seq_len: int, vocab_size: int, seed: int) -> torch.Tensor:
@@ -65,13 +65,26 @@ def start_processes(device: str) -> torch.device:
     return torch.device("cpu")
 
 
+def build_mesh(args, device: torch.device) -> DataContextMesh:
+    """The ("dp", "cp") mesh: torch's init_device_mesh, or (--mesh-from accelerate) the one
+    accelerate builds from its ParallelismConfig (GPUs: accelerate refuses it on CPU processes).
+    The model itself never goes through accelerator.prepare (see hf_hybrid/distributed/mesh.py)."""
+    if args.mesh_from == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.parallelism_config import ParallelismConfig
+
+        accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=args.dp, cp_size=args.cp))
+        return DataContextMesh.from_accelerate(accelerator)
+    return init_data_context_mesh(args.dp, args.cp, device.type)
+
+
 def train(args, model: torch.nn.Module | None = None, on_gradients=None, dims=None) -> list[float]:
     """Run ``args.steps`` optimizer steps; returns the global mean loss of every step.
     ``model``: a model to train instead of building one (the same on every rank);
     ``on_gradients(step, model)``: called with the reduced gradients, before the optimizer step;
     ``dims``: a DataContextMesh to reuse (else one is built from --dp and --cp)."""
     device = start_processes(args.device)
-    dims = dims or init_data_context_mesh(args.dp, args.cp, device.type)
+    dims = dims or build_mesh(args, device)
     cp = dims.cp
     model = (model if model is not None else build_model(args)).to(device).train()
     bf16 = device.type == "cuda" and not args.fp32
@@ -110,6 +123,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (one row each per step)")
     parser.add_argument("--cp", type=int, default=2, help="context-parallel ranks each row is split over")
     parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 over dp x cp")
+    parser.add_argument("--mesh-from", choices=["torch", "accelerate"], default="torch",
+                        help="build the mesh with torch's init_device_mesh or accelerate's ParallelismConfig")
     parser.add_argument("--model-type", default="rat")
     parser.add_argument("--seq-len", type=int, default=16384, help="tokens per row (a multiple of --cp)")
     parser.add_argument("--hidden-size", type=int, default=512)
