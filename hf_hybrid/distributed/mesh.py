@@ -30,6 +30,9 @@ accelerate: ``ParallelismConfig(dp_shard_size=..., cp_size=...)`` builds the sam
 parallelism (SDPA ring attention driven by forward hooks on ``self_attn``), which refuses models
 whose ``layer_types`` are not all ``full_attention`` (RAT, RATTENTION, SE hybrids) and would not
 exchange what our mixers need for the others; shard the model with :meth:`shard_model` instead.
+accelerate 1.15 takes a ParallelismConfig on GPUs (or under its FSDP2 / DeepSpeed plugins) and
+refuses it in CPU processes (MULTI_CPU); there ``ParallelismConfig(...).build_device_mesh("cpu")``
+builds the same mesh without an Accelerator.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ def test_mesh_layout_and_coalesced_reduction(results):
     assert results["dp_rank_and_cp_rank"]  # ranks d * cp .. d * cp + cp - 1 split data-parallel rank d's rows
     assert results["accelerate_layout_matches"]  # accelerate's ParallelismConfig mesh: the same ranks
     assert results["coalesced_matches_per_tensor"]
+    assert results["wrong_size_refused"]  # dp x cp must be the number of processes, and the error says so
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "plain"])

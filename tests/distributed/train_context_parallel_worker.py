@@ -9,7 +9,7 @@ replicated with its gradients summed over dp x cp. Compared with the reference: 
 every step's full gradients (gathered from the FSDP shards) and the parameters after the last
 step. The replicated runs use the mesh accelerate's ``ParallelismConfig(dp_shard_size=2,
 cp_size=2)`` builds, read by ``DataContextMesh.from_accelerate``; the FSDP2 runs the one
-``init_data_context_mesh`` builds. The coalesced gradient all-reduce is also compared
+``init_data_context_mesh`` builds (which refuses a dp x cp other than the number of processes). The coalesced gradient all-reduce is also compared
 with one all-reduce per tensor (to rounding). Rank 0 writes the largest differences over all ranks to
 OUT_DIR/results.json.
 """
@@ -138,6 +138,11 @@ def main() -> None:
         "dp_rank_and_cp_rank": layout[0] == (dist.get_rank() // CP, dist.get_rank() % CP),
         "coalesced_matches_per_tensor": coalesced_matches_per_tensor(),
     }
+    try:
+        init_data_context_mesh(3, 1, "cpu")
+        results["wrong_size_refused"] = False
+    except ValueError as error:
+        results["wrong_size_refused"] = "launch dp * cp processes" in str(error)
     checks = torch.tensor([int(results["accelerate_layout_matches"]), int(results["dp_rank_and_cp_rank"])])
     dist.all_reduce(checks, op=dist.ReduceOp.MIN)
     results["accelerate_layout_matches"], results["dp_rank_and_cp_rank"] = (bool(c) for c in checks.tolist())
