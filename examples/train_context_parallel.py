@@ -1,7 +1,7 @@
 """Train an hf-hybrid model on long rows with context parallelism composed with data parallelism:
 a ``("dp", "cp")`` mesh, one long row per data-parallel rank split over that rank's ``cp`` ranks,
 the model sharded by FSDP2 over dp x cp (``--fsdp``) or replicated with its gradients summed over
-dp x cp. A plain training loop (no Trainer); copy-task rows generated in place (nothing downloaded).
+dp x cp (by ``DataContextMesh.all_reduce_gradients``, or torch's DDP with ``--ddp``). A plain training loop (no Trainer); copy-task rows generated in place (nothing downloaded).
 
     torchrun --standalone --nproc-per-node 4 examples/train_context_parallel.py --dp 2 --cp 2 --fsdp \\
         --model-type rat --seq-len 16384
@@ -88,11 +88,20 @@ def train(args, model: torch.nn.Module | None = None, on_gradients=None, dims=No
     cp = dims.cp
     model = (model if model is not None else build_model(args)).to(device).train()
     bf16 = device.type == "cuda" and not args.fp32
+    trained = model
+    loss_scale = 1
     if args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         dims.shard_model(model, mp_policy=policy)
+    elif args.ddp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # DDP averages over the dp x cp ranks; the losses are shares of the global mean, whose
+        # gradient is the sum: scale each share by the number of ranks.
+        trained = DistributedDataParallel(model, process_group=dims.flat_group)
+        loss_scale = dims.flat_mesh.size()
     optimizer = make_optimizer(args, model)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not args.fsdp)
 
@@ -104,9 +113,9 @@ def train(args, model: torch.nn.Module | None = None, on_gradients=None, dims=No
         count = dims.count_targets(targets)  # over every dp x cp rank: each loss is a share of the global mean
         with context_parallel(model, cp):
             with autocast:
-                loss = model(input_ids=cp.shard(row), shift_labels=targets, num_items_in_batch=count, use_cache=False).loss
-            loss.backward()  # inside the block: a checkpointed layer's recompute exchanges again
-        if not args.fsdp:  # FSDP2's reduce-scatter already summed over dp x cp
+                loss = trained(input_ids=cp.shard(row), shift_labels=targets, num_items_in_batch=count, use_cache=False).loss
+            (loss * loss_scale).backward()  # inside the block: a checkpointed layer's recompute exchanges again
+        if not (args.fsdp or args.ddp):  # FSDP2's reduce-scatter / DDP's all-reduce already reduced over dp x cp
             dims.all_reduce_gradients(model)
         if on_gradients is not None:
             on_gradients(step, model)
@@ -123,6 +132,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (one row each per step)")
     parser.add_argument("--cp", type=int, default=2, help="context-parallel ranks each row is split over")
     parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 over dp x cp")
+    parser.add_argument("--ddp", action="store_true",
+                        help="replicate the model under torch's DistributedDataParallel over dp x cp (default: "
+                             "replicated, gradients summed by DataContextMesh.all_reduce_gradients)")
     parser.add_argument("--mesh-from", choices=["torch", "accelerate"], default="torch",
                         help="build the mesh with torch's init_device_mesh or accelerate's ParallelismConfig")
     parser.add_argument("--model-type", default="rat")
@@ -141,6 +153,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--output", default=None, help="write the step losses to this JSON file (rank 0)")
     parser.add_argument("--quiet", dest="log", action="store_false", help="no per-step log")
     args = parser.parse_args(argv)
+    if args.fsdp and args.ddp:
+        parser.error("--fsdp and --ddp: pick one (FSDP2 shards, DDP replicates)")
     if args.seq_len % args.cp:
         parser.error(f"--seq-len {args.seq_len} must be a multiple of --cp {args.cp}")
     return args
@@ -151,7 +165,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     losses = train(args)
     if dist.get_rank() == 0 and args.output:
         with open(args.output, "w") as file:
-            json.dump({"dp": args.dp, "cp": args.cp, "fsdp": args.fsdp, "model_type": args.model_type, "losses": losses}, file)
+            json.dump({"dp": args.dp, "cp": args.cp, "fsdp": args.fsdp, "ddp": args.ddp, "model_type": args.model_type, "losses": losses}, file)
     dist.destroy_process_group()
     return losses
 

@@ -9,9 +9,11 @@ group (``num_items_in_batch = dims.count_targets(shift_labels)``). So:
 - FSDP2 (:meth:`DataContextMesh.shard_model`) shards over the flattened dp x cp mesh, as torchtitan
   does, and its reduce-scatter sums over it (gradient divide factor 1): no separate all-reduce.
 - Plain data parallelism without FSDP: :meth:`DataContextMesh.all_reduce_gradients` sums every
-  gradient over dp x cp in a few bucketed collectives. Summed over cp, averaged over dp is the same
-  thing once the loss is scaled by dp, which is what transformers' Trainer does with
-  ``average_tokens_across_devices`` (a DDP that averages over dp needs ``loss * dp``).
+  gradient over dp x cp in a few bucketed collectives. A reduction that averages instead needs the
+  loss scaled by the ranks it averages over, as transformers' Trainer scales by the processes with
+  ``average_tokens_across_devices``: torch's ``DistributedDataParallel(model,
+  process_group=dims.flat_group)`` averages over dp x cp, so back-propagate ``loss * dp * cp``
+  (averaged over dp and summed over cp: ``loss * dp``).
 
     dims = init_data_context_mesh(dp=2, cp=2, device_type="cuda")    # 4 ranks
     dims.shard_model(model)                                          # or, without FSDP, see below

@@ -1,7 +1,7 @@
 """examples/train_context_parallel.py on CPU: 4 gloo processes as dp=2 x cp=2, under FSDP2 over
-dp x cp and with plain gradient sums, train like one process on the whole global batch (float32,
-reference kernels): every step's loss, every gradient and the parameters after 2 SGD steps, for one
-tiny model of each architecture (every variant with HF_HYBRID_SLOW=1; context parallelism covers
+dp x cp, with plain gradient sums and under torch's DDP, train like one process on the whole global
+batch (float32, reference kernels): every step's loss, every gradient and the parameters after 2
+SGD steps, for one tiny model of each architecture (every variant with HF_HYBRID_SLOW=1; context parallelism covers
 every mixer of these). The plain runs use the mesh accelerate's ParallelismConfig builds. One
 torchrun launch runs every check (tests/distributed/train_context_parallel_worker.py)."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_mesh_layout_and_coalesced_reduction(results):
     assert results["wrong_size_refused"]  # dp x cp must be the number of processes, and the error says so
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "plain"])
+@pytest.mark.parametrize("mode", ["fsdp", "plain", "ddp"])
 @pytest.mark.parametrize("name", TINY_TYPES)
 def test_dp_x_cp_trains_like_one_process(results, name, mode):
     result = results[name][mode]

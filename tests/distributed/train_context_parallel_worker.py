@@ -4,8 +4,8 @@
 
 4 gloo ranks as dp=2 x cp=2. Per tiny model type (float32, reference kernels): one process trains
 the whole global batch (2 rows) for 2 SGD steps (the reference, run on every rank); then the
-example's loop trains the same model split over the mesh, once under FSDP2 over dp x cp and once
-replicated with its gradients summed over dp x cp. Compared with the reference: every step's loss,
+example's loop trains the same model split over the mesh: under FSDP2 over dp x cp, replicated
+with its gradients summed over dp x cp, and under torch's DDP over dp x cp (loss scaled by 4). Compared with the reference: every step's loss,
 every step's full gradients (gathered from the FSDP shards) and the parameters after the last
 step. The replicated runs use the mesh accelerate's ``ParallelismConfig(dp_shard_size=2,
 cp_size=2)`` builds, read by ``DataContextMesh.from_accelerate``; the FSDP2 runs the one
@@ -127,6 +127,7 @@ def main() -> None:
     example = load_example()
     args = example.parse_args(ARGS)
     fsdp_args = example.parse_args([*ARGS, "--fsdp"])
+    ddp_args = example.parse_args([*ARGS, "--ddp"])
 
     from accelerate.parallelism_config import ParallelismConfig
 
@@ -151,6 +152,7 @@ def main() -> None:
         results[name] = {
             "fsdp": split_run(example, fsdp_args, name, own, reference),
             "plain": split_run(example, args, name, accelerate, reference),
+            "ddp": split_run(example, ddp_args, name, own, reference),
         }
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as file:

@@ -5,7 +5,7 @@ Run (4 GPUs; with 2, only the dp=1 x cp=2 runs): python -m pytest -m gpu tests/g
 
 Per architecture, 3 AdamW steps on 8K-token rows (hidden 256 = 4 heads of 64):
 - 2 GPUs: dp=1 x cp=2, plain and FSDP2, against one process (dp=1 x cp=1);
-- 4 GPUs: dp=2 x cp=2, plain, FSDP2 and the mesh from accelerate's ParallelismConfig, against
+- 4 GPUs: dp=2 x cp=2, plain, FSDP2, DDP and the mesh from accelerate's ParallelismConfig, against
   dp=2 x cp=1 (data parallelism alone, on 2 of the GPUs).
 bf16 tolerance: every step's loss within 2e-2 of the unsplit run's (losses near ln 512 = 6.2; the
 runs round differently: the split runs gather bf16 keys and combine float32 states across ranks).
@@ -49,7 +49,7 @@ def test_cp2_matches_one_process(tmp_path, model_type):
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_dp2_x_cp2_matches_data_parallel_alone(tmp_path, model_type):
     reference = run(tmp_path, 2, model_type, "--dp", "2", "--cp", "1")
-    for options in (["--dp", "2", "--cp", "2"], ["--dp", "2", "--cp", "2", "--fsdp"],
+    for options in (["--dp", "2", "--cp", "2"], ["--dp", "2", "--cp", "2", "--fsdp"], ["--dp", "2", "--cp", "2", "--ddp"],
                     ["--dp", "2", "--cp", "2", "--fsdp", "--mesh-from", "accelerate"]):
         losses = run(tmp_path, 4, model_type, *options)
         assert losses == pytest.approx(reference, abs=TOL_LOSS, rel=0), options
