@@ -17,7 +17,7 @@ group (``num_items_in_batch = dims.count_targets(shift_labels)``). So:
 
     dims = init_data_context_mesh(dp=2, cp=2, device_type="cuda")    # 4 ranks
     dims.shard_model(model)                                          # or, without FSDP, see below
-    ids = rows[dims.dp_rank]                                         # this dp rank's rows
+    ids = rows[dims.dp_rank : dims.dp_rank + 1]                      # this dp rank's row
     targets = dims.cp.shard_labels(ids)
     with context_parallel(model, dims.cp):
         loss = model(input_ids=dims.cp.shard(ids), shift_labels=targets,
