@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...layers.loss import shifted_labels
+from ..gradients import all_reduce_coalesced, model_gradients
 from . import layout as layouts
 
 
@@ -93,10 +94,9 @@ class ContextParallelGroup:
         return count
 
     def all_reduce_gradients(self, model: nn.Module) -> None:
-        """Sum every parameter's gradient over the group (each rank holds its shard's part)."""
-        for param in model.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=self.group)
+        """Sum every parameter's gradient over the group (each rank holds its shard's part), in a
+        few collectives over flat buckets (gradients.py) rather than one per parameter."""
+        all_reduce_coalesced(model_gradients(model), group=self.group)
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along ``dim`` in rank order, differentiable."""
