@@ -13,7 +13,7 @@ import hf_hybrid  # noqa: F401
 from hf_hybrid.models.rat_plus.stacked_patterns import stack_rows
 from hf_hybrid.sparse import RowPatterns, SparseInferenceConfig
 
-from test_rat_plus_joint_objective import VOCAB, batch, grads, summed_reference, tiny_model
+from test_rat_plus_joint_objective import VOCAB, assert_same_grads, batch, grads, summed_reference, tiny_model
 
 EXACT = dict(atol=1e-6, rtol=1e-6)
 
@@ -25,13 +25,7 @@ def stacked(model, monkeypatch):
 
 
 def assert_close_grads(got, expected):
-    assert got.keys() == expected.keys()
-    for name, g in expected.items():
-        if g is None:
-            assert got[name] is None, f"{name}: a gradient where the reference has none"
-        else:
-            assert got[name] is not None, f"{name}: no gradient"
-            torch.testing.assert_close(got[name], g, **EXACT, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(got, expected, EXACT)
 
 
 def check_against_summed_forwards(monkeypatch, make_model=tiny_model, scale=1.0, **inputs):
