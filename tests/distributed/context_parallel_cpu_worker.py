@@ -91,17 +91,23 @@ def gathered_tokens(shard_len: int):
     shard's tokens each rank contributed (sums and states, gathered along dim 0, count 0): what a
     rank ends up holding of the other shards' keys and values, as a fraction of a shard each."""
     shares = []
-    original = ContextParallelGroup.all_gather
+    original, original_exchange = ContextParallelGroup.all_gather, ContextParallelGroup.exchange_rows
 
     def recording(self, tensor, dim):
         shares.append(tensor.shape[dim] / shard_len if dim == 1 else 0.0)
         return original(self, tensor, dim)
 
-    ContextParallelGroup.all_gather = recording
+    def recording_exchange(self, rows, send_counts, recv_counts):
+        # SE's retrieved blocks: rows [blocks, batch, block tokens, ...], counted from the other ranks
+        others = [count for rank, count in enumerate(recv_counts) if rank != self.rank]
+        shares.append(max(others, default=0) * rows.shape[2] / shard_len)
+        return original_exchange(self, rows, send_counts, recv_counts)
+
+    ContextParallelGroup.all_gather, ContextParallelGroup.exchange_rows = recording, recording_exchange
     try:
         yield shares
     finally:
-        ContextParallelGroup.all_gather = original
+        ContextParallelGroup.all_gather, ContextParallelGroup.exchange_rows = original, original_exchange
 
 
 def check(name: str, cp: ContextParallelGroup) -> dict:
@@ -133,6 +139,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
         max(g.abs().max().item() for g in reference_grads.values()),
         (alone - cp.shard(full.logits.detach())).abs().max().item(),
         (cp.unshard(out.logits.detach()) - full.logits.detach()).abs().max().item(),  # the layout's gather
+        max(gathered, default=0.0),  # the largest over the ranks (SE's blocks come to some ranks only)
     ])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=cp.group)
     missing = [n for n, p in model.named_parameters() if (p.grad is None) != (n not in reference_grads)]
@@ -149,7 +156,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
         model(input_ids=cp.shard(ids), use_cache=False)  # a plain forward after it puts the mixers back
     return {"loss_diff": diffs[0].item(), "logits_diff": diffs[1].item(), "grad_diff": diffs[2].item(),
             "grad_scale": diffs[3].item(), "no_exchange_logits_diff": diffs[4].item(), "unshard_logits_diff": diffs[5].item(), "loss": full.loss.item(),
-            "missing_grads": missing, "largest_gather": max(gathered, default=0.0), "late_backward_refused": late_backward_refused}
+            "missing_grads": missing, "largest_gather": diffs[6].item(), "late_backward_refused": late_backward_refused}
 
 
 def check_layer(name: str, cp: ContextParallelGroup) -> dict:

@@ -108,6 +108,29 @@ class ContextParallelGroup:
         not), so each rank's backward reaches the same collectives."""
         return self.all_gather(tensor.unsqueeze(0), 0)
 
+    def exchange_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """All-to-all along dim 0, differentiable: ``rows`` holds ``send_counts[r]`` rows for each
+        rank r in rank order; returns the ``recv_counts[r]`` rows each rank r sent here, in rank
+        order. The backward sends each row's gradient back to the rank it came from."""
+        return _ExchangeRows.apply(rows, list(send_counts), list(recv_counts), self)
+
+
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, send_counts, recv_counts, cp):
+        ctx.send_counts, ctx.recv_counts, ctx.cp = send_counts, recv_counts, cp
+        return _all_to_all_rows(rows, send_counts, recv_counts, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all_rows(grad, ctx.recv_counts, ctx.send_counts, ctx.cp), None, None, None
+
+
+def _all_to_all_rows(rows, send_counts, recv_counts, cp):
+    received = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    dist.all_to_all_single(received, rows.contiguous(), recv_counts, send_counts, group=cp.group)
+    return received
+
 
 class _AllGather(torch.autograd.Function):
     @staticmethod

@@ -86,6 +86,22 @@ def previous_chunk_entries(cp, parts):
     return torch.stack([gathered[chunk - 1] if chunk > 0 else gathered[0] * 0 for chunk in cp.chunks])
 
 
+def preceding_tokens(cp, parts, count: int):
+    """[this rank's chunks, batch, count, ...]: for each segment, the ``count`` tokens just before
+    it in the sequence (zeros before the first token), from ``parts`` (one [batch, chunk, ...]
+    tensor per segment). A halo longer than a chunk reads several chunks before; each chunk gives
+    its last min(count, chunk) tokens to one all-gather (differentiable)."""
+    size = parts[0].shape[1]
+    given = min(count, size)
+    reach = -(-count // size)  # chunks back a halo spans
+    gathered = gather_segments(cp, [part[:, size - given:] for part in parts])  # [chunks, batch, given, ...]
+    halos = []
+    for chunk in cp.chunks:
+        pieces = [gathered[before] if before >= 0 else gathered[0] * 0 for before in range(chunk - reach, chunk)]
+        halos.append(torch.cat(pieces, 1)[:, -count:])
+    return torch.stack(halos)
+
+
 def earlier_chunks_sum(cp, parts):
     """[this rank's chunks, ...]: for each segment, the sum of the entries of every chunk before it."""
     gathered = gather_segments(cp, parts)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from .group import ContextParallelGroup, check_plain, keep_in_graph
-from .layout import gather_segments, gather_sequence, longer_chunks_hint, previous_chunk_entries, segments
+from .layout import gather_segments, longer_chunks_hint, preceding_tokens, previous_chunk_entries, rank_chunks, segments
+from .ring import ring_softmax_attention
 
 
 def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None,
                           attention_mode=None, se_chunk_size=None, **unused):
-    from ...kernels.span_expanded_attention import MODES, RETRIEVAL_MODES, retrieved_block_table, span_expanded_mask
-    from ...kernels.span_expanded_attention.reference import masked_attention, selection_for_sequence
+    from ...kernels.span_expanded_attention import MODES, RETRIEVAL_MODES, masked_attention
     from ...layers.rotary import rotary_tables
 
     check_plain(mixer, context, cache_layer)
@@ -29,29 +29,143 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
     positions = cp.positions(seq, q.device)[None]
     cos_sin = rotary_tables(mixer.rotary, context, positions, tag=("context parallel positions", cp.layout, cp.rank, seq))
     q, k = mixer._rotate(q, cos_sin), mixer._rotate(k, cos_sin)
-    # The keys and values of the whole sequence, in order; each segment (a rank's chunk) reads those
-    # up to its end. The retrieval (which blocks each group of queries reads) is chosen from the
-    # queries and keys before, gathered without gradient.
-    keys, values = (gather_sequence(cp, segments(cp, t)) for t in (k, v))
-    queries = gather_sequence(cp, segments(cp, q.detach())) if mode in RETRIEVAL_MODES else None
-    size, outs = seq // len(cp.chunks), []
-    for start, q_seg in zip(cp.segment_starts(seq), segments(cp, q)):
-        end = start + size
-        retrieved = None
-        if mode in RETRIEVAL_MODES:
-            with torch.no_grad():
-                indices, valid, _ = selection_for_sequence(
-                    queries[:, :end], keys[:, :end].detach(), values[:, :end].detach(), mode=mode, chunk_size=chunk_size,
-                    block_size=settings.block_size, top_k=settings.top_k, select_every=settings.select_every, seed=settings.seed,
-                )
-                retrieved = retrieved_block_table(indices, valid, end // settings.block_size)
-        mask = span_expanded_mask(
-            mode, size, end, query_start=start, chunk_size=chunk_size, block_size=settings.block_size,
-            select_every=settings.select_every, window=settings.window, retrieved=retrieved,
-        ).to(q.device)
-        outs.append(masked_attention(q_seg, keys[:, :end], values[:, :end], mask))
-    out = keep_in_graph(torch.cat(outs, 1), [keys, values])  # the first chunk reads none of the later keys
+    if mode == "full":  # every earlier key: ring attention, no rank holds the prefix
+        backend = "reference" if settings.backend == "reference" else "auto"
+        out = ring_softmax_attention(q, k, v, cp, mixer.head_dim**-0.5, backend)
+        return mixer.o_proj(out.reshape(batch, seq, -1))
+    size = seq // len(cp.chunks)
+    spans = _LocalSpans(mode, cp, size, chunk_size, settings)
+    if mode == "se":
+        for what, multiple in (("se_block_size", settings.block_size), ("se_select_every", settings.select_every)):
+            if size % multiple:
+                raise ValueError(f"context parallelism with SE attention: each chunk of the {cp.layout} layout ({size} tokens) "
+                                 f"must be a multiple of {what} ({multiple})." + longer_chunks_hint(cp))
+    # The keys a segment reads of its own neighbourhood: the halo of the chunks before it.
+    halos = [preceding_tokens(cp, segments(cp, t), spans.halo) for t in (k, v)] if spans.halo else []
+    tables, remote = None, None
+    if mode == "se":
+        tables = _retrieval_tables(cp, q.detach(), k.detach(), v.detach(), size, chunk_size, settings, mixer.num_heads)
+        remote = _retrieved_blocks(cp, k, v, tables, spans, size, settings.block_size)
+    outs = []
+    for index, (start, q_seg, k_seg, v_seg) in enumerate(zip(cp.segment_starts(seq), *(segments(cp, t) for t in (q, k, v)))):
+        first = spans.first_key(start)
+        held = start - first
+        keys, values = k_seg, v_seg
+        if held:
+            keys = torch.cat([halos[0][index][:, spans.halo - held:], k_seg], 1)
+            values = torch.cat([halos[1][index][:, spans.halo - held:], v_seg], 1)
+        query_pos = torch.arange(start, start + size, device=q.device)[:, None]
+        key_pos = torch.arange(first, start + size, device=q.device)[None, :]
+        mask = spans.own_mask(query_pos, key_pos)  # [queries, keys]
+        if tables is not None:
+            table = tables[index]  # [batch, heads, groups of the segment, blocks of the sequence]
+            group = (query_pos[:, 0] - start) // settings.select_every
+            in_span = table[:, :, group][..., key_pos[0] // settings.block_size] & (key_pos <= query_pos)
+            mask = mask | in_span
+            k_remote, v_remote, remote_blocks = remote
+            # Received blocks this segment holds itself (a later segment asked for them) stay masked.
+            usable = remote_blocks < first // settings.block_size
+            remote_mask = (table[:, :, group][..., remote_blocks] & usable).repeat_interleave(settings.block_size, -1)
+            keys, values = torch.cat([k_remote, keys], 1), torch.cat([v_remote, values], 1)
+            mask = torch.cat([remote_mask, mask.expand(remote_mask.shape[:3] + mask.shape[-1:])], -1)
+        outs.append(masked_attention(q_seg, keys, values, mask))
+    out = keep_in_graph(torch.cat(outs, 1), [*halos, *(remote[:2] if remote else ())])
     return mixer.o_proj(out.reshape(batch, seq, -1))
+
+
+class _LocalSpans:
+    """Which keys near a query a mode reads without retrieval, as positions: a query p of a segment
+    starting at ``start`` reads keys from ``first_key(start)`` on (``own_mask`` says which), and
+    ``halo`` is the most tokens any segment of the sequence reads before its own start."""
+
+    def __init__(self, mode: str, cp, size: int, chunk_size: int, settings):
+        self.mode, self.chunk_size, self.window, self.block_size = mode, chunk_size, settings.window, settings.block_size
+        self.halo = max(start - self.first_key(start) for start in range(0, size * cp.num_chunks, size))
+
+    def first_key(self, start: int) -> int:
+        if self.mode == "swa":
+            return max(0, start - (self.window - 1))
+        chunk_start = (start // self.chunk_size) * self.chunk_size
+        if self.mode == "se":  # from the first block the SE chunk touches: blocks are whole here or retrieved
+            return (chunk_start // self.block_size) * self.block_size
+        return chunk_start
+
+    def own_mask(self, query_pos, key_pos):
+        causal = key_pos <= query_pos
+        if self.mode == "swa":
+            return causal & (key_pos > query_pos - self.window)
+        return causal & (key_pos >= (query_pos // self.chunk_size) * self.chunk_size)
+
+
+@torch.no_grad()
+def _retrieval_tables(cp, q, k, v, size: int, chunk_size: int, settings, num_heads: int):
+    """Per segment, [batch, heads, its selection groups, blocks of the sequence] bool: the blocks
+    each group retrieves, chosen as one process chooses them. Gathered: every block's summary
+    (one vector per head) and, per chunk, the sum of its queries since its last SE chunk start
+    (what a group whose SE chunk began in an earlier chunk ranks with)."""
+    from ...kernels.span_expanded_attention import block_summaries, retrieved_block_table, select_blocks
+
+    block, every = settings.block_size, settings.select_every
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    starts = [chunk * size for chunk in cp.chunks]
+    parts = list(zip(*(segments(cp, t) for t in (q, k, v))))
+    summaries = gather_segments(cp, [block_summaries(q_s, k_s, v_s, block) for q_s, k_s, v_s in parts])
+    summaries = summaries.transpose(0, 1).flatten(1, 2)  # [batch, blocks of the sequence, heads, dim]
+    last_starts = [max(start, ((start + size - 1) // chunk_size) * chunk_size) for start in starts]
+    tails = gather_segments(cp, [q_s[:, last - start:].sum(1, dtype=acc) for (q_s, _, _), start, last in zip(parts, starts, last_starts)])
+    tables = []
+    for (q_s, _, _), start in zip(parts, starts):
+        end = start + size
+        chunk_start = (start // chunk_size) * chunk_size
+        # Queries of this SE chunk in the chunks before: every earlier chunk that ends after its start.
+        earlier = [j for j in range(start // size) if (j + 1) * size > chunk_start]
+        carried = sum((tails[j] for j in earlier), torch.zeros_like(tails[0]))
+        offsets = torch.arange(start, end, device=q.device)
+        own_chunk_start = (offsets // chunk_size) * chunk_size
+        running = torch.nn.functional.pad(q_s.to(acc).cumsum(1), (0, 0, 0, 0, 1, 0))  # [batch, size + 1, heads, dim]
+        since = running[:, 1:] - running[:, (own_chunk_start - start).clamp(min=0)]
+        since = since + (own_chunk_start < start)[None, :, None, None] * carried[:, None]
+        relevancy = since[:, ::every]  # through each group's first query
+        chunk_index = offsets[::every] // chunk_size
+        indices, valid = select_blocks(
+            relevancy, summaries[:, : end // block], chunk_index, mode="se", chunk_size=chunk_size, block_size=block,
+            top_k=settings.top_k, num_heads=num_heads, seed=settings.seed,
+        )
+        tables.append(retrieved_block_table(indices, valid, summaries.shape[1]))
+    return tables
+
+
+def _retrieved_blocks(cp, k, v, tables, spans, size: int, block: int):
+    """(keys, values [batch, n x block, kv heads, dim], block indices [n]): the blocks this rank's
+    segments retrieve from before their own neighbourhood, each brought from the rank holding it by
+    one all-to-all of just those blocks (its backward returns their gradients). The requests (a
+    bool per block of the sequence, per rank) are all-gathered first."""
+    blocks_per_chunk = size // block
+    num_blocks = tables[0].shape[-1]
+    wanted = torch.zeros(num_blocks, dtype=torch.bool, device=k.device)
+    for table, chunk in zip(tables, cp.chunks):
+        reach = spans.first_key(chunk * size) // block  # blocks from here on are in the segment's own keys
+        wanted[:reach] |= table.flatten(0, 2).any(0)[:reach]
+    with torch.no_grad():
+        requests = cp.all_gather(wanted[None].to(torch.uint8), 0).bool()  # [ranks, blocks]
+    owner = torch.empty(cp.num_chunks, dtype=torch.long)
+    for rank in range(cp.world_size):
+        owner[list(rank_chunks(cp.layout, rank, cp.world_size))] = rank
+    block_owner = owner.repeat_interleave(blocks_per_chunk).to(k.device)
+    # This rank's blocks in shard order: block j of chunk c sits at slot (segment of c) x blocks_per_chunk + j % blocks_per_chunk.
+    slot = torch.full((num_blocks,), -1, dtype=torch.long, device=k.device)
+    for index, chunk in enumerate(cp.chunks):
+        slot[chunk * blocks_per_chunk:(chunk + 1) * blocks_per_chunk] = torch.arange(
+            index * blocks_per_chunk, (index + 1) * blocks_per_chunk, device=k.device)
+    mine = block_owner == cp.rank
+    send = [(requests[rank] & mine).nonzero()[:, 0] for rank in range(cp.world_size)]
+    receive = [(requests[cp.rank] & (block_owner == rank)).nonzero()[:, 0] for rank in range(cp.world_size)]
+    batch, seq, kv_heads, dim = k.shape
+    own_blocks = torch.cat([k, v], -1).view(batch, seq // block, block, kv_heads, 2 * dim).transpose(0, 1)
+    rows = own_blocks[slot[torch.cat(send)]]  # [sent blocks, batch, block, kv heads, 2 dim]
+    received = cp.exchange_rows(rows, [len(s) for s in send], [len(r) for r in receive])
+    keys_values = received.transpose(0, 1).flatten(1, 2)  # [batch, received blocks x block, kv heads, 2 dim]
+    return (*keys_values.split(dim, -1), torch.cat(receive))
 
 
 # ------------------------------------------------------------------------------------ Mamba-2
