@@ -72,6 +72,10 @@ MODELS = {
     "se_hybrid": ("se_hybrid", {}),
     "se_hybrid_full": ("se_hybrid", {"attention_mode": "full"}),
     "se_hybrid_swa": ("se_hybrid", {"attention_mode": "swa"}),
+    # SE chunks longer than a rank's chunk: the local span's halo and the retrieval's query sums cross chunks
+    "se_hybrid_long_chunks": ("se_hybrid", {"se_chunk_sizes": [16], "se_eval_chunk_size": 16}),
+    "se_hybrid_nomem": ("se_hybrid", {"attention_mode": "se_nomem", "se_chunk_sizes": [24], "se_eval_chunk_size": 24}),
+    "se_hybrid_longer_chunks": ("se_hybrid", {"se_chunk_sizes": [24], "se_eval_chunk_size": 24}),
     # activation checkpointing: the backward (inside the block) reruns each layer's exchange
     "fox_pro_checkpointed": ("fox_pro", {"gradient_checkpointing": True}),
     "se_hybrid_checkpointed": ("se_hybrid", {"gradient_checkpointing": True}),
@@ -86,10 +90,12 @@ RINGS = {"fox_ring_triton": "triton"}
 
 
 @contextlib.contextmanager
-def gathered_tokens(shard_len: int):
+def gathered_tokens(shard_len: int, rows_per_token: int = 1):
     """Records, for every all-gather along the sequence (dim 1) in the block, the share of a
     shard's tokens each rank contributed (sums and states, gathered along dim 0, count 0): what a
-    rank ends up holding of the other shards' keys and values, as a fraction of a shard each."""
+    rank ends up holding of the other shards' keys and values, as a fraction of a shard each.
+    SE's all-to-all of retrieved blocks counts the (batch row, key head) blocks a rank receives
+    from another rank, as a share of that rank's shard (``rows_per_token``: batch x key heads)."""
     shares = []
     original, original_exchange = ContextParallelGroup.all_gather, ContextParallelGroup.exchange_rows
 
@@ -98,9 +104,9 @@ def gathered_tokens(shard_len: int):
         return original(self, tensor, dim)
 
     def recording_exchange(self, rows, send_counts, recv_counts):
-        # SE's retrieved blocks: rows [blocks, batch, block tokens, ...], counted from the other ranks
+        # rows [(batch row, key head, block) units, block tokens, 2 x head_dim], counted from the other ranks
         others = [count for rank, count in enumerate(recv_counts) if rank != self.rank]
-        shares.append(max(others, default=0) * rows.shape[2] / shard_len)
+        shares.append(max(others, default=0) * rows.shape[1] / (shard_len * rows_per_token))
         return original_exchange(self, rows, send_counts, recv_counts)
 
     ContextParallelGroup.all_gather, ContextParallelGroup.exchange_rows = recording, recording_exchange
@@ -123,7 +129,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     model.zero_grad()
 
     targets = cp.shard_labels(labels)
-    with context_parallel(model, cp), gathered_tokens(seq_len(cp) // cp.world_size) as gathered:
+    with context_parallel(model, cp), gathered_tokens(seq_len(cp) // cp.world_size, BATCH * getattr(model.config, "num_key_value_heads", 1)) as gathered:
         out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False, skip_logits=False)
         out.loss.backward()  # inside the block: a checkpointed layer's recompute exchanges too
     cp.all_reduce_gradients(model)

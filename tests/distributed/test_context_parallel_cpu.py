@@ -15,10 +15,11 @@ the ring alone on its Triton blocks, in Triton's CPU interpreter, with grouped q
 RATTENTION (whole models with local and global layers, and pure linear attention: the window halo,
 the residual linear attention's state from the earlier shards, ring attention in the global
 layers), SE hybrids (whole models, SE retrieval, full and sliding-window modes: the Mamba-2 conv
-halo and SSM state passed on, the attention layers' earlier keys gathered and their retrieval
-chosen from the earlier queries) and, alone, the Mamba-2 layer at a larger gradient scale. A
-control run of each shard without the exchange differs, so the comparison sees a missing
-exchange. With activation checkpointing (FoX, SE hybrid) the backward runs inside the block, so
+halo and SSM state passed on, the attention layers on the ring (full), the window halo (swa), and
+for SE retrieval the block summaries gathered, the blocks chosen as one process chooses them and
+only those brought by an all-to-all; SE chunks longer than a rank's chunk too) and, alone, the
+Mamba-2 layer at a larger gradient scale. A control run of each shard without the exchange
+differs, so the comparison sees a missing exchange. With activation checkpointing (FoX, SE hybrid) the backward runs inside the block, so
 each layer's recompute exchanges again; a backward after the block is refused with the fix named.
 The ranks run context_parallel_cpu_worker.py under torchrun.
 """
@@ -32,7 +33,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "rat_plus_mixed_heads", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "fox_pro_checkpointed", "se_hybrid_checkpointed", "mamba2_layer", "fox_ring_triton"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "rat_plus_mixed_heads", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "se_hybrid_long_chunks", "fox_pro_checkpointed", "se_hybrid_checkpointed", "mamba2_layer", "fox_ring_triton"]
 _results = {}
 
 
@@ -64,11 +65,16 @@ def test_split_sequence_matches_one_process(tmp_path_factory, ranks, layout, nam
 
 # The largest share of a shard's tokens any all-gather along the sequence takes from each rank:
 # ring attention gathers none (its blocks pass point to point), RAT its chunk ends (1/L, L = 4),
-# a dilated RAT+ pattern its chunk ends, window halo and sinks; SE attention gathers whole shards.
+# a dilated RAT+ pattern its chunk ends, window halo and sinks; SE attention in full mode runs on
+# the ring and its sliding window reads a halo (gathered per chunk, count 0).
 LARGEST_GATHER = {
     "fox_llama": 0.0, "fox_pro": 0.0, "fox_pro_rope": 0.0, "rat_full_attention": 1 / 4, "rattention": 0.0,
-    "rattention_linear": 0.0, "rat": 1 / 4, "rat_nope": 1 / 4,
+    "rattention_linear": 0.0, "rat": 1 / 4, "rat_nope": 1 / 4, "se_hybrid_full": 0.0, "se_hybrid_swa": 0.0,
 }
+# SE retrieval: the (batch row, key head, block) units the queries of a rank select from another
+# rank's shard, as a share of that shard: some, never the whole shard at these settings (top 2 of
+# blocks of 2 tokens per group of 4 queries; how much depends on the scores, so bounds only).
+SE_RETRIEVAL = ["se_hybrid", "se_hybrid_checkpointed", "se_hybrid_long_chunks"]
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -87,7 +93,8 @@ def test_ring_mixers_gather_no_keys_of_the_prefix(tmp_path_factory, ranks, layou
         if chunk % dilation:  # a dilation that does not divide the chunk: every key gathered
             read = set(range(chunk))
         assert results(tmp_path_factory, ranks)[name + suffix]["largest_gather"] == pytest.approx(len(read) / chunk), name
-    assert results(tmp_path_factory, ranks)["se_hybrid" + suffix]["largest_gather"] == 1.0
+    for name in SE_RETRIEVAL:
+        assert 0.0 < results(tmp_path_factory, ranks)[name + suffix]["largest_gather"] < 1.0, name
 
 
 def test_uncovered_patterns_are_named():

@@ -63,9 +63,11 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
             in_span = table[:, :, group][..., key_pos[0] // settings.block_size] & (key_pos <= query_pos)
             mask = mask | in_span
             k_remote, v_remote, remote_blocks = remote
-            # Received blocks this segment holds itself (a later segment asked for them) stay masked.
-            usable = remote_blocks < first // settings.block_size
-            remote_mask = (table[:, :, group][..., remote_blocks] & usable).repeat_interleave(settings.block_size, -1)
+            remote_blocks = remote_blocks.repeat_interleave(mixer.num_key_value_groups, 1)  # [batch, heads, n]
+            # Padding (-1) and blocks this segment holds itself (a later segment asked for them) stay masked.
+            usable = (remote_blocks >= 0) & (remote_blocks < first // settings.block_size)
+            picked = torch.gather(table[:, :, group], -1, remote_blocks.clamp(min=0)[:, :, None].expand(-1, -1, size, -1))
+            remote_mask = (picked & usable[:, :, None]).repeat_interleave(settings.block_size, -1)
             keys, values = torch.cat([k_remote, keys], 1), torch.cat([v_remote, values], 1)
             mask = torch.cat([remote_mask, mask.expand(remote_mask.shape[:3] + mask.shape[-1:])], -1)
         outs.append(masked_attention(q_seg, keys, values, mask))
@@ -136,36 +138,49 @@ def _retrieval_tables(cp, q, k, v, size: int, chunk_size: int, settings, num_hea
 
 
 def _retrieved_blocks(cp, k, v, tables, spans, size: int, block: int):
-    """(keys, values [batch, n x block, kv heads, dim], block indices [n]): the blocks this rank's
-    segments retrieve from before their own neighbourhood, each brought from the rank holding it by
-    one all-to-all of just those blocks (its backward returns their gradients). The requests (a
-    bool per block of the sequence, per rank) are all-gathered first."""
-    blocks_per_chunk = size // block
-    num_blocks = tables[0].shape[-1]
-    wanted = torch.zeros(num_blocks, dtype=torch.bool, device=k.device)
+    """(keys, values [batch, n x block, kv heads, dim], block indices [batch, kv heads, n], -1 for
+    padding): per batch row and key head, the blocks this rank's segments retrieve from before their
+    own neighbourhood (n: the most any row and head needs). Each (row, key head, block) comes from
+    the rank holding it by one all-to-all of just those, whose backward returns their gradients;
+    the requests (a bool per row, key head and block of the sequence, per rank) are all-gathered first."""
+    batch, seq, kv_heads, dim = k.shape
+    blocks_per_chunk, num_blocks = size // block, tables[0].shape[-1]
+    wanted = torch.zeros(batch, kv_heads, num_blocks, dtype=torch.bool, device=k.device)
     for table, chunk in zip(tables, cp.chunks):
         reach = spans.first_key(chunk * size) // block  # blocks from here on are in the segment's own keys
-        wanted[:reach] |= table.flatten(0, 2).any(0)[:reach]
+        by_key_head = table.unflatten(1, (kv_heads, -1)).any(2).any(2)  # query heads of a key head, groups
+        wanted[..., :reach] |= by_key_head[..., :reach]
     with torch.no_grad():
-        requests = cp.all_gather(wanted[None].to(torch.uint8), 0).bool()  # [ranks, blocks]
+        requests = cp.all_gather(wanted[None].to(torch.uint8), 0).bool()  # [ranks, batch, kv heads, blocks]
     owner = torch.empty(cp.num_chunks, dtype=torch.long)
     for rank in range(cp.world_size):
         owner[list(rank_chunks(cp.layout, rank, cp.world_size))] = rank
     block_owner = owner.repeat_interleave(blocks_per_chunk).to(k.device)
-    # This rank's blocks in shard order: block j of chunk c sits at slot (segment of c) x blocks_per_chunk + j % blocks_per_chunk.
+    # Where block j of this rank's chunks sits in its shard (chunks concatenated in shard order).
     slot = torch.full((num_blocks,), -1, dtype=torch.long, device=k.device)
     for index, chunk in enumerate(cp.chunks):
         slot[chunk * blocks_per_chunk:(chunk + 1) * blocks_per_chunk] = torch.arange(
             index * blocks_per_chunk, (index + 1) * blocks_per_chunk, device=k.device)
-    mine = block_owner == cp.rank
-    send = [(requests[rank] & mine).nonzero()[:, 0] for rank in range(cp.world_size)]
-    receive = [(requests[cp.rank] & (block_owner == rank)).nonzero()[:, 0] for rank in range(cp.world_size)]
-    batch, seq, kv_heads, dim = k.shape
-    own_blocks = torch.cat([k, v], -1).view(batch, seq // block, block, kv_heads, 2 * dim).transpose(0, 1)
-    rows = own_blocks[slot[torch.cat(send)]]  # [sent blocks, batch, block, kv heads, 2 dim]
+    send = [(requests[rank] & (block_owner == cp.rank)).nonzero() for rank in range(cp.world_size)]  # (row, head, block)
+    receive = [(requests[cp.rank] & (block_owner == rank)).nonzero() for rank in range(cp.world_size)]
+    units = torch.cat([k, v], -1).view(batch, seq // block, block, kv_heads, 2 * dim).permute(0, 3, 1, 2, 4)
+    sent = torch.cat(send)
+    rows = units[sent[:, 0], sent[:, 1], slot[sent[:, 2]]]  # [units, block, 2 dim]
     received = cp.exchange_rows(rows, [len(s) for s in send], [len(r) for r in receive])
-    keys_values = received.transpose(0, 1).flatten(1, 2)  # [batch, received blocks x block, kv heads, 2 dim]
-    return (*keys_values.split(dim, -1), torch.cat(receive))
+    # Lay the received units out per (row, key head), padded to the longest with a zero unit.
+    got = torch.cat(receive)
+    pair = got[:, 0] * kv_heads + got[:, 1]
+    counts = torch.bincount(pair, minlength=batch * kv_heads)
+    most = int(counts.max()) if len(got) else 0
+    order = torch.sort(pair, stable=True).indices
+    place = torch.arange(len(got), device=k.device) - (counts.cumsum(0) - counts)[pair[order]]
+    where = torch.full((batch * kv_heads, most), len(got), dtype=torch.long, device=k.device)
+    where[pair[order], place] = order
+    ids = torch.full((batch * kv_heads, most), -1, dtype=torch.long, device=k.device)
+    ids[pair[order], place] = got[order, 2]
+    padded = torch.cat([received, received.new_zeros(1, *received.shape[1:])])[where]  # [rows x heads, most, block, 2 dim]
+    keys_values = padded.view(batch, kv_heads, most * block, 2 * dim).transpose(1, 2)
+    return (*keys_values.split(dim, -1), ids.view(batch, kv_heads, most))
 
 
 # ------------------------------------------------------------------------------------ Mamba-2
