@@ -52,20 +52,24 @@ block, stacked in one call) and merging the partial outputs by their log-sum-exp
   a window of w tokens reads the previous shard's last w - 1 keys and values (a halo); full
   attention is ring attention.
 - SE attention (``SpanExpandedAttention``, the attention layers of SE hybrids; full, swa, se and
-  se_nomem modes): the keys and values of the shards before are all-gathered; which blocks a
-  group of queries retrieves is chosen from the earlier queries and keys (gathered without
-  gradient), the same causal choice one process makes. se_random raises.
+  se_nomem modes): full mode is ring attention; swa reads the window halo and se_nomem the halo
+  back to its SE chunk's start (either may span several chunks). se: the block summaries (one
+  vector per block and head) and each chunk's query sum since its SE chunk start are all-gathered
+  without gradient; each rank chooses its selection groups' blocks as one process does, the ranks
+  all-gather which (batch row, key head, block) each needs from before its own span, and one
+  all-to-all (``exchange_rows``, differentiable) brings just those from the ranks holding them.
+  se_random raises.
 - Mamba-2 (``SEMambaMixer``, the SSM layers of SE hybrids): the causal conv reads the last K - 1
   inputs of the previous shard (a halo), and the scan starts from the state the earlier shards
   leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
   and each combines the earlier shards' states into its initial state and scans again from it.
 
 Every other exchange is an all-gather whose backward sums the gradient over the ranks and keeps
-the own part, so forward, loss and every gradient equal one process on the whole sequence. A
-model with another mixer raises NotImplementedError naming it (see ``supported_mixers``). SE
-attention still gathers the earlier keys and values whole (its retrieval mask is no causal
-block pattern): each rank holds the whole sequence's keys, exact but not the memory of a ring.
-Halos must fit in one chunk (the balanced layout's chunks are half a contiguous shard); a chunk too
+the own part (SE's all-to-all returns each block's gradient to its rank), so forward, loss and
+every gradient equal one process on the whole sequence. A model with another mixer raises
+NotImplementedError naming it (see ``supported_mixers``). SE retrieval is exact, so a rank holds
+the union over its query heads and groups of their top-k blocks: few with long blocks and few
+groups, but at small blocks and many groups it can approach the whole prefix. Halos must fit in one chunk (the balanced layout's chunks are half a contiguous shard); a chunk too
 short raises, naming ``layout="contiguous"``.
 
 Modules: group.py (the group, its all-gather, shared helpers), layout.py (which chunks each rank

@@ -1,5 +1,15 @@
-"""Context-parallel forwards of SE hybrids: SE attention (the keys before gathered, retrieval chosen
-from the queries before) and Mamba-2 (conv halo, SSM state), each per segment (a rank's chunk)."""
+"""Context-parallel forwards of SE hybrids, each per segment (a rank's chunk): SE attention and
+Mamba-2 (conv halo, SSM state).
+
+SE attention per mode: ``full`` is ring attention (ring.py). ``swa`` and ``se_nomem`` read their
+local span, which reaches back w - 1 tokens or to the SE chunk's start: a halo of the chunks before.
+``se`` adds retrieval: every block's summary (one vector per head) and each chunk's query sum since
+its SE chunk start are all-gathered without gradient, so each rank ranks its selection groups'
+blocks exactly as one process does; the blocks a rank's groups select from before its local span
+(as (batch row, key head, block) units, the union over the key head's query heads and groups) are
+requested with one all-gather of bools and brought by one all-to-all from the ranks holding them,
+differentiable. Attention then runs over [received blocks ; local span] under the reference mask's
+rows (kernels/span_expanded_attention/reference.py)."""
 from __future__ import annotations
 
 import torch
