@@ -126,6 +126,29 @@ def test_uncovered_patterns_are_named():
             rat_plus_layer.self_attn(hidden, context, sparse_config=SparseInferenceConfig(top_k=2, block_size=2))
 
 
+def test_se_retrieval_needs_chunks_of_whole_blocks_and_groups():
+    """SE retrieval under context parallelism reads whole blocks and selection groups per chunk: a
+    chunk of 3 tokens (blocks of 2) raises before any collective, naming the setting and the fix."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "features"))
+    from tiny_models import tiny_model
+
+    from hf_hybrid.distributed.context_parallel import ContextParallelGroup, context_parallel
+    from hf_hybrid.layers.context import SequenceContext
+
+    cp = ContextParallelGroup(group=dist.GroupMember.WORLD, rank=0, world_size=2)  # balanced: 4 chunks of 3 tokens
+    hidden = torch.randn(1, 6, 32)
+    context = SequenceContext.build(1, 6, 0, None, None, hidden.device)
+    layer = tiny_model("se_hybrid").model.layers[1]
+    with context_parallel(layer, cp):
+        with pytest.raises(ValueError, match="multiple of se_block_size.*layout='contiguous'"):
+            layer.self_attn(hidden, context, attention_mode="se")
+
+
 def test_dilated_patterns_gather_only_what_they_read():
     """A shard of 16 tokens under dilation 4, a local window of 2 and one sink: later shards read its
     chunk ends 3, 7, 11, 15, the halo 14, 15 and the sink 0 (6 of 16 keys); a dense pattern, or a
