@@ -21,7 +21,7 @@ from .ring import ring_softmax_attention
 
 def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None,
                           attention_mode=None, se_chunk_size=None, **unused):
-    from ...kernels.span_expanded_attention import MODES, RETRIEVAL_MODES, masked_attention
+    from ...kernels.span_expanded_attention import MODES, masked_attention
     from ...layers.rotary import rotary_tables
 
     check_plain(mixer, context, cache_layer)
@@ -29,7 +29,7 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
     if mode not in MODES or mode == "se_random":
         raise NotImplementedError(f"context parallelism with SE attention: mode {mode!r} has no exchange yet.")
     settings = mixer.settings
-    if se_chunk_size is None and mixer.training and len(settings.chunk_sizes) > 1 and mode in RETRIEVAL_MODES:
+    if se_chunk_size is None and mixer.training and len(settings.chunk_sizes) > 1 and mode in ("se", "se_nomem"):
         raise ValueError("context parallelism with SE attention: train with one se_chunk_sizes entry (every rank must chunk alike).")
     chunk_size = mixer._chunk_size(se_chunk_size, mode, cached=False)
     batch, seq, _ = hidden_states.shape
@@ -70,14 +70,15 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
         if tables is not None:
             table = tables[index]  # [batch, heads, groups of the segment, blocks of the sequence]
             group = (query_pos[:, 0] - start) // settings.select_every
-            in_span = table[:, :, group][..., key_pos[0] // settings.block_size] & (key_pos <= query_pos)
+            # Blocks first, then groups to queries: never [queries, blocks of the sequence].
+            in_span = table[..., key_pos[0] // settings.block_size][:, :, group] & (key_pos <= query_pos)
             mask = mask | in_span
             k_remote, v_remote, remote_blocks = remote
             remote_blocks = remote_blocks.repeat_interleave(mixer.num_key_value_groups, 1)  # [batch, heads, n]
             # Padding (-1) and blocks this segment holds itself (a later segment asked for them) stay masked.
             usable = (remote_blocks >= 0) & (remote_blocks < first // settings.block_size)
-            picked = torch.gather(table[:, :, group], -1, remote_blocks.clamp(min=0)[:, :, None].expand(-1, -1, size, -1))
-            remote_mask = (picked & usable[:, :, None]).repeat_interleave(settings.block_size, -1)
+            picked = torch.gather(table, -1, remote_blocks.clamp(min=0)[:, :, None].expand(-1, -1, table.shape[2], -1))
+            remote_mask = (picked & usable[:, :, None])[:, :, group].repeat_interleave(settings.block_size, -1)
             keys, values = torch.cat([k_remote, keys], 1), torch.cat([v_remote, values], 1)
             mask = torch.cat([remote_mask, mask.expand(remote_mask.shape[:3] + mask.shape[-1:])], -1)
         outs.append(masked_attention(q_seg, keys, values, mask))
