@@ -79,7 +79,16 @@ MODELS = {
     # activation checkpointing: the backward (inside the block) reruns each layer's exchange
     "fox_pro_checkpointed": ("fox_pro", {"gradient_checkpointing": True}),
     "se_hybrid_checkpointed": ("se_hybrid", {"gradient_checkpointing": True}),
+    # the segments' attention in blocks of 3 queries (blocks across selection groups of 4), on the
+    # reference and on the fused path (SDPA with each block's mask rows; CPU's kernel here)
+    "se_hybrid_query_blocks": ("se_hybrid", {}),
+    "se_hybrid_fused": ("se_hybrid", {}),
+    "se_hybrid_swa_fused": ("se_hybrid", {"attention_mode": "swa"}),
+    "se_hybrid_long_chunks_fused": ("se_hybrid", {"se_chunk_sizes": [16], "se_eval_chunk_size": 16}),
 }
+# name -> (the SE segments' attention backend, queries per block) under context parallelism (se_segment.py)
+SEGMENT_PATHS = {"se_hybrid_query_blocks": ("reference", 3), "se_hybrid_fused": ("sdpa", 3),
+                 "se_hybrid_swa_fused": ("sdpa", 3), "se_hybrid_long_chunks_fused": ("sdpa", 5)}
 # name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
 # hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).
 LAYERS = {"mamba2_layer": ("se_hybrid", 0)}
@@ -116,6 +125,26 @@ def gathered_tokens(shard_len: int, rows_per_token: int = 1):
         ContextParallelGroup.all_gather, ContextParallelGroup.exchange_rows = original, original_exchange
 
 
+@contextlib.contextmanager
+def segment_path(name: str):
+    """For SEGMENT_PATHS' checks, the SE segments' attention on the named backend in blocks of the
+    named number of queries (the one-process run on the whole sequence keeps the reference)."""
+    if name not in SEGMENT_PATHS:
+        yield
+        return
+    from hf_hybrid.distributed.context_parallel import se_hybrid
+    from hf_hybrid.kernels import _query_blocks
+
+    backend, block = SEGMENT_PATHS[name]
+    original_backend, original_size = se_hybrid.segment_backend, _query_blocks.query_block_size
+    se_hybrid.segment_backend = lambda kernel_backend, device: backend
+    _query_blocks.query_block_size = lambda num_queries, *rest: min(block, num_queries)
+    try:
+        yield
+    finally:
+        se_hybrid.segment_backend, _query_blocks.query_block_size = original_backend, original_size
+
+
 def check(name: str, cp: ContextParallelGroup) -> dict:
     model_type, overrides = MODELS[name]
     model = build(model_type, **dict(overrides))
@@ -129,7 +158,7 @@ def check(name: str, cp: ContextParallelGroup) -> dict:
     model.zero_grad()
 
     targets = cp.shard_labels(labels)
-    with context_parallel(model, cp), gathered_tokens(seq_len(cp) // cp.world_size, BATCH * getattr(model.config, "num_key_value_heads", 1)) as gathered:
+    with context_parallel(model, cp), segment_path(name), gathered_tokens(seq_len(cp) // cp.world_size, BATCH * getattr(model.config, "num_key_value_heads", 1)) as gathered:
         out = model(input_ids=cp.shard(ids), shift_labels=targets, num_items_in_batch=cp.count_targets(targets), use_cache=False, skip_logits=False)
         out.loss.backward()  # inside the block: a checkpointed layer's recompute exchanges too
     cp.all_reduce_gradients(model)

@@ -17,7 +17,8 @@ the residual linear attention's state from the earlier shards, ring attention in
 layers), SE hybrids (whole models, SE retrieval, full and sliding-window modes: the Mamba-2 conv
 halo and SSM state passed on, the attention layers on the ring (full), the window halo (swa), and
 for SE retrieval the block summaries gathered, the blocks chosen as one process chooses them and
-only those brought by an all-to-all; SE chunks longer than a rank's chunk too) and, alone, the
+only those brought by an all-to-all; SE chunks longer than a rank's chunk too; each segment's
+attention over blocks of a few queries, on the reference and on the fused SDPA path) and, alone, the
 Mamba-2 layer at a larger gradient scale. A control run of each shard without the exchange
 differs, so the comparison sees a missing exchange. With activation checkpointing (FoX, SE hybrid) the backward runs inside the block, so
 each layer's recompute exchanges again; a backward after the block is refused with the fix named.
@@ -33,7 +34,7 @@ import pytest
 from distributed_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_cpu_worker.py")
-CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "rat_plus_mixed_heads", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "se_hybrid_long_chunks", "fox_pro_checkpointed", "se_hybrid_checkpointed", "mamba2_layer", "fox_ring_triton"]
+CHECKS = ["rat", "rat_nope", "rat_swa", "rat_full_attention", "rat_plus", "rat_plus_sinks", "rat_plus_no_recurrence", "rat_plus_dilated", "rat_plus_mixed_heads", "fox_llama", "fox_pro", "fox_pro_rope", "rattention", "rattention_linear", "se_hybrid", "se_hybrid_full", "se_hybrid_swa", "se_hybrid_long_chunks", "fox_pro_checkpointed", "se_hybrid_checkpointed", "se_hybrid_query_blocks", "se_hybrid_fused", "se_hybrid_swa_fused", "se_hybrid_long_chunks_fused", "mamba2_layer", "fox_ring_triton"]
 _results = {}
 
 
@@ -74,7 +75,7 @@ LARGEST_GATHER = {
 # SE retrieval: the (batch row, key head, block) units the queries of a rank select from another
 # rank's shard, as a share of that shard: some, never the whole shard at these settings (top 2 of
 # blocks of 2 tokens per group of 4 queries; how much depends on the scores, so bounds only).
-SE_RETRIEVAL = ["se_hybrid", "se_hybrid_checkpointed", "se_hybrid_long_chunks"]
+SE_RETRIEVAL = ["se_hybrid", "se_hybrid_checkpointed", "se_hybrid_long_chunks", "se_hybrid_fused"]
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -227,3 +228,41 @@ def test_balanced_shard_and_unshard_follow_the_layout():
         cp0.shard(torch.arange(10)[None])
     with pytest.raises(ValueError, match="layout='zigzag'"):
         ContextParallelGroup(group=dist.GroupMember.WORLD, rank=0, world_size=2, layout="zigzag")
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_se_segment_attention_in_query_blocks_matches_dense(kv_heads):
+    """The SE segments' attention (se_segment.py) over blocks of queries, on the reference and on
+    the fused SDPA path, equals the dense masked softmax over the whole [queries, keys] mask:
+    output and the gradients of q, keys and values, each block's mask rows built alone."""
+    import torch
+
+    from hf_hybrid.distributed.context_parallel.se_segment import segment_attention
+    from hf_hybrid.kernels.span_expanded_attention import masked_attention
+
+    g = torch.Generator().manual_seed(0)
+    batch, queries, keys, heads, dim = 2, 10, 17, 4, 8
+    q = torch.randn(batch, queries, heads, dim, generator=g)
+    k, v = (torch.randn(batch, keys, kv_heads, dim, generator=g) for _ in range(2))
+    mask = torch.rand(batch, heads, queries, keys, generator=g) < 0.4
+    mask[..., 0] = True  # every query reads a key
+    weights = torch.randn(batch, queries, heads, dim, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dense = masked_attention(*leaves, mask)
+    dense_grads = torch.autograd.grad((dense * weights).sum(), leaves)
+    for backend in ("reference", "sdpa"):
+        calls = []
+
+        def rows(lo, hi):
+            calls.append((lo, hi))
+            return mask[:, :, lo:hi]
+
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = segment_attention(*leaves, rows, backend=backend, budget=batch * heads * keys * 3)  # blocks of 3 queries
+        grads = torch.autograd.grad((out * weights).sum(), leaves)
+        assert (0, 3) in calls and (9, 10) in calls  # the forward's blocks (and the backward's again)
+        torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+        for grad, expected in zip(grads, dense_grads):
+            torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        segment_attention(q, k, v, lambda lo, hi: mask[:, :, lo:hi], backend="triton")

@@ -17,11 +17,12 @@ import torch
 from .group import ContextParallelGroup, check_plain, keep_in_graph
 from .layout import gather_segments, longer_chunks_hint, preceding_tokens, previous_chunk_entries, rank_chunks, segments
 from .ring import ring_softmax_attention
+from .se_segment import segment_attention, segment_backend
 
 
 def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None,
                           attention_mode=None, se_chunk_size=None, **unused):
-    from ...kernels.span_expanded_attention import MODES, masked_attention
+    from ...kernels.span_expanded_attention import MODES
     from ...layers.rotary import rotary_tables
 
     check_plain(mixer, context, cache_layer)
@@ -56,6 +57,7 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
     if mode == "se":
         tables = _retrieval_tables(cp, q.detach(), k.detach(), v.detach(), size, chunk_size, settings, mixer.num_heads)
         remote = _retrieved_blocks(cp, k, v, tables, spans, size, settings.block_size)
+    backend = segment_backend(settings.backend, q.device)
     outs = []
     for index, (start, q_seg, k_seg, v_seg) in enumerate(zip(cp.segment_starts(seq), *(segments(cp, t) for t in (q, k, v)))):
         first = spans.first_key(start)
@@ -64,26 +66,50 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
         if held:
             keys = torch.cat([halos[0][index][:, spans.halo - held:], k_seg], 1)
             values = torch.cat([halos[1][index][:, spans.halo - held:], v_seg], 1)
-        query_pos = torch.arange(start, start + size, device=q.device)[:, None]
-        key_pos = torch.arange(first, start + size, device=q.device)[None, :]
-        mask = spans.own_mask(query_pos, key_pos)  # [queries, keys]
+        rows = _SegmentMask(spans, start, first, size, settings, q.device)
         if tables is not None:
-            table = tables[index]  # [batch, heads, groups of the segment, blocks of the sequence]
-            group = (query_pos[:, 0] - start) // settings.select_every
-            # Blocks first, then groups to queries: never [queries, blocks of the sequence].
-            in_span = table[..., key_pos[0] // settings.block_size][:, :, group] & (key_pos <= query_pos)
-            mask = mask | in_span
             k_remote, v_remote, remote_blocks = remote
-            remote_blocks = remote_blocks.repeat_interleave(mixer.num_key_value_groups, 1)  # [batch, heads, n]
-            # Padding (-1) and blocks this segment holds itself (a later segment asked for them) stay masked.
-            usable = (remote_blocks >= 0) & (remote_blocks < first // settings.block_size)
-            picked = torch.gather(table, -1, remote_blocks.clamp(min=0)[:, :, None].expand(-1, -1, table.shape[2], -1))
-            remote_mask = (picked & usable[:, :, None])[:, :, group].repeat_interleave(settings.block_size, -1)
+            rows.retrieve(tables[index], remote_blocks.repeat_interleave(mixer.num_key_value_groups, 1))
             keys, values = torch.cat([k_remote, keys], 1), torch.cat([v_remote, values], 1)
-            mask = torch.cat([remote_mask, mask.expand(remote_mask.shape[:3] + mask.shape[-1:])], -1)
-        outs.append(masked_attention(q_seg, keys, values, mask))
+        outs.append(segment_attention(q_seg, keys, values, rows, backend=backend, scale=mixer.head_dim**-0.5))
     out = keep_in_graph(torch.cat(outs, 1), [*halos, *(remote[:2] if remote else ())])
     return mixer.o_proj(out.reshape(batch, seq, -1))
+
+
+class _SegmentMask:
+    """The reference mask's rows of a segment's queries over [received blocks ; local span], built
+    for a block of queries at a time (``rows(lo, hi)``: queries start + lo .. start + hi - 1):
+    never [queries, keys] for the whole segment, nor [queries, blocks of the sequence]."""
+
+    def __init__(self, spans, start: int, first: int, size: int, settings, device):
+        self.spans, self.start, self.first, self.settings = spans, start, first, settings
+        self.key_pos = torch.arange(first, start + size, device=device)[None, :]
+        self.table = None
+
+    def retrieve(self, table, remote_blocks):
+        """table [batch, heads, groups of the segment, blocks of the sequence]: the blocks each
+        group retrieves; remote_blocks [batch, heads, n]: the block of each received slot (-1: padding)."""
+        block = self.settings.block_size
+        self.table, first = table, self.first
+        # Padding (-1) and blocks this segment holds itself (a later segment asked for them) stay masked.
+        usable = (remote_blocks >= 0) & (remote_blocks < first // block)
+        picked = torch.gather(table, -1, remote_blocks.clamp(min=0)[:, :, None].expand(-1, -1, table.shape[2], -1))
+        self.remote = picked & usable[:, :, None]  # [batch, heads, groups, n]
+        self.local_blocks = self.key_pos[0] // block
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        key_pos = self.key_pos
+        query_pos = torch.arange(self.start + lo, self.start + hi, device=key_pos.device)[:, None]
+        mask = self.spans.own_mask(query_pos, key_pos)  # [queries, keys]
+        if self.table is None:
+            return mask
+        every, block = self.settings.select_every, self.settings.block_size
+        group = (query_pos[:, 0] - self.start) // every
+        g_lo, g_hi = lo // every, (hi - 1) // every + 1  # the block's groups
+        # Groups, then blocks to keys, then groups to queries: a block's rows only.
+        in_span = self.table[:, :, g_lo:g_hi][..., self.local_blocks][:, :, group - g_lo] & (key_pos <= query_pos)
+        remote = self.remote[:, :, group].repeat_interleave(block, -1)
+        return torch.cat([remote, mask | in_span], -1)
 
 
 class _LocalSpans:
