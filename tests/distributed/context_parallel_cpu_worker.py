@@ -79,16 +79,26 @@ MODELS = {
     # activation checkpointing: the backward (inside the block) reruns each layer's exchange
     "fox_pro_checkpointed": ("fox_pro", {"gradient_checkpointing": True}),
     "se_hybrid_checkpointed": ("se_hybrid", {"gradient_checkpointing": True}),
-    # the segments' attention in blocks of 3 queries (blocks across selection groups of 4), on the
-    # reference and on the fused path (SDPA with each block's mask rows; CPU's kernel here)
+    # the segments' attention on its two paths (se_segment.py): the reference in blocks of 3 queries
+    # (blocks across selection groups of 4), and the one-process layer's fused path over a virtual
+    # sequence (CPU's flash kernel here), its retrieved blocks moved by index_select or, under
+    # Triton's CPU interpreter, by the Triton kernels CUDA runs (block_rows.py)
     "se_hybrid_query_blocks": ("se_hybrid", {}),
     "se_hybrid_fused": ("se_hybrid", {}),
     "se_hybrid_swa_fused": ("se_hybrid", {"attention_mode": "swa"}),
+    "se_hybrid_nomem_fused": ("se_hybrid", {"attention_mode": "se_nomem", "se_chunk_sizes": [24], "se_eval_chunk_size": 24}),
     "se_hybrid_long_chunks_fused": ("se_hybrid", {"se_chunk_sizes": [16], "se_eval_chunk_size": 16}),
+    "se_hybrid_triton": ("se_hybrid", {}),
+    "se_hybrid_long_chunks_triton": ("se_hybrid", {"se_chunk_sizes": [16], "se_eval_chunk_size": 16}),
 }
-# name -> (the SE segments' attention backend, queries per block) under context parallelism (se_segment.py)
-SEGMENT_PATHS = {"se_hybrid_query_blocks": ("reference", 3), "se_hybrid_fused": ("sdpa", 3),
-                 "se_hybrid_swa_fused": ("sdpa", 3), "se_hybrid_long_chunks_fused": ("sdpa", 5)}
+# name -> (the SE segments' attention backend, queries per block of the reference, whether retrieved
+# blocks move by the Triton kernels) under context parallelism; the one-process run keeps the reference.
+SEGMENT_PATHS = {
+    "se_hybrid_query_blocks": ("reference", 3, False), "se_hybrid_fused": ("sdpa", None, False),
+    "se_hybrid_swa_fused": ("sdpa", None, False), "se_hybrid_nomem_fused": ("sdpa", None, False),
+    "se_hybrid_long_chunks_fused": ("sdpa", None, False), "se_hybrid_triton": ("sdpa", None, True),
+    "se_hybrid_long_chunks_triton": ("sdpa", None, True),
+}
 # name -> (tiny model type, index of the layer checked alone): covered mixers of models that also
 # hold uncovered ones (SE hybrids need an attention layer beside their Mamba-2 layers).
 LAYERS = {"mamba2_layer": ("se_hybrid", 0)}
@@ -127,22 +137,27 @@ def gathered_tokens(shard_len: int, rows_per_token: int = 1):
 
 @contextlib.contextmanager
 def segment_path(name: str):
-    """For SEGMENT_PATHS' checks, the SE segments' attention on the named backend in blocks of the
-    named number of queries (the one-process run on the whole sequence keeps the reference)."""
+    """For SEGMENT_PATHS' checks, the SE segments' attention on the named path (the one-process run
+    on the whole sequence keeps the reference)."""
     if name not in SEGMENT_PATHS:
         yield
         return
     from hf_hybrid.distributed.context_parallel import se_hybrid
     from hf_hybrid.kernels import _query_blocks
+    from hf_hybrid.kernels.span_expanded_attention import chunked
 
-    backend, block = SEGMENT_PATHS[name]
-    original_backend, original_size = se_hybrid.segment_backend, _query_blocks.query_block_size
+    backend, block, block_kernels = SEGMENT_PATHS[name]
+    if block_kernels and SETTINGS["device"] == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{name}: set TRITON_INTERPRET=1 to run the Triton kernels on CPU.")
+    saved = se_hybrid.segment_backend, _query_blocks.query_block_size, chunked._use_block_kernels
     se_hybrid.segment_backend = lambda kernel_backend, device: backend
-    _query_blocks.query_block_size = lambda num_queries, *rest: min(block, num_queries)
+    if block is not None:
+        _query_blocks.query_block_size = lambda num_queries, *rest: min(block, num_queries)
+    chunked._use_block_kernels = lambda device: block_kernels
     try:
         yield
     finally:
-        se_hybrid.segment_backend, _query_blocks.query_block_size = original_backend, original_size
+        se_hybrid.segment_backend, _query_blocks.query_block_size, chunked._use_block_kernels = saved
 
 
 def check(name: str, cp: ContextParallelGroup) -> dict:

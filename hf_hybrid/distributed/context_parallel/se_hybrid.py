@@ -17,7 +17,7 @@ import torch
 from .group import ContextParallelGroup, check_plain, keep_in_graph
 from .layout import gather_segments, longer_chunks_hint, preceding_tokens, previous_chunk_entries, rank_chunks, segments
 from .ring import ring_softmax_attention
-from .se_segment import segment_attention, segment_backend
+from .se_segment import fused_segment_attention, segment_attention, segment_backend
 
 
 def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context, cache_layer=None,
@@ -53,9 +53,9 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
                                  f"must be a multiple of {what} ({multiple})." + longer_chunks_hint(cp))
     # The keys a segment reads of its own neighbourhood: the halo of the chunks before it.
     halos = [preceding_tokens(cp, segments(cp, t), spans.halo) for t in (k, v)] if spans.halo else []
-    tables, remote = None, None
+    tables, selections, remote = None, None, None
     if mode == "se":
-        tables = _retrieval_tables(cp, q.detach(), k.detach(), v.detach(), size, chunk_size, settings, mixer.num_heads)
+        tables, selections = _retrieval_tables(cp, q.detach(), k.detach(), v.detach(), size, chunk_size, settings, mixer.num_heads)
         remote = _retrieved_blocks(cp, k, v, tables, spans, size, settings.block_size)
     backend = segment_backend(settings.backend, q.device)
     outs = []
@@ -66,12 +66,18 @@ def se_attention_forward(mixer, cp: ContextParallelGroup, hidden_states, context
         if held:
             keys = torch.cat([halos[0][index][:, spans.halo - held:], k_seg], 1)
             values = torch.cat([halos[1][index][:, spans.halo - held:], v_seg], 1)
+        if backend == "sdpa":
+            outs.append(fused_segment_attention(
+                q_seg, keys, values, mode=mode, start=start, first=first, settings=settings, chunk_size=chunk_size,
+                scale=mixer.head_dim**-0.5, remote=remote, selection=None if selections is None else selections[index],
+            ))
+            continue
         rows = _SegmentMask(spans, start, first, size, settings, q.device)
         if tables is not None:
             k_remote, v_remote, remote_blocks = remote
             rows.retrieve(tables[index], remote_blocks.repeat_interleave(mixer.num_key_value_groups, 1))
             keys, values = torch.cat([k_remote, keys], 1), torch.cat([v_remote, values], 1)
-        outs.append(segment_attention(q_seg, keys, values, rows, backend=backend, scale=mixer.head_dim**-0.5))
+        outs.append(segment_attention(q_seg, keys, values, rows, scale=mixer.head_dim**-0.5))
     out = keep_in_graph(torch.cat(outs, 1), [*halos, *(remote[:2] if remote else ())])
     return mixer.o_proj(out.reshape(batch, seq, -1))
 
@@ -139,7 +145,8 @@ class _LocalSpans:
 @torch.no_grad()
 def _retrieval_tables(cp, q, k, v, size: int, chunk_size: int, settings, num_heads: int):
     """Per segment, [batch, heads, its selection groups, blocks of the sequence] bool: the blocks
-    each group retrieves, chosen as one process chooses them. Gathered: every block's summary
+    each group retrieves, chosen as one process chooses them; and per segment select_blocks'
+    (indices, valid) [batch, heads, groups, k'], the same choice as slots (for the fused path). Gathered: every block's summary
     (one vector per head) and, per chunk, the sum of its queries since its last SE chunk start
     (what a group whose SE chunk began in an earlier chunk ranks with)."""
     from ...kernels.span_expanded_attention import block_summaries, retrieved_block_table, select_blocks
@@ -152,7 +159,7 @@ def _retrieval_tables(cp, q, k, v, size: int, chunk_size: int, settings, num_hea
     summaries = summaries.transpose(0, 1).flatten(1, 2)  # [batch, blocks of the sequence, heads, dim]
     last_starts = [max(start, ((start + size - 1) // chunk_size) * chunk_size) for start in starts]
     tails = gather_segments(cp, [q_s[:, last - start:].sum(1, dtype=acc) for (q_s, _, _), start, last in zip(parts, starts, last_starts)])
-    tables = []
+    tables, selections = [], []
     for (q_s, _, _), start in zip(parts, starts):
         end = start + size
         chunk_start = (start // chunk_size) * chunk_size
@@ -171,7 +178,8 @@ def _retrieval_tables(cp, q, k, v, size: int, chunk_size: int, settings, num_hea
             top_k=settings.top_k, num_heads=num_heads, seed=settings.seed,
         )
         tables.append(retrieved_block_table(indices, valid, summaries.shape[1]))
-    return tables
+        selections.append((indices, valid))
+    return tables, selections
 
 
 def _retrieved_blocks(cp, k, v, tables, spans, size: int, block: int):
