@@ -10,7 +10,9 @@ hf_hybrid.distributed.context_parallel (each rank its shard, labels pre-shifted,
 over the group), once per layout of --layouts (contiguous shards; balanced: rank r holds chunks r
 and 2N - 1 - r; its results named "name:balanced"), the logits also gathered back (unshard). The largest differences over all ranks go to OUT_DIR/results-N.json, with the
 largest share of a shard's tokens any all-gather along the sequence took, or SE's all-to-all of
-retrieved blocks brought from one rank (what a rank holds of the others' keys). Single layers (LAYERS) and FoX's ring alone on random inputs (RINGS) are checked
+retrieved blocks brought from one rank (what a rank holds of the others' keys). SE checks in SEGMENT_PATHS
+run the segments' attention on a named path (reference in query blocks, fused, fused with the
+Triton block kernels: set TRITON_INTERPRET=1 on CPU). Single layers (LAYERS) and FoX's ring alone on random inputs (RINGS) are checked
 the same way.
 """
 from __future__ import annotations

@@ -18,7 +18,8 @@ layers), SE hybrids (whole models, SE retrieval, full and sliding-window modes: 
 halo and SSM state passed on, the attention layers on the ring (full), the window halo (swa), and
 for SE retrieval the block summaries gathered, the blocks chosen as one process chooses them and
 only those brought by an all-to-all; SE chunks longer than a rank's chunk too; each segment's
-attention over blocks of a few queries, on the reference and on the fused SDPA path) and, alone, the
+attention on its CPU reference over blocks of a few queries and on the GPU's fused path over a
+virtual sequence, its retrieved blocks moved by the Triton kernels in Triton's interpreter) and, alone, the
 Mamba-2 layer at a larger gradient scale. A control run of each shard without the exchange
 differs, so the comparison sees a missing exchange. With activation checkpointing (FoX, SE hybrid) the backward runs inside the block, so
 each layer's recompute exchanges again; a backward after the block is refused with the fix named.

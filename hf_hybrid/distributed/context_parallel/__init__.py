@@ -58,7 +58,9 @@ block, stacked in one call) and merging the partial outputs by their log-sum-exp
   without gradient; each rank chooses its selection groups' blocks as one process does, the ranks
   all-gather which (batch row, key head, block) each needs from before its own span, and one
   all-to-all (``exchange_rows``, differentiable) brings just those from the ranks holding them.
-  se_random raises.
+  Each segment attends over [received blocks ; local span] on the one-process layer's fused
+  kernels on CUDA (se_segment.py: no mask, no [queries, keys] scores), on the reference over
+  blocks of queries on CPU. se_random raises.
 - Mamba-2 (``SEMambaMixer``, the SSM layers of SE hybrids): the causal conv reads the last K - 1
   inputs of the previous shard (a halo), and the scan starts from the state the earlier shards
   leave. Each rank scans its shard from zero, the ranks all-gather (final state, total decay),
@@ -74,7 +76,7 @@ short raises, naming ``layout="contiguous"``.
 
 Modules: group.py (the group, its all-gather, shared helpers), layout.py (which chunks each rank
 holds, the per-chunk exchanges' helpers), ring.py (ring attention and its point-to-point passes), one module per mixer family (rat.py, fox.py, rattention.py, softmax.py,
-se_hybrid.py).
+se_hybrid.py; se_segment.py: SE attention of one segment over the keys it holds).
 """
 from __future__ import annotations
 

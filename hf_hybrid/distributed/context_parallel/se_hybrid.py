@@ -8,8 +8,12 @@ its SE chunk start are all-gathered without gradient, so each rank ranks its sel
 blocks exactly as one process does; the blocks a rank's groups select from before its local span
 (as (batch row, key head, block) units, the union over the key head's query heads and groups) are
 requested with one all-gather of bools and brought by one all-to-all from the ranks holding them,
-differentiable. Attention then runs over [received blocks ; local span] under the reference mask's
-rows (kernels/span_expanded_attention/reference.py)."""
+differentiable. Attention then runs over [received blocks ; local span] as the reference mask's
+rows (kernels/span_expanded_attention/reference.py) say, per segment (se_segment.py): on CUDA on the
+one-process layer's fused path (own SE chunk on cuDNN / FlashAttention-2, retrieved blocks moved by
+the Triton block kernels, merged by log-sum-exp; no mask built) over a virtual sequence of the
+received blocks and the local span; on CPU the readable masked softmax over blocks of queries,
+whose mask rows are built a block at a time (memory linear in the segment)."""
 from __future__ import annotations
 
 import torch
