@@ -13,7 +13,9 @@ import hf_hybrid  # noqa: F401
 from hf_hybrid.models.rat_plus.stacked_patterns import stack_rows
 from hf_hybrid.sparse import RowPatterns, SparseInferenceConfig
 
-from test_rat_plus_joint_objective import VOCAB, assert_same_grads, batch, grads, summed_reference, tiny_model
+from test_rat_plus_joint_objective import (
+    VOCAB, assert_same_grads, batch, check_inputs_embeds_that_require_grad, grads, summed_reference, tiny_model,
+)
 
 EXACT = dict(atol=1e-6, rtol=1e-6)
 
@@ -97,24 +99,7 @@ def test_packed_rows_by_cu_seq_lens_and_num_items(monkeypatch):
 
 
 def test_inputs_embeds_that_require_grad(monkeypatch):
-    ids = batch()
-    results = []
-    for joint in (False, True):
-        model = tiny_model()
-        if joint:
-            stacked(model, monkeypatch)
-        torch.manual_seed(1)
-        upstream = torch.nn.Linear(32, 32)
-        embeds = upstream(model.model.embed_tokens(ids))
-        embeds.retain_grad()
-        loss = model(inputs_embeds=embeds, labels=ids).loss if joint else summed_reference(model, inputs_embeds=embeds, labels=ids)[1]
-        loss.backward()
-        results.append((loss.detach(), embeds.grad, upstream.weight.grad, grads(model)))
-    (ref_loss, ref_embeds, ref_upstream, ref_grads), (loss, embeds_grad, upstream_grad, got) = results
-    torch.testing.assert_close(loss, ref_loss, **EXACT)
-    torch.testing.assert_close(embeds_grad, ref_embeds, **EXACT)
-    torch.testing.assert_close(upstream_grad, ref_upstream, **EXACT)
-    assert_close_grads(got, ref_grads)
+    check_inputs_embeds_that_require_grad(lambda model: stacked(model, monkeypatch), EXACT)
 
 
 def test_peft_lora(monkeypatch):
