@@ -85,6 +85,21 @@ def first_mismatch(a: torch.Tensor, b: torch.Tensor, start: int) -> int:
     return int(same.long().cumprod(0).sum())
 
 
+def assert_same_tokens_up_to_a_tie(graph_ids, eager_ids, graph_logits, eager_logits, prompt: int, same: int):
+    """fp32: the two paths choose the same tokens, and the same logits, until a step where a row's two
+    best logits were tied within float32 rounding (random weights make such ties; the paths' kernels
+    sum in other orders), after which the sequences differ and are not compared."""
+    scale = float(eager_logits.abs().max())
+    torch.testing.assert_close(graph_logits[:, :same], eager_logits[:, :same], atol=1e-5 * scale, rtol=0)
+    if same == graph_logits.shape[1]:
+        return
+    rows = (graph_ids[:, prompt + same] != eager_ids[:, prompt + same]).nonzero().flatten().tolist()
+    for row in rows:
+        step = eager_logits[row, same].float()
+        gap = float(step[eager_ids[row, prompt + same]] - step[graph_ids[row, prompt + same]])
+        assert 0 <= gap <= 1e-5 * scale, f"row {row}, new token {same}: the paths chose tokens {gap:.3g} apart (not a tie)"
+
+
 def uncached_error(model, sequences, logits, prompt: int) -> float:
     """Max |logits - uncached forward on the same tokens| relative to the largest logit."""
     with torch.no_grad():
@@ -113,7 +128,7 @@ def test_graphed_generate_equals_eager(name, dtype):
     # As exact as the eager step against the uncached forward.
     assert err_graph <= 1.5 * err_eager + (1e-4 if dtype == torch.float32 else 5e-3)
     if dtype == torch.float32:
-        assert same_eager == new
+        assert_same_tokens_up_to_a_tie(graph_ids, eager_ids, graph_logits, eager_logits, prompt, same_eager)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -247,3 +247,29 @@ def test_gpu_training_step_at_8k_tokens_is_small(no_bamba_fallback):
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     assert torch.isfinite(loss) and peak < 2.0, peak
+
+
+def test_inference_runs_rows_in_slices_past_the_temporary_budget(monkeypatch):
+    """A cache-less no-grad forward whose temporaries pass ROW_SLICE_BYTES runs its rows in slices
+    (one row each here): the same hidden states as the whole batch at once, padding included."""
+    from hf_hybrid.models.se_hybrid import modeling_se_hybrid
+
+    model = tiny_model(layer_types=["mamba", "attention", "mamba", "attention"])
+    ids = random_ids(batch=3, seq=27)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+    calls = []
+    original = SEMambaMixer._mix
+    monkeypatch.setattr(SEMambaMixer, "_mix", lambda self, h, *a: calls.append(h.shape[0]) or original(self, h, *a))
+    with torch.no_grad():
+        whole = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        assert set(calls) == {3}
+        calls.clear()
+        monkeypatch.setattr(modeling_se_hybrid, "ROW_SLICE_BYTES", 1)
+        sliced = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    assert calls == [1, 1, 1] * 2  # two Mamba layers, three rows each
+    torch.testing.assert_close(sliced, whole, atol=1e-6, rtol=1e-6)
+    # With a cache or gradients the whole batch runs at once.
+    calls.clear()
+    model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+    assert set(calls) == {3}

@@ -68,7 +68,26 @@ class SEMambaMixer(BambaMixer):
     def forward(self, hidden_states, context, cache_layer=None, **unused):
         if cache_layer is not None and not isinstance(cache_layer, SEMambaLayerCache):
             raise TypeError("Mamba layers need an SEHybridCache; build it with SEHybridCache(model.config).")
-        return self._mix(hidden_states, context.query_valid, cache_layer)
+        valid = context.query_valid
+        rows = self.rows_per_slice(hidden_states) if cache_layer is None and not torch.is_grad_enabled() else None
+        if rows is None or rows >= hidden_states.shape[0]:
+            return self._mix(hidden_states, valid, cache_layer)
+        # Rows are independent: a cache-less inference call runs them in slices, so the temporaries
+        # (in_proj's output, the conv's, the chunk states) are one slice's, not the whole batch's.
+        out = hidden_states.new_empty(*hidden_states.shape[:-1], self.out_proj.out_features)
+        for start in range(0, hidden_states.shape[0], rows):
+            part = slice(start, start + rows)
+            out[part] = self._mix(hidden_states[part], None if valid is None else valid[part], None)
+        return out
+
+    def rows_per_slice(self, hidden_states: torch.Tensor) -> int:
+        """How many rows of ``hidden_states`` one call of the mixer takes so that its temporaries stay
+        under ROW_SLICE_BYTES (at least one row)."""
+        batch, seq, _ = hidden_states.shape
+        width = self.in_proj.out_features + self.conv_dim + 2 * self.intermediate_size  # in_proj, conv, y, norm
+        chunk_states = 2 * 4 * self.num_heads * self.head_dim * self.ssm_state_size / self.chunk_size  # float32, per token
+        per_row = seq * (width * hidden_states.element_size() + chunk_states)
+        return max(1, int(ROW_SLICE_BYTES // per_row))
 
     @_force_conv1d_hooks
     def _mix(self, hidden_states, valid, cache_layer):
@@ -166,6 +185,11 @@ class SEMambaMixer(BambaMixer):
     def reset_extra_parameters(self) -> None:
         """Mamba-2's S4D-real A (A_log = log 1..H), D = 1 and dt_bias = 1, as Bamba initialises them."""
         self.init_bamba_weights()
+
+
+# The largest temporaries one Mamba call makes in a cache-less inference forward: 4 GiB is a
+# 32K-token row at the 1.3B shape, so only batches far past the usual run in row slices.
+ROW_SLICE_BYTES = 4 * 2**30
 
 
 def _mamba_backend(mixer: SEMambaMixer) -> str:
