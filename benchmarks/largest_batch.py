@@ -27,6 +27,13 @@ from a logits processor, hf_hybrid/bench/models.py's ``TokenClock``): the prefil
 is timed by one more generate() at the largest batch after the search (kernels tuned, the decode
 step's shape seen; Llama's compiled step gets a warm-up generate() first); if that runs out of
 memory (Llama's compiled step holds more), the batch steps down by ``--resolution``. ``ratio_vs_llama`` is tokens/s over Llama's at Llama's largest batch.
+
+The memory-bound ceiling (``memory_bound`` in each row): a decode step at batch B reads at least
+every weight and every byte of the decode cache once, so tokens/s <= B x bandwidth / (weight bytes
++ cache bytes at B), with the device's copy bandwidth measured in the same process
+(``copy_bandwidth``) and the cache measured as generate() builds it (``decode_cache_bytes``).
+``ceiling_vs_llama`` is a model's ceiling at its largest batch over Llama's measured tokens/s: the
+most any decode kernel could give that model at that batch against this run's Llama.
 """
 from __future__ import annotations
 
@@ -55,6 +62,51 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> float:
+    """Bytes per second a device-to-device copy moves (read + written), timed here: the rate every
+    decode step's reads are bounded by."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            target.copy_(source)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+    else:
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            target.copy_(source)
+        seconds = time.perf_counter() - begin
+    return 2 * nbytes * repeats / seconds
+
+
+def decode_cache_bytes(model, name: str, batch: int, tokens: int) -> float:
+    """Bytes of the decode cache of ``batch`` rows holding ``tokens`` tokens: for Llama the static
+    cache generate() allocates (keys and values of every layer), for ours the cache their class
+    builds, measured by hf_hybrid's prefill planner (probe_cache_footprint)."""
+    config = model.config
+    if name in LLAMA_MODELS:
+        heads = config.num_key_value_heads or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2.0 * config.num_hidden_layers * heads * head_dim * tokens * batch * model.dtype.itemsize
+    from hf_hybrid.generation.sliced_prefill import probe_cache_footprint
+
+    return probe_cache_footprint(model).bytes(batch, tokens)
+
+
+def memory_bound(model, name: str, batch: int, tokens: int, bandwidth: float, tokens_per_s: float) -> dict:
+    """The decode ceiling at ``batch`` (module docstring) and how much of it the timed run reached."""
+    weights = float(sum(p.numel() * p.element_size() for p in model.parameters()))
+    cache = decode_cache_bytes(model, name, batch, tokens)
+    ceiling = batch * bandwidth / (weights + cache)
+    return dict(bandwidth_bytes_per_s=bandwidth, weight_bytes=weights, cache_bytes=cache,
+                ceiling_tokens_per_s=round(ceiling, 1), fraction_of_ceiling=round(tokens_per_s / ceiling, 3))
 
 
 def generate_once(model, batch: int, prompt: int, new: int, **generate_kwargs) -> dict:
@@ -138,7 +190,7 @@ def search_largest(fits, start: int, max_batch: int, resolution: int, max_tries:
     return good, False, tries
 
 
-def measure_model(name: str, args, device: torch.device, dtype: torch.dtype, shape: dict) -> dict:
+def measure_model(name: str, args, device: torch.device, dtype: torch.dtype, shape: dict, bandwidth: float) -> dict:
     max_positions = args.prompt + args.new + 16
     model = build_model(name, device, dtype, max_positions, **shape)
     search_kwargs, timed_kwargs = {}, {}
@@ -179,6 +231,7 @@ def measure_model(name: str, args, device: torch.device, dtype: torch.dtype, sha
         row.update(timed_batch=batch, ms_per_token=info["ms_per_token"],
                    tokens_per_s=round(1000 * batch / info["ms_per_token"], 1), prefill_ms=info["prefill_ms"],
                    prefill_plan=info["prefill_plan"], decode_report=getattr(model, "last_decode_report", None))
+        row["memory_bound"] = memory_bound(model, name, batch, args.prompt + args.new, bandwidth, row["tokens_per_s"])
         break
     del model
     release_memory(device)
@@ -207,9 +260,11 @@ def main(argv=None) -> list[dict]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = dict(num_hidden_layers=args.layers) | (TINY_SHAPE if args.shape == "tiny" else {})
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     rows = []
     for name in args.models.split(","):
-        row = measure_model(name, args, device, dtype, shape)
+        row = measure_model(name, args, device, dtype, shape, bandwidth)
         print(json.dumps(row), flush=True)
         rows.append(row)
         _append(args.json, row)
@@ -217,9 +272,13 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         if llama is not None and r.get("tokens_per_s"):
             r["ratio_vs_llama"] = round(r["tokens_per_s"] / llama["tokens_per_s"], 2)
+            r["ceiling_vs_llama"] = round(r["memory_bound"]["ceiling_tokens_per_s"] / llama["tokens_per_s"], 2)
         largest = "none" if r["largest_batch"] is None else (">= " if r["capped"] else "") + str(r["largest_batch"])
+        bound = r.get("memory_bound", {})
         print(f"{r['model']:>11}: largest batch {largest:>7}  decode {r.get('tokens_per_s', 'n/a'):>10} tok/s at B="
-              f"{r.get('timed_batch')}  {r.get('ratio_vs_llama', ''):>6}x llama-static")
+              f"{r.get('timed_batch')}  {r.get('ratio_vs_llama', ''):>6}x llama-static;  memory-bound ceiling "
+              f"{bound.get('ceiling_tokens_per_s', 'n/a')} tok/s ({r.get('ceiling_vs_llama', '')}x llama-static, "
+              f"{bound.get('fraction_of_ceiling', 'n/a')} of it reached)")
     return rows
 
 

@@ -60,3 +60,30 @@ def test_cpu_run_finds_the_faked_limit_and_reports_against_llama(monkeypatch):
     assert rows[1]["ratio_vs_llama"] == 1.0
     assert rows[0]["ratio_vs_llama"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], abs=0.01)
     assert rows[0]["prefill_plan"]["rows"] == 5  # our model's planner saw the batch (no slicing on CPU)
+    # The memory-bound ceiling at the timed batch: weights and the whole cache read once per step.
+    for row in rows:
+        bound = row["memory_bound"]
+        assert bound["weight_bytes"] > 0 and bound["cache_bytes"] > 0 and bound["bandwidth_bytes_per_s"] > 0
+        expected = 5 * bound["bandwidth_bytes_per_s"] / (bound["weight_bytes"] + bound["cache_bytes"])
+        assert bound["ceiling_tokens_per_s"] == pytest.approx(expected, rel=0.01)
+        assert bound["fraction_of_ceiling"] == pytest.approx(row["tokens_per_s"] / bound["ceiling_tokens_per_s"], abs=1e-3)
+    shape = largest_batch.TINY_SHAPE
+    llama_cache = 2 * 2 * shape["num_attention_heads"] * shape["head_dim"] * (20 + 3) * 5 * 4  # K and V, 2 layers, fp32
+    assert rows[1]["memory_bound"]["cache_bytes"] == llama_cache
+    assert rows[0]["ceiling_vs_llama"] == pytest.approx(
+        rows[0]["memory_bound"]["ceiling_tokens_per_s"] / rows[1]["tokens_per_s"], abs=0.01)
+
+
+def test_decode_cache_bytes_of_llama_and_of_our_caches():
+    """Llama's static cache by its shape; ours as the prefill planner measures it (RAT's cache holds
+    a fraction of the keys: its chunk ends, the current chunk and states)."""
+    from benchmarks.generation import build_model
+
+    device = torch.device("cpu")
+    shape = dict(num_hidden_layers=2) | largest_batch.TINY_SHAPE
+    llama = build_model("llama", device, torch.float32, 64, **shape)
+    rat = build_model("rat", device, torch.float32, 64, **shape)
+    llama_bytes = largest_batch.decode_cache_bytes(llama, "llama", batch=3, tokens=48)
+    assert llama_bytes == 2 * 2 * 4 * 16 * 48 * 3 * 4
+    assert 0 < largest_batch.decode_cache_bytes(rat, "rat", batch=3, tokens=48) < llama_bytes
+    assert largest_batch.copy_bandwidth(device, nbytes=2**20, repeats=2) > 0
