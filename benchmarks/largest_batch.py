@@ -64,26 +64,15 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> float:
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30, repeat: int = 10) -> float:
     """Bytes per second a device-to-device copy moves (read + written), timed here: the rate every
     decode step's reads are bounded by."""
+    from hf_hybrid.bench.timing import time_fn
+
     source = torch.empty(nbytes, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    target.copy_(source)  # warm-up
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            target.copy_(source)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1000
-    else:
-        begin = time.perf_counter()
-        for _ in range(repeats):
-            target.copy_(source)
-        seconds = time.perf_counter() - begin
-    return 2 * nbytes * repeats / seconds
+    timing = time_fn(lambda: target.copy_(source), device, warmup=1, repeat=repeat)
+    return 2 * nbytes / (timing.median_ms / 1000)
 
 
 def decode_cache_bytes(model, name: str, batch: int, tokens: int) -> float:
