@@ -7,7 +7,7 @@ one GPU and split over N GPUs (tokens/s per GPU against one GPU: benchmarks.cont
 
 Shape: 8 layers of the 1.3B shape (the models suite's), bf16 weights, B=1, random tokens,
 activation checkpointing per decoder layer (how sequences this long are trained). One step:
-forward, loss (Liger's fused loss when installed), backward, and on N GPUs the gradient sum over
+forward, loss (the fused LM head + loss on CUDA), backward, and on N GPUs the gradient sum over
 the group (hf_hybrid.distributed.context_parallel, its default balanced layout: each rank an early
 and a late chunk); no optimizer.
 The length doubles from --first-tokens x N while the next length's predicted peak memory (linear in T

@@ -12,7 +12,8 @@ the first that failed (out of memory; any other error is kept in the row's ``err
 ``--resolution`` rows, at most ``--max-tries`` generate() calls
 per model, none started after ``--search-seconds`` of the model's search, and never past
 ``--max-batch`` (a model that reaches it is reported as ">= max-batch"; ``tries`` lists every try,
-so a search cut short by its budget shows its open bracket).
+so a search cut short by its budget shows its open bracket). ``--fixed-batch NAME=B`` skips a
+model's search and times it at B after one warm-up generate() (a batch an earlier search found).
 Each try runs in this process after the previous one's memory was handed back (gc and
 ``torch.cuda.empty_cache()``). Our models generate with default arguments: the prefill in slices
 where the batch's activations would not fit beside the decode cache
@@ -179,6 +180,17 @@ def search_largest(fits, start: int, max_batch: int, resolution: int, max_tries:
     return good, False, tries
 
 
+def parse_fixed_batches(text: str) -> dict[str, int]:
+    """``"rattention=256,llama=96"`` -> {"rattention": 256, "llama": 96}."""
+    batches = {}
+    for item in filter(None, text.split(",")):
+        name, sep, batch = item.partition("=")
+        if not sep or not batch.strip().isdigit() or int(batch) < 1:
+            raise argparse.ArgumentTypeError(f"--fixed-batch: {item!r} is not NAME=ROWS (e.g. rattention=256)")
+        batches[name.strip()] = int(batch)
+    return batches
+
+
 def measure_model(name: str, args, device: torch.device, dtype: torch.dtype, shape: dict, bandwidth: float) -> dict:
     max_positions = args.prompt + args.new + 16
     model = build_model(name, device, dtype, max_positions, **shape)
@@ -198,8 +210,13 @@ def measure_model(name: str, args, device: torch.device, dtype: torch.dtype, sha
               flush=True)
         return ok
 
-    deadline = time.monotonic() + args.search_seconds if args.search_seconds else None
-    largest, capped, tries = search_largest(fits, args.start, args.max_batch, args.resolution, args.max_tries, deadline)
+    fixed = args.fixed_batch.get(name)
+    if fixed is None:
+        deadline = time.monotonic() + args.search_seconds if args.search_seconds else None
+        largest, capped, tries = search_largest(fits, args.start, args.max_batch, args.resolution, args.max_tries, deadline)
+    else:  # a batch found by an earlier search: one warm-up generate() stands in for the search
+        fitted = fits(fixed)
+        largest, capped, tries = (fixed if fitted else None), False, [(fixed, fitted)]
     errors = {batch: info["error"] for batch, info in infos.items() if "error" in info}
     row = dict(model=name, layers=shape.get("num_hidden_layers"), prompt=args.prompt, new=args.new,
                largest_batch=largest, capped=capped, tries=tries, errors=errors,
@@ -242,6 +259,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--llama-eager", action="store_true", help="time Llama's static cache without compiling its step")
     parser.add_argument("--llama-prefill-chunk", type=int, default=None,
                         help="give Llama transformers' prefill_chunk_size (its own sliced prefill)")
+    parser.add_argument("--fixed-batch", type=parse_fixed_batches, default={},
+                        help="NAME=B,...: time these models at batch B without searching (one warm-up generate())")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", choices=("1.3b", "tiny"), default="1.3b", help="tiny: the CPU-sized test shape")
     parser.add_argument("--json", help="append the rows to this JSON-lines file")

@@ -5,7 +5,8 @@ training step or a decode step spends its GPU time.
     python -m benchmarks.profile prefill rat_plus_d16 --seq 32768
     python -m benchmarks.profile decode rat_plus_d16 --batch 8 --prompt 16384
 
-Models: those of benchmarks.generation (8 layers of the 1.3B shape, bf16, random weights).
+Models: those of benchmarks.generation (8 layers of the 1.3B shape, bf16, random weights);
+``train`` also takes ``llama_liger`` (the training baseline: Llama with Liger's kernels).
 ``train``: one ``model(ids, labels=ids).loss.backward()`` at B=1 after two warm-up steps.
 ``prefill``: one no-grad ``model(ids, logits_to_keep=1)`` at B=1 with the model's cache (the
 models suite's prefill cell) after two warm-up calls.
@@ -21,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .generation import LLAMA_MODELS, MODELS, build_model, decode_loop_ms
+from .train_gaps import _build as build_training_model
 
 
 def profiled(fn) -> profile:
@@ -38,7 +40,7 @@ def table(prof: profile, rows: int) -> str:
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("train", "prefill", "decode"))
-    parser.add_argument("model", choices=MODELS)
+    parser.add_argument("model", choices=MODELS + ("llama_liger",))
     parser.add_argument("--seq", type=int, default=8192, help="train, prefill: tokens")
     parser.add_argument("--batch", type=int, default=8, help="decode: rows")
     parser.add_argument("--prompt", type=int, default=16384, help="decode: prompt tokens")
@@ -58,7 +60,7 @@ def main(argv=None) -> str:
             step()
         prof = profiled(step)
     elif args.what == "train":
-        model = build_model(args.model, device, torch.bfloat16, args.seq + 16).train()
+        model = build_training_model(args.model, args.seq, device).train()
         ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
 
         def step():

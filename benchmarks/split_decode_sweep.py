@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from .sweeps import lowest_total, write_json
 
 SHAPES = ((8, 16384), (32, 2048))  # (batch, filled keys): the generate() benchmark's two settings
-CONFIGS = list(itertools.product((16, 32, 64), (2, 4, 8), (4, 8, 16, 32)))  # (BLOCK_N, warps, programs per SM)
+# (BLOCK_N, warps, programs per SM, software-pipeline stages of the key loop)
+CONFIGS = list(itertools.product((16, 32, 64), (2, 4, 8), (4, 8, 16, 32), (1,)))
 
 
 def sdpa_step(q, keys, values, c_q, c_k, key_mask):
@@ -51,48 +52,68 @@ def step_inputs(batch: int, filled: int, heads: int = 16, dim: int = 128):
     return q, k, v, c_q, c_k, length, key_mask
 
 
-def set_config(block: int, warps: int, per_sm: int) -> None:
+def set_config(block: int, warps: int, per_sm: int, stages: int = 1) -> None:
     from hf_hybrid.kernels import _split_decode
     from hf_hybrid.kernels.forgetting_attention import decode_triton
 
     decode_triton.BLOCK_N, decode_triton.WARPS, _split_decode.PROGRAMS_PER_SM = block, warps, per_sm
+    decode_triton.STAGES = stages
 
 
-def sweep() -> dict:
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"8x16384,160x4096"`` -> [(8, 16384), (160, 4096)] (batch x filled keys)."""
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
+
+
+def parse_configs(text: str) -> list[tuple[int, ...]]:
+    """``"64x4x16x1,128x8x16x2"`` -> BLOCK_N x warps x programs per SM x stages tuples."""
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
+
+
+def sweep(shapes=SHAPES, configs=CONFIGS) -> dict:
     import triton.testing
 
     from hf_hybrid.kernels.forgetting_attention import decode_triton, forgetting_attention_decode_reference
 
     rows = []
-    for batch, filled in SHAPES:
+    for batch, filled in shapes:
         q, k, v, c_q, c_k, length, key_mask = step_inputs(batch, filled)
+        kv_bytes = 2 * batch * filled * k.shape[2] * k.shape[3] * k.element_size()  # what a step must read
         exact = forgetting_attention_decode_reference(q.float(), k.float(), v.float(), c_q, c_k, length)
         base = triton.testing.do_bench_cudagraph(lambda: sdpa_step(q, k, v, c_q, c_k, key_mask))
         error = ((sdpa_step(q, k, v, c_q, c_k, key_mask).float() - exact).norm() / exact.norm()).item()
-        rows.append(dict(batch=batch, filled=filled, variant="sdpa (before)", ms=round(base, 4), rel_error=float(f"{error:.2e}")))
+        rows.append(dict(batch=batch, filled=filled, variant="sdpa (before)", ms=round(base, 4), rel_error=float(f"{error:.2e}"),
+                         kv_gb_per_s=round(kv_bytes / base / 1e6, 1)))
         print(json.dumps(rows[-1]), flush=True)
-        for block, warps, per_sm in CONFIGS:
-            set_config(block, warps, per_sm)
+        for block, warps, per_sm, stages in configs:
+            set_config(block, warps, per_sm, stages)
+            name = f"triton {block}x{warps}w {per_sm}/SM {stages} stages"
             fn = lambda: decode_triton.forgetting_attention_decode_triton(q, k, v, c_q, c_k, length)  # noqa: E731
             try:
                 error = ((fn().float() - exact).norm() / exact.norm()).item()
                 ms = triton.testing.do_bench_cudagraph(fn)
             except Exception as exc:  # a tile that does not compile on this GPU
-                rows.append(dict(batch=batch, filled=filled, variant=f"triton {block}x{warps}w {per_sm}/SM", error=str(exc)[:200]))
+                rows.append(dict(batch=batch, filled=filled, variant=name, error=str(exc)[:200]))
                 continue
-            rows.append(dict(batch=batch, filled=filled, variant=f"triton {block}x{warps}w {per_sm}/SM", ms=round(ms, 4),
-                             vs_sdpa=round(base / ms, 3), config=[block, warps, per_sm], rel_error=float(f"{error:.2e}")))
+            rows.append(dict(batch=batch, filled=filled, variant=name, ms=round(ms, 4), vs_sdpa=round(base / ms, 3),
+                             config=[block, warps, per_sm, stages], rel_error=float(f"{error:.2e}"),
+                             kv_gb_per_s=round(kv_bytes / ms / 1e6, 1)))
             print(json.dumps(rows[-1]), flush=True)
-    return dict(rows=rows, best=lowest_total(rows, "ms", len(SHAPES)), device=torch.cuda.get_device_name())
+        del q, k, v, c_q, c_k, key_mask
+        torch.cuda.empty_cache()
+    return dict(rows=rows, best=lowest_total(rows, "ms", len(shapes)), device=torch.cuda.get_device_name())
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows and the chosen configuration here")
     parser.add_argument("--generate", action="store_true", help="then time generate() with the best configuration")
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="BATCHxKEYS,... (default: generate()'s two)")
+    parser.add_argument("--configs", type=parse_configs, default=CONFIGS,
+                        help="BLOCKxWARPSxPER_SMxSTAGES,... (default: the full grid)")
     args = parser.parse_args(argv)
-    result = sweep()
-    print("best (BLOCK_N, warps, programs per SM):", result["best"], flush=True)
+    result = sweep(args.shapes, args.configs)
+    print("best (BLOCK_N, warps, programs per SM, stages):", result["best"], flush=True)
     if args.generate:
         from .generation import main as generate_benchmark
 

@@ -12,6 +12,7 @@ if __name__ != "kernels":
     from .chunk_attention import block_end_attention, chunk_end_attention
     from .forgetting_attention import forgetting_attention, forgetting_attention_with_cache
     from .gated_recurrence import gated_recurrence
+    from .linear_cross_entropy import linear_cross_entropy
     from .residual_linear_attention import residual_linear_attention, residual_linear_attention_decode, sliding_window_attention
     from .span_expanded_attention import span_expanded_attention
     from .ssd_scan import mamba2_decode_step, ssd_scan, ssd_step
@@ -25,6 +26,7 @@ __all__ = [
     "forgetting_attention",
     "forgetting_attention_with_cache",
     "gated_recurrence",
+    "linear_cross_entropy",
     "mamba2_decode_step",
     "residual_linear_attention",
     "residual_linear_attention_decode",

@@ -87,3 +87,27 @@ def test_decode_cache_bytes_of_llama_and_of_our_caches():
     assert llama_bytes == 2 * 2 * 4 * 16 * 48 * 3 * 4
     assert 0 < largest_batch.decode_cache_bytes(rat, "rat", batch=3, tokens=48) < llama_bytes
     assert largest_batch.copy_bandwidth(device, nbytes=2**20) > 0
+
+
+def test_fixed_batch_skips_the_search(monkeypatch):
+    batches = []
+    real = largest_batch.generate_once
+
+    def counted(model, batch, *args, **kwargs):
+        batches.append((model.config.model_type, batch))
+        return real(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(largest_batch, "generate_once", counted)
+    rows = largest_batch.main([
+        "--device", "cpu", "--shape", "tiny", "--layers", "2", "--prompt", "20", "--new", "3", "--models", "rat,llama",
+        "--fixed-batch", "rat=3,llama=2", "--llama-eager", "--search-seconds", "0",
+    ])
+    assert [(r["largest_batch"], r["timed_batch"], r["tries"]) for r in rows] == [(3, 3, [(3, True)]), (2, 2, [(2, True)])]
+    assert batches == [("rat", 3), ("rat", 3), ("llama", 2), ("llama", 2)]  # a warm-up, then the timed call
+    assert rows[0]["ratio_vs_llama"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], abs=0.01)
+
+
+def test_fixed_batch_names_its_format():
+    assert largest_batch.parse_fixed_batches("rattention=256, fox=160") == {"rattention": 256, "fox": 160}
+    with pytest.raises(Exception, match="NAME=ROWS"):
+        largest_batch.parse_fixed_batches("rattention:256")

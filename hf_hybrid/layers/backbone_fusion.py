@@ -1,17 +1,20 @@
-"""Optional fused kernels for the backbone every architecture shares (Liger Kernel, extra ``[fast]``).
+"""Fused kernels for the backbone every architecture shares: the LM head with its loss (this
+package's kernel), RMSNorm and SwiGLU (Liger Kernel, extra ``[fast]``).
 
 In eager PyTorch an RMSNorm is six kernels, SwiGLU's product two, and the loss materialises the
 float32 logits of the whole sequence (T x 32K x 4 bytes: 4 GiB at T = 32K, again for the gradient).
-Liger (``pip install hf-hybrid[fast]`` or ``liger-kernel``) fuses each into one Triton kernel, which
-takes a long training step's time and peak memory down by about a quarter and a half
-(`hf-hybrid bench --suites models --only train`; docs/benchmarks/models.md).
+The LM head and its cross-entropy run chunk by chunk in kernels/linear_cross_entropy (no [T, vocab]
+logits, no host synchronisation); Liger (``pip install hf-hybrid[fast]`` or ``liger-kernel``) fuses
+the norm and SwiGLU each into one Triton kernel. Together they take a long training step's time and
+peak memory down by about a quarter and a half (`hf-hybrid bench --suites models --only train`;
+docs/benchmarks/models.md).
 
-When it applies: automatically on CUDA tensors when ``liger_kernel`` is installed (the norm and
-SwiGLU kernels from FUSED_MIN_TOKENS tokens per call: training and prefill). It is off on the CPU,
-when Liger is absent, inside torch.compile (Inductor fuses these ops itself), and when switched off
-with the environment variable ``HF_HYBRID_LIGER=0`` (read at import) or ``set_backbone_fusion(False)``
-(at run time, e.g. to measure before / after). Our PyTorch code is the path in every other case and
-the reference the fused path is tested against.
+When they apply: automatically on CUDA tensors, the loss wherever Triton imports, the norm and
+SwiGLU kernels when ``liger_kernel`` is installed and from FUSED_MIN_TOKENS tokens per call
+(training and prefill). They are off on the CPU, inside torch.compile (Inductor fuses these ops
+itself), and when switched off with the environment variable ``HF_HYBRID_LIGER=0`` (read at import)
+or ``set_backbone_fusion(False)`` (at run time, e.g. to measure before / after). Our PyTorch code is
+the path in every other case and the reference the fused path is tested against.
 
 Numerics: RMSNorm uses Liger's "gemma" casting mode, which is exactly our RMSNorm's (normalise and
 scale in float32, round once); SiLU(gate) * up is computed in float32 and rounded once (PyTorch
@@ -25,6 +28,7 @@ import importlib.util
 
 import torch
 
+from ..kernels._backend import triton_available
 from ..options import get as option
 
 _enabled = option("HF_HYBRID_LIGER")
@@ -101,9 +105,15 @@ def fused_decode_active() -> bool:
 
 
 def fused_backbone_applies(x: torch.Tensor) -> bool:
-    """True when the fused loss on ``x`` should run Liger's kernel (see the module docstring)."""
+    """True when Liger's norm and SwiGLU kernels may run on ``x`` (see the module docstring)."""
     # is_compiling() first: under torch.compile nothing after it is traced (find_spec is untraceable)
     return not torch.compiler.is_compiling() and _enabled and (x.is_cuda or _allow_cpu) and liger_installed()
+
+
+def fused_loss_applies(x: torch.Tensor) -> bool:
+    """True when the LM head and its loss on ``x`` run as this package's chunked Triton kernel
+    (kernels/linear_cross_entropy; loss.py): where the fused backbone would run, Liger or not."""
+    return not torch.compiler.is_compiling() and _enabled and (x.is_cuda or _allow_cpu) and triton_available()
 
 
 def fused_layer_applies(x: torch.Tensor) -> bool:
@@ -120,15 +130,15 @@ def _ops():
     # In a try block: transformers' remote-code loader (checkpoints saved with their code) treats
     # every other import in this file as a hard requirement, and Liger is optional.
     try:
-        from liger_kernel.ops import LigerFusedLinearCrossEntropyFunction, LigerRMSNormFunction, LigerSiLUMulFunction
+        from liger_kernel.ops import LigerRMSNormFunction, LigerSiLUMulFunction
     except ImportError as exc:
         raise ImportError(f"the fused backbone needs liger-kernel: pip install 'hf-hybrid[fast]' ({exc})") from exc
-    return LigerRMSNormFunction, LigerSiLUMulFunction, LigerFusedLinearCrossEntropyFunction
+    return LigerRMSNormFunction, LigerSiLUMulFunction
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension with a 1-D weight, one kernel each way (float32 math)."""
-    rms_norm, _, _ = _ops()
+    rms_norm, _ = _ops()
     # offset 0, casting "gemma" (all float32, one rounding), in_place False: dY stays intact for
     # callers that reuse it.
     return rms_norm.apply(x, weight, eps, 0.0, "gemma", False)
@@ -136,17 +146,7 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel (and one for the backward)."""
-    _, silu_mul, _ = _ops()
+    _, silu_mul = _ops()
     return silu_mul.apply(gate, up)
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               ignore_index: int, reduction: str) -> torch.Tensor:
-    """cross_entropy(hidden @ weight.T, targets) without materialising the logits: Liger computes
-    them chunk by chunk, with the gradients of the chunk in the same pass. hidden [N, H],
-    weight [V, H], targets [N]. The weight gradient accumulates in float32."""
-    _, _, flce = _ops()
-    # Positional arguments of LigerFusedLinearCrossEntropyFunction.forward (0.8.x): bias, ce_weight,
-    # ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss, accum_dtype.
-    loss = flce.apply(hidden, weight, targets, None, None, ignore_index, 0.0, 0.0, reduction, None, False, torch.float32)
-    return loss[0] if isinstance(loss, tuple) else loss

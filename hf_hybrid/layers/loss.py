@@ -1,8 +1,8 @@
 """The causal-LM head and loss of HybridForCausalLM: logits = lm_head(hidden), loss = ForCausalLMLoss.
 
-In training the logits are usually not wanted, only the loss: there, on CUDA with Liger installed
-(backbone_fusion.py), the LM head and the cross-entropy run fused, chunk by chunk, and the float32
-logits of the whole sequence ([T, vocab] x 4 bytes, plus their gradient) never exist. The loss is
+In training the logits are usually not wanted, only the loss: there, on CUDA (backbone_fusion.py),
+the LM head and the cross-entropy run fused, chunk by chunk (kernels/linear_cross_entropy), and the
+float32 logits of the whole sequence ([T, vocab] x 4 bytes, plus their gradient) never exist. The loss is
 transformers' ForCausalLMLoss: labels shifted left by one (the last position predicts nothing),
 ``ignore_index`` (-100) skipped, mean over the counted tokens, or a sum divided by
 ``num_items_in_batch`` when the Trainer passes it (gradient accumulation). ``shift_labels``, when
@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .backbone_fusion import fused_backbone_applies, fused_linear_cross_entropy
+from ..kernels.linear_cross_entropy import linear_cross_entropy
+from .backbone_fusion import fused_loss_applies
 
 # The loss keywords of transformers' causal LMs (ForCausalLMLoss), taken from forward()'s kwargs.
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
@@ -43,15 +44,16 @@ def causal_lm_loss_from_hidden(
     shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ForCausalLMLoss(hidden_states @ lm_head_weight.T, labels) computed from the hidden states:
-    fused (Liger) where the fusion applies, else through float32 logits as transformers does.
+    fused (kernels/linear_cross_entropy) where the fusion applies, else through float32 logits as
+    transformers does.
     ``shift_labels`` (already shifted targets) replace ``labels`` when given."""
     if shift_labels is None:
         shift_labels = shifted_labels(labels, ignore_index)
     targets = shift_labels.reshape(-1).to(hidden_states.device)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    if fused_backbone_applies(hidden):
-        loss = fused_linear_cross_entropy(hidden, lm_head_weight, targets, ignore_index, reduction)
+    if fused_loss_applies(hidden):
+        loss = linear_cross_entropy(hidden, lm_head_weight.to(hidden.dtype), targets, ignore_index, reduction, backend="triton")
     else:
         logits = F.linear(hidden, lm_head_weight).float()
         loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
@@ -70,7 +72,7 @@ def _fuse_loss(model, hidden_states, has_targets, logits_to_keep, skip_logits) -
     return (
         model.training
         and isinstance(logits_to_keep, int) and logits_to_keep == 0
-        and fused_backbone_applies(hidden_states)
+        and fused_loss_applies(hidden_states)
     )
 
 

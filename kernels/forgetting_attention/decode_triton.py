@@ -19,9 +19,12 @@ import triton.language as tl
 from .._split_decode import combine, empty_state, online_update, plan_splits, store_partial
 from .triton import LOG2E  # a constexpr: the kernel may read it
 
-# 64 keys x 4 warps with 16 programs per SM: the fastest tile summed over B=8 / 16K and B=32 / 2K
-# in `python -m benchmarks.split_decode_sweep` (as fast as SDPA's decode; docs/benchmarks/fox.md).
-BLOCK_N, WARPS = 64, 4
+# 128 keys x 4 warps, the key loop software-pipelined over 2 stages (the next tile's loads issued
+# before this tile's math), 16 programs per SM: the fastest tile summed over B=8 / 16K, B=32 / 2K and
+# the largest batch's B=160 / 4K in `python -m benchmarks.split_decode_sweep`, 93-96% of the copy
+# bandwidth there (docs/benchmarks/fox.md). The prefetched tile lives in registers and spills a few
+# hundred bytes, which the sweep's timing includes.
+BLOCK_N, WARPS, STAGES = 128, 4, 2
 
 
 @triton.jit
@@ -30,6 +33,7 @@ def _partial_kernel(
     sqb, sqh, skb, skt, skh, svb, svt, svh, scqb, scqh, sckb, sckt, sckh, smb, smt, slb, sob, soh,
     H, GROUP, T, split_len, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -48,7 +52,7 @@ def _partial_kernel(
     k_base = K + b * skb + kvh * skh
     v_base = V + b * svb + kvh * svh
     m_i, l_i, acc = empty_state(HEAD_DIM)
-    for start in range(lo, hi, BLOCK):
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < hi
         if HAS_MASK:
@@ -95,6 +99,6 @@ def forgetting_attention_decode_triton(
         length.stride(0) if length.numel() > 1 else 0, out.stride(0), out.stride(2),
         heads, heads // kv_heads, keys, per_split, window_size or 0, scale * LOG2E.value,
         HEAD_DIM=dim, BLOCK=BLOCK_N, HAS_MASK=key_mask is not None, HAS_WINDOW=window_size is not None,
-        DIRECT=splits == 1, num_warps=WARPS,
+        DIRECT=splits == 1, STAGES=STAGES, num_warps=WARPS,
     )
     return combine(stats, partial, out, heads, splits, WARPS)

@@ -207,7 +207,7 @@ def test_shift_labels_honoured(name):
 
 
 def test_shift_labels_in_the_loss_from_hidden_states():
-    """The fused-loss entry point (Liger's on CUDA; float32 logits elsewhere) takes shift_labels too."""
+    """The fused-loss entry point (kernels/linear_cross_entropy on CUDA; float32 logits elsewhere) takes shift_labels too."""
     from hf_hybrid.layers.loss import causal_lm_loss_from_hidden, shifted_labels
 
     generator = torch.Generator().manual_seed(0)

@@ -207,7 +207,7 @@ def fox_decode_report() -> list[dict]:
     row = {"kernel": "_partial_kernel (FoX decode)", "num_warps": fd.WARPS, "block_n": fd.BLOCK_N}
     try:
         row.update(compile_for_sm90(fd._partial_kernel, types, dict(
-            HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False), fd.WARPS))
+            HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False, STAGES=fd.STAGES), fd.WARPS))
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return [row]
@@ -228,6 +228,16 @@ def output_gate_report() -> list[dict]:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
     return rows
+
+
+def linear_cross_entropy_report() -> list[dict]:
+    """The loss-and-gradient pass over a chunk of bf16 logits (int64 targets)."""
+    from hf_hybrid.kernels.linear_cross_entropy import triton as lce
+
+    types = dict(LOGITS="*bf16", TARGETS="*i64", LOSS="*fp32", SCALE="*fp32")
+    return _compile_rows({
+        "_loss_and_grad_kernel": (lce._loss_and_grad_kernel, types, dict(BLOCK=lce.BLOCK_V, HAS_GRAD=True), lce.WARPS),
+    })
 
 
 def kv_shift_report() -> list[dict]:

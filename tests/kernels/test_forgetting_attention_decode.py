@@ -98,11 +98,13 @@ def test_cached_attention_takes_the_decode_kernel_for_one_query():
 
 
 def test_shipped_tile_compiles_for_sm90():
-    """The shipped tile (64 keys x 4 warps) builds for sm_90 without a GPU; ptxas may spill a
-    few bytes (16 with Triton 3.9's), far from the local-memory traffic that would cost the decode step."""
+    """The shipped tile (128 keys x 4 warps, 2 pipeline stages) builds for sm_90 without a GPU. The
+    prefetched tile is held in registers and ptxas spills some of it (480 bytes per thread with
+    Triton 3.9, 2,136 with 3.6): the tile sweep on an H200 with Triton 3.6 timed it spills included,
+    at 93-96% of the copy bandwidth. A spill past 4 KB would be a tile the sweep did not measure."""
     (row,) = sm90_report("fox_decode_report()")
     assert "error" not in row, row
-    assert row["stack_bytes"] <= 64 and not row["wgmma"], row
+    assert row["stack_bytes"] <= 4096 and not row["wgmma"], row
 
 
 def test_bad_inputs_name_the_argument():

@@ -121,17 +121,18 @@ def test_peft_lora(monkeypatch):
 
 
 def test_fused_loss_takes_each_row_groups_loss(monkeypatch):
-    """Where the LM head and the loss run fused (Liger on CUDA; here a PyTorch stand-in of the same
-    call), each pattern's loss is fused over its own rows and no logits are returned."""
+    """Where the LM head and the loss run fused (kernels/linear_cross_entropy on CUDA; here a
+    PyTorch stand-in of the same call), each pattern's loss is fused over its own rows and no
+    logits are returned."""
     import torch.nn.functional as F
 
     from hf_hybrid.layers import loss as loss_module
 
-    def fused_stand_in(hidden, weight, targets, ignore_index, reduction):
+    def fused_stand_in(hidden, weight, targets, ignore_index, reduction, backend):
         return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index, reduction=reduction)
 
-    monkeypatch.setattr(loss_module, "fused_backbone_applies", lambda x: True)
-    monkeypatch.setattr(loss_module, "fused_linear_cross_entropy", fused_stand_in)
+    monkeypatch.setattr(loss_module, "fused_loss_applies", lambda x: True)
+    monkeypatch.setattr(loss_module, "linear_cross_entropy", fused_stand_in)
     ids = batch()
     labels = ids.clone()
     labels[0, :4] = -100
