@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.fused_norm.reference import rotary_reference
+from ..kernels.fused_norm import rotary
 
 
 class RotaryEmbedding(nn.Module):
@@ -39,10 +39,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """x [batch, seq, heads, head_dim]; ``cos_sin`` None means NoPE (identity). Float32 math,
-    result in x's dtype; the statement lives with the kernels' references (kernels/fused_norm),
-    which the fused QK-norm + RoPE kernel is tested against."""
-    return rotary_reference(x, cos_sin)
+    """x [batch, seq, heads, head_dim]; ``cos_sin`` None means NoPE (identity). Float32 math, one
+    rounding to x's dtype (kernels/fused_norm's ``rotary``: the statement is its reference; on CUDA
+    one Triton pass each way instead of PyTorch's chain of float32 element-wise kernels, a
+    concatenation among them)."""
+    return rotary(x, cos_sin)
 
 
 def rotary_tables(rotary: RotaryEmbedding | None, context, positions: torch.Tensor | None = None, tag="positions"):
