@@ -81,10 +81,9 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index: int, reduction: str):
+    def forward(ctx, hidden, weight, targets, ignore_index: int, reduction: str, need_hidden: bool, need_weight: bool):
         rows, vocab = hidden.shape[0], weight.shape[0]
         hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
-        need_hidden, need_weight = hidden.requires_grad, weight.requires_grad
         has_grad = need_hidden or need_weight
         counted = (targets != ignore_index).sum(dtype=torch.float32)
         scale = counted.reciprocal() if reduction == "mean" else torch.ones((), device=hidden.device)
@@ -116,8 +115,12 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy_triton(hidden, weight, targets, ignore_index: int = -100, reduction: str = "mean"):
-    return LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, reduction)
+    # Which gradients the forward computes, decided out here: inside forward() grad mode is off, so
+    # a copy made there (contiguous()) would not require grad, and under no_grad none is wanted.
+    grad = torch.is_grad_enabled()
+    return LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, reduction,
+                                    grad and hidden.requires_grad, grad and weight.requires_grad)

@@ -54,6 +54,15 @@ def test_frozen_weight_and_no_grad():
         torch.testing.assert_close(linear_cross_entropy(h, w, targets, backend="triton"), loss.detach())
 
 
+def test_strided_hidden_gets_its_gradient():
+    h, w, targets = inputs(9, 16, 40, torch.float32)
+    wide = torch.cat([h, h], dim=1).requires_grad_()
+    linear_cross_entropy(wide[:, ::2], w, targets, backend="triton").backward()
+    exact = wide.detach().clone().requires_grad_()
+    linear_cross_entropy_reference(exact[:, ::2], w, targets).backward()
+    torch.testing.assert_close(wide.grad, exact.grad)
+
+
 def test_no_counted_target_is_nan_as_in_pytorch():
     h, w, _ = inputs(5, 8, 12, torch.float32)
     targets = torch.full((5,), -100, device=DEVICE)
