@@ -105,14 +105,15 @@ def fused_decode_active() -> bool:
 
 
 def fused_backbone_applies(x: torch.Tensor) -> bool:
-    """True when Liger's norm and SwiGLU kernels may run on ``x`` (see the module docstring)."""
-    # is_compiling() first: under torch.compile nothing after it is traced (find_spec is untraceable)
-    return not torch.compiler.is_compiling() and _enabled and (x.is_cuda or _allow_cpu) and liger_installed()
+    """True when Liger's norm and SwiGLU kernels may run on ``x`` (see the module docstring):
+    where the fused loss would, with Liger installed."""
+    return fused_loss_applies(x) and liger_installed()
 
 
 def fused_loss_applies(x: torch.Tensor) -> bool:
     """True when the LM head and its loss on ``x`` run as this package's chunked Triton kernel
     (kernels/linear_cross_entropy; loss.py): where the fused backbone would run, Liger or not."""
+    # is_compiling() first: under torch.compile nothing after it is traced (find_spec is untraceable)
     return not torch.compiler.is_compiling() and _enabled and (x.is_cuda or _allow_cpu) and triton_available()
 
 
