@@ -15,6 +15,10 @@ mixer cost nothing: a target above it cannot be met by any mixer kernel.
   mixer is replaced (``RAT, free decode mixer``), the prefill is RAT's own.
 - ``RATTENTION, free local mixers``: its local layers are q / k / v projections and o_proj(q) (no
   sliding window, no residual linear attention, no branch norms); the global layers stay.
+- ``SE hybrid, free Mamba mixers``: its Mamba-2 layers are in_proj and out_proj(gate) (no conv1d, no
+  SSM scan, no gated norm); the attention layers stay. SE hybrid carries 13% more weights than
+  Llama at this shape (465M against 411M outside the embeddings), so its GEMMs alone cost more.
+- ``RAT-SWA, free RAT mixers``: RAT's stand-in above in the RAT layers; the sliding-window layers stay.
 - ``FoX, cuDNN attention``: Forgetting Attention replaced by PyTorch's causal SDPA (cuDNN / flash on
   the GPU), the forget gate's projection kept (its gradient is zeros): the model if its attention
   kernel were exactly as fast as the one Llama runs.
@@ -36,6 +40,7 @@ from hf_hybrid.layers import forgetting_attention as fox_layer
 from hf_hybrid.layers import rat_attention as rat_layer
 from hf_hybrid.layers import residual_linear_attention as rattention_layer
 from hf_hybrid.layers.projections import project_shared_input
+from hf_hybrid.models.se_hybrid import modeling_se_hybrid as se_hybrid_model
 
 
 class _FreeMixer(torch.autograd.Function):
@@ -80,6 +85,11 @@ def _rattention_local_decode_without_mixer(self, hidden_states, context, cache_l
     return _RATTENTION_LOCAL_FORWARD(self, hidden_states, context, cache_layer)
 
 
+def _mamba_without_mixer(self, hidden_states, valid, cache_layer):
+    gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    return self.out_proj(_FreeMixer.apply(gate, xBC, dt))
+
+
 def _fox_with_cudnn_attention(q, k, v, log_f, **_):
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                          enable_gqa=q.shape[2] != k.shape[2])
@@ -92,6 +102,7 @@ STAND_INS = {
     "free decode mixer": [(rat_layer.RatAttention, "_decode_step", _rat_decode_without_mixer)],
     "free local mixers": [(rattention_layer.RattentionLocalAttention, "forward", _rattention_local_without_mixer)],
     "free local decode": [(rattention_layer.RattentionLocalAttention, "forward", _rattention_local_decode_without_mixer)],
+    "free Mamba mixers": [(se_hybrid_model.SEMambaMixer, "_mix", _mamba_without_mixer)],
     "cuDNN attention": [(fox_layer, "forgetting_attention", _fox_with_cudnn_attention)],
 }
 
@@ -117,6 +128,8 @@ FORWARD_ROWS = [
     ("RATTENTION", "RATTENTION", None), ("RATTENTION, free local mixers", "RATTENTION", "free local mixers"),
     ("FoX (llama)", "FoX (llama)", None), ("FoX (llama), cuDNN attention", "FoX (llama)", "cuDNN attention"),
     ("FoX (pro)", "FoX (pro)", None), ("FoX (pro), cuDNN attention", "FoX (pro)", "cuDNN attention"),
+    ("RAT-SWA", "RAT-SWA", None), ("RAT-SWA, free RAT mixers", "RAT-SWA", "free mixer"),
+    ("SE hybrid", "SE hybrid", None), ("SE hybrid, free Mamba mixers", "SE hybrid", "free Mamba mixers"),
 ]
 # (row, benchmarks/generation.py model name, stand-in)
 DECODE_ROWS = [

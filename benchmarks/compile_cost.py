@@ -21,9 +21,10 @@ launches as the host code makes them on an H100 at the first-use test's shape
 (tests/gpu/test_first_use_gpu.py: 16 heads x 128, bf16, T = 2048, prompt 512): kernel, argument
 types, constexprs, warps and stages. It is written by hand, since on a CPU the host code picks the
 interpreter's tiles. It covers RAT's training step and generate(), RAT+'s training step, FoX's
-portable attention and the SE hybrid's Mamba-2 layers (training step and generate()); RATTENTION's RLA kernels and FoX's Gluon kernels (the sm_90
-default) come from benchmarks.sm90's reports (``REPORTS``). Not covered: Liger's backbone kernels,
-torch.compile's (RATTENTION's flex_attention). The GPU test's JSON has every
+portable attention, the sliding-window attention of RATTENTION's (and RAT-SWA's) training step and
+the SE hybrid's Mamba-2 layers (training step and generate()); RATTENTION's RLA kernels and FoX's
+Gluon kernels (the sm_90 default) come from benchmarks.sm90's reports (``REPORTS``). Not covered:
+Liger's backbone kernels. The GPU test's JSON has every
 architecture's actual compiles (``compiles``: kernel, seconds) from a compile hook, and
 torch.compile's seconds. benchmarks/tests/test_compile_cost.py checks every catalogued launch
 against its kernel's declared arguments and constexprs.
@@ -230,16 +231,16 @@ def _rat_plus_launches():
     ])]
 
 
-def _fox_launches():
-    """FoX's portable attention (off Hopper, with a window, or under deterministic algorithms): each
-    kernel at the tile ``portable_tile`` picks for T, or every autotuning candidate under
-    HF_HYBRID_AUTOTUNE=1."""
+def _portable_attention_launches(gated: bool, window: bool, note: str) -> list[Launch]:
+    """Forgetting Attention's portable kernels (``GATED``: FoX; without the gate: the sliding-window
+    layers' kernels/window_attention), each at the tile ``portable_tile`` picks for T, or every
+    autotuning candidate under HF_HYBRID_AUTOTUNE=1."""
     import torch
 
     from hf_hybrid.kernels.forgetting_attention import triton as fa
     from hf_hybrid.options import get as option
 
-    common = dict(GROUP=1, HEAD_DIM=HEAD_DIM, HAS_WINDOW=False, DOT_PREC="tf32")
+    common = dict(GROUP=1, HEAD_DIM=HEAD_DIM, HAS_WINDOW=window, GATED=gated, DOT_PREC="tf32")
     types = dict(_types("Q", "K", "V", "O", "DO", "DK", "DV", "DQ"), C=F32, LSE=F32, DELTA=F32, DC=F32, DCQ=F32,
                  CU=I32)
     tuned = option("HF_HYBRID_AUTOTUNE")
@@ -251,8 +252,19 @@ def _fox_launches():
         else:
             tile = fa.portable_tile(kind, TOKENS, HEAD_DIM, torch.bfloat16)
             launches.append(Launch(kernel, types, dict(common, **tile.kwargs), tile.num_warps, tile.num_stages,
-                                   note="portable_tile"))
-    return [Path("fox", "portable", launches)]  # a training step off Hopper (or deterministic): not the sm_90 default
+                                   note=note))
+    return launches
+
+
+def _fox_launches():
+    """FoX's portable attention (off Hopper or under deterministic algorithms: not the sm_90 default)."""
+    return [Path("fox", "portable", _portable_attention_launches(True, False, "portable_tile"))]
+
+
+def _window_launches():
+    """The sliding-window layers' attention in a training step (RATTENTION's local branch, RAT-SWA's
+    window layers): the portable kernels with a window and no gate."""
+    return [Path("rattention", "train", _portable_attention_launches(False, True, "window_attention"))]
 
 
 def _se_hybrid_launches():
@@ -310,7 +322,7 @@ def _se_hybrid_launches():
 def catalogue() -> list[Path]:
     """Every catalogued (architecture, path) with its launches; the decode step's backbone kernels
     are added to every generate() path."""
-    paths = _rat_launches() + _rat_plus_launches() + _fox_launches() + _se_hybrid_launches()
+    paths = _rat_launches() + _rat_plus_launches() + _fox_launches() + _window_launches() + _se_hybrid_launches()
     for path in paths:
         if path.path == "generate":
             path.launches += _decode_backbone_launches()

@@ -19,8 +19,6 @@ it rebuilds in the backward is never handed to them, so it is not counted, as it
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import linecache
 import os
 import re
@@ -217,28 +215,6 @@ def build_model(name: str, shape: dict | None = None, dtype: torch.dtype = torch
 MODELS = ("RAT", "RAT-SWA", "RATTENTION", "Llama")
 
 
-@contextlib.contextmanager
-def cpu_flex_standin():
-    """FlexAttention has no backward on the CPU: RATTENTION's sliding window (flex on the GPU) runs
-    as SDPA's causal kernel here, which saves what flex saves (q, k, v, out, log-sum-exp). For the
-    accounting only: the window is ignored, so the outputs are not RATTENTION's."""
-    from torch.nn import functional as F
-
-    rla = importlib.import_module("hf_hybrid.kernels.residual_linear_attention")
-
-    def causal(q, k, v, window_size, scale=None):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
-
-    original = rla.sliding_window_attention_flex
-    rla.sliding_window_attention_flex = causal
-    try:
-        yield
-    finally:
-        rla.sliding_window_attention_flex = original
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -252,8 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models.split(","):
         model = build_model(name, WIDE_SHAPE if args.wide else None, dtype=dtype, backend=args.backend)
         ids = torch.randint(3, model.config.vocab_size, (1, args.seq))
-        with cpu_flex_standin() if name == "RATTENTION" and not torch.cuda.is_available() else contextlib.nullcontext():
-            report = saved_tensor_report(model, ids)
+        report = saved_tensor_report(model, ids)
         print(f"== {name}: {report.per_token():.1f} bytes per token and layer saved "
               f"({args.dtype}, T={args.seq}, hidden {model.config.hidden_size})")
         if not args.quiet:

@@ -1,7 +1,8 @@
 """RATTENTION's sliding-window branch at a first use: what each way of computing the band costs in
 a fresh process with empty Triton and Inductor caches (the first forward + backward: compiles
-included), and afterwards (the median of later calls). The default on CUDA is flex_attention, which
-torch.compile builds at the first call of every shape; the alternatives need no torch.compile.
+included), and afterwards (the median of later calls). The default on CUDA is kernels/window_attention
+(Triton, one build per kernel); flex_attention is built by torch.compile at the first call of every
+shape.
 
     python -m benchmarks.swa_first_use                       T = 2048, window 512, 16 heads x 128, bf16
     python -m benchmarks.swa_first_use --seq 4096 --json F
@@ -11,9 +12,8 @@ Ways, each in its own fresh process:
 * ``flex``: ``sliding_window_attention_flex`` (compiled flex_attention, the eager block mask);
 * ``sdpa``: ``sliding_window_attention_sdpa`` (one SDPA call with the [T, T] band mask: no compile,
   every score of the square computed);
-* ``fox_window``: Forgetting Attention's portable Triton kernels with log f = 0 and the window
-  (exactly causal sliding-window softmax attention; one build per kernel, see
-  benchmarks.compile_cost --arch fox); their d log f output is computed and dropped.
+* ``window``: ``kernels/window_attention`` (Forgetting Attention's portable Triton kernels with the
+  forget gate compiled out; one build per kernel).
 
 Every way's output is checked against ``sdpa`` (bf16 tolerance) before it is timed.
 """
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-WAYS = ("flex", "sdpa", "fox_window")
+WAYS = ("flex", "sdpa", "window")
 ROOT = Path(__file__).resolve().parent.parent  # ``python -m benchmarks.<name>`` runs from here
 
 
@@ -43,11 +43,10 @@ def band_attention(way: str, q, k, v, window: int, scale: float):
         return sw.sliding_window_attention_flex(q, k, v, window, scale)
     if way == "sdpa":
         return sw.sliding_window_attention_sdpa(q, k, v, window, scale)
-    if way == "fox_window":
-        from hf_hybrid.kernels.forgetting_attention import forgetting_attention
+    if way == "window":
+        from hf_hybrid.kernels.window_attention import window_attention
 
-        log_f = torch.zeros(q.shape[:3], device=q.device, dtype=torch.float32)  # f = 1: no forgetting
-        return forgetting_attention(q, k, v, log_f, scale=scale, window_size=window + 1, backend="triton")
+        return window_attention(q, k, v, window_size=window + 1, scale=scale, backend="triton")  # counts itself
     raise ValueError(f"way must be one of {', '.join(WAYS)}; got {way!r}.")
 
 

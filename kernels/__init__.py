@@ -17,6 +17,7 @@ if __name__ != "kernels":
     from .span_expanded_attention import span_expanded_attention
     from .ssd_scan import mamba2_decode_step, ssd_scan, ssd_step
     from .topk_block_attention import topk_block_attention
+    from .window_attention import window_attention
 
 __all__ = [
     "block_end_attention",
@@ -35,4 +36,5 @@ __all__ = [
     "ssd_scan",
     "ssd_step",
     "topk_block_attention",
+    "window_attention",
 ]

@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_hybrid  # noqa: F401  (registers the architectures)
 from hf_hybrid import FoxConfig, RatConfig, RatPlusConfig, RattentionConfig, SEHybridConfig
+from hf_hybrid.kernels._backend import triton_interpreting
 from hf_hybrid.layers import attention as attention_module
 from hf_hybrid.layers.attention import eager_attention_forward
 from hf_hybrid.layers.context import SequenceContext
@@ -302,6 +303,41 @@ def test_sdpa_routing_on_cuda_never_builds_a_dense_mask_for_several_queries(monk
             assert layer_mask is None or layer_mask.shape[:3] == (2, 1, 1)
     prefill_masks = [m for _, queries, m in calls if queries > 1]
     assert any(m is None for m in prefill_masks) and any(isinstance(m, BlockMask) for m in prefill_masks)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or triton_interpreting()), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_windows_over_unpadded_rows_run_the_window_kernel(monkeypatch):
+    """The CUDA routing of "sdpa", checked on CPU with the kernels in Triton's interpreter: a window
+    layer over whole unpadded rows (a training step, a prefill from empty) runs kernels/window_attention,
+    with the SDPA path's logits and gradients (fp32); left-padded rows and the continuation of a cache
+    keep the masked paths."""
+    def loss_and_grads(model, ids, mask=None):
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    make = SOFTMAX_CONFIGS["rat_swa"]  # head_dim 16: one the kernels take
+    ids, mask = padded_batch(seq=13)
+    want_logits, want_grads = loss_and_grads(build(make, "sdpa", hidden_size=64).train(), ids)
+    calls = []
+    monkeypatch.setattr(attention_module, "window_attention_applies", lambda query: True)
+    kernel = attention_module.window_attention
+    monkeypatch.setattr(attention_module, "window_attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    model = build(make, "sdpa", hidden_size=64).train()
+    logits, grads = loss_and_grads(model, ids)
+    assert calls and all(kw["window_size"] == 3 and kw["backend"] == "triton" for kw in calls)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=0)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    calls.clear()
+    model.eval()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)  # left padding: the BlockMask / masked path
+        out = model(ids[:, :-1], use_cache=True)
+        model(ids[:, -1:], past_key_values=out.past_key_values)  # a decode step: the cache's path
+    assert len(calls) == 1  # only the unpadded prefill
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from hf_hybrid.bench.models import architectures, build_ours
 from hf_hybrid.layers import forgetting_attention as fox_layer
 from hf_hybrid.layers import rat_attention as rat_layer
 from hf_hybrid.layers import residual_linear_attention as rattention_layer
+from hf_hybrid.models.se_hybrid import modeling_se_hybrid as se_hybrid_model
 
 CONFIG = BenchConfig(device=torch.device("cpu"), dtype=torch.float32, quick=True)
 
@@ -31,6 +32,9 @@ def _forbid(monkeypatch, owner, name):
     ("RATTENTION", "free local mixers", [(rattention_layer, "residual_linear_attention"),
                                          (rattention_layer, "sliding_window_attention")], "k_proj"),
     ("FoX (llama)", "cuDNN attention", [(fox_layer, "forgetting_attention")], "f_proj"),
+    ("SE hybrid", "free Mamba mixers", [(se_hybrid_model, "ssd_scan"), (se_hybrid_model, "causal_conv1d"),
+                                        (se_hybrid_model, "gated_rms_norm")], "in_proj"),
+    ("RAT-SWA", "free mixer", [(rat_layer, "block_end_attention"), (rat_layer, "chunk_end_attention")], "q_proj"),
 ])
 def test_training_stand_ins_skip_the_mixer_and_keep_the_projections(monkeypatch, arch_name, stand, forbidden, projection):
     model = _model(arch_name).train()

@@ -10,7 +10,7 @@ from hf_hybrid.kernels._backend import triton_interpreting
 
 @pytest.mark.parametrize("way", [w for w in swa_first_use.WAYS if w != "sdpa"])
 def test_every_way_computes_the_same_band_as_sdpa(way):
-    if way == "fox_window" and not (torch.cuda.is_available() or triton_interpreting()):
+    if way == "window" and not (torch.cuda.is_available() or triton_interpreting()):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 40, 2, 16, generator=g) for _ in range(3))
@@ -21,7 +21,7 @@ def test_every_way_computes_the_same_band_as_sdpa(way):
 
 
 def test_an_unknown_way_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="flex, sdpa, fox_window"):
+    with pytest.raises(ValueError, match="flex, sdpa, window"):
         swa_first_use.band_attention("cudnn", *(torch.zeros(1, 4, 1, 16) for _ in range(3)), 2, 1.0)
 
 

@@ -19,9 +19,12 @@ sdpa                no mask for causal attention over unpadded tokens (``is_caus
                     window hides keys: no flex compile per slice shape) and for
                     decode steps that see every key; otherwise a boolean mask ([B,1,1,K] for a
                     decode step). On CUDA, sliding windows and padded batches with more than one
-                    query do NOT get a dense T x T mask: they run flex_attention with a BlockMask
-                    (blocks outside the band / padding skipped), transformers' compiled flex
-                    (head_dim < 16, below flex's minimum: the boolean mask, with a warning)
+                    query do NOT get a dense T x T mask: a window over unpadded rows from position
+                    0 (training, a prefill) runs kernels/window_attention (Triton; tiles outside
+                    the band skipped, nothing compiled per shape); padded batches and cache
+                    continuations run flex_attention with a BlockMask (blocks outside the band /
+                    padding skipped), transformers' compiled flex (head_dim < 16, below flex's
+                    minimum: the boolean mask, with a warning)
 flex_attention      a BlockMask for every call with more than one query (causal included);
                     decode steps (one query) run SDPA with their [B,1,1,K] mask
 flash_attention_*   FlashAttention's own causal mask, ``sliding_window`` and varlen padding
@@ -31,8 +34,10 @@ flash_attention_*   FlashAttention's own causal mask, ``sliding_window`` and var
 A function registered by the user under another name gets the boolean mask (``None`` = causal).
 
 generate()'s static decode step (hf_hybrid/generation/graph_decode.py) bypasses the interface:
-one query per row against the cache's fixed buffers (models/attention_cache.py) through SDPA with
-a boolean mask read off device counters, so a CUDA graph can replay it at every position.
+one query per row against the cache's fixed buffers (models/attention_cache.py), the filled slots
+given by a device counter, so a CUDA graph can replay it at every position
+(:func:`static_decode_attention`: kernels/window_attention's split-K kernel on CUDA, SDPA with a
+boolean mask elsewhere).
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from ..kernels._query_blocks import query_block_size, sdpa_in_query_blocks
+from ..kernels.window_attention import window_attention, window_attention_applies, window_attention_decode
 from .context import SequenceContext
 from .projections import project_few_rows
 from .rotary import apply_rotary, build_rotary, rotary_tables
@@ -119,6 +125,19 @@ def _sdpa_in_blocks(implementation: str, query: torch.Tensor, num_keys: int, key
     )
 
 
+def _window_kernel_applies(implementation: str, query: torch.Tensor, num_keys: int, key_start: int,
+                           context: SequenceContext, window: int | None) -> bool:
+    """Whether the call is a window over whole unpadded rows from position 0 (a training step, a
+    prefill from empty) that kernels/window_attention runs: SDPA implementation, several queries,
+    a window that hides keys, and the Triton kernels built for the query (CUDA)."""
+    seq = query.shape[2]
+    return (
+        implementation == "sdpa" and seq > 1 and key_start == context.past_length == 0 and num_keys == seq
+        and context.key_valid is None and context.effective_window(num_keys, key_start, window) is not None
+        and window_attention_applies(query)
+    )
+
+
 def _continues_unpadded(implementation: str, seq: int, context: SequenceContext) -> bool:
     """Whether the call is several new tokens after cached ones (a prefill in slices), nothing
     padded: SDPA with no mask (every key from index 0 visible up to the query: causal aligned to
@@ -190,6 +209,11 @@ def softmax_attention(
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         mask = context.padding_mask(num_keys, key_start)
         kwargs["sliding_window"] = context.effective_window(num_keys, key_start, window)
+    elif _window_kernel_applies(implementation, query, num_keys, key_start, context, window):
+        out = window_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                               window_size=window, scale=scaling, backend="triton")
+        context.record_attention_weights(None)
+        return out
     elif _continues_unpadded(implementation, seq, context):
         return _sdpa_continuation(query, key, value, context, key_start, window, scaling)
     elif seq > 1 and (implementation == "flex_attention" or context.needs_mask(num_keys, key_start, window)) and _block_sparse(
@@ -259,12 +283,27 @@ class SoftmaxAttention(nn.Module):
 
     def _static_decode(self, q, k, v, cache_layer) -> torch.Tensor:
         """One token per row against the cache's fixed buffers (models/attention_cache.py: all K/V,
-        or the window's ring), slots not filled yet masked by a device counter; SDPA whatever the
-        implementation (a boolean mask and no host decision: what a CUDA graph can replay). The
-        query heads of a KV group share the query axis, so no GQA expansion of the keys.
-        q, k, v [batch, heads, 1, head_dim]; returns [batch, 1, heads * head_dim]."""
-        batch = q.shape[0]
+        or the window's ring). q, k, v [batch, heads, 1, head_dim]; returns [batch, 1, heads * head_dim]."""
         keys, values, visible = cache_layer.static_decode_update(k, v)
-        qg = q.reshape(batch, self.num_kv_heads, self.num_key_value_groups, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible, scale=self.scaling)
-        return out.reshape(batch, 1, self.num_heads * self.head_dim)
+        return static_decode_attention(q.transpose(1, 2), keys, values, visible, cache_layer.static_decode_length(),
+                                       self.scaling)
+
+
+def static_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                            length: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """generate()'s static decode step of a softmax layer: one query per row over a cache's fixed
+    buffers, the slots not filled yet unseen by a device counter (no host decision: what a CUDA
+    graph replays), whatever the attention implementation. On CUDA the split-K kernel of
+    kernels/window_attention reads the buffers once over ``length``; elsewhere SDPA with the
+    ``visible`` mask, the query heads of a KV group sharing the query axis (no GQA expansion).
+    q [batch, 1, heads, head_dim]; keys, values [batch, kv_heads, slots, head_dim] buffers;
+    visible [1, 1, 1, slots] bool; length [1] the filled count (a ring: tokens written);
+    returns [batch, 1, heads * head_dim]."""
+    batch, _, heads, dim = q.shape
+    if window_attention_applies(q):
+        out = window_attention_decode(q, keys.transpose(1, 2), values.transpose(1, 2), length, scale=scale,
+                                      backend="triton")
+        return out.reshape(batch, 1, heads * dim)
+    qg = q.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible, scale=scale)
+    return out.reshape(batch, 1, heads * dim)

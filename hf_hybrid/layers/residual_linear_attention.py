@@ -36,7 +36,7 @@ from ..kernels.residual_linear_attention import (
     ring_decode_supported,
     sliding_window_attention,
 )
-from .attention import softmax_attention
+from .attention import softmax_attention, static_decode_attention
 from .context import SequenceContext
 from .fused_norms import has_forward_hooks, norm_backend, norm_rotary, qk_norm_rotary, sum_branch_norms
 from .norm import RMSNorm
@@ -154,13 +154,11 @@ class RattentionGlobalAttention(_QKVProjections):
         return self.o_proj(out.reshape(batch, seq, -1))
 
     def _static_decode(self, q, k, v, cache_layer) -> torch.Tensor:
-        """One token per row against the cache's fixed-capacity buffers (columns after it masked);
-        the query heads of a group share the query axis, so SDPA needs no GQA expansion."""
-        batch = q.shape[0]
+        """One token per row against the cache's fixed-capacity buffers (layers/attention.py's
+        static_decode_attention). q, k, v [batch, 1, heads, head_dim]."""
         keys, values, visible = cache_layer.static_decode_update(k.transpose(1, 2), v.transpose(1, 2))
-        qg = q.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible)
-        return self.o_proj(out.reshape(batch, 1, -1))
+        out = static_decode_attention(q, keys, values, visible, cache_layer.static_decode_length(), None)
+        return self.o_proj(out)
 
 
 class RattentionLocalAttention(_QKVProjections):
@@ -347,6 +345,6 @@ class RattentionLocalAttention(_QKVProjections):
         return "reference" if self.backend in ("chunked", "reference") else self.backend
 
     def _swa_backend(self) -> str:
-        """The SWA op's backend for the layer's kernel_backend ("triton": flex_attention, whose
-        kernels Triton generates; "chunked": the SDPA band mask; "auto" / "reference" as named)."""
-        return {"triton": "flex", "chunked": "sdpa"}.get(self.backend, self.backend)
+        """The SWA op's backend for the layer's kernel_backend ("chunked": the SDPA band mask;
+        "auto", "triton" (kernels/window_attention) and "reference" as named)."""
+        return {"chunked": "sdpa"}.get(self.backend, self.backend)

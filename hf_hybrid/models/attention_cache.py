@@ -78,6 +78,10 @@ class FullAttentionCacheLayer(DynamicLayer):
         self._static_used += 1
         self._refresh_static_views()
 
+    def static_decode_length(self) -> torch.Tensor:
+        """The device count of filled columns (after this step's update): the keys a decode kernel reads."""
+        return self._static_length
+
     def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
         return self._key_buffer, self._value_buffer, self._static_length
 
@@ -137,6 +141,11 @@ class SlidingWindowCacheLayer(DynamicSlidingWindowLayer):
     def static_decode_advance(self) -> None:
         """The host part of one static decode step (what a replayed graph does not run)."""
         self.cumulative_length += 1
+
+    def static_decode_length(self) -> torch.Tensor:
+        """The device count of tokens written into the ring (after this step's update): slots below
+        it are filled, and from ``sliding_window`` on every slot is (a decode kernel reads min(n, slots))."""
+        return self._ring_position
 
     def static_decode_tensors(self) -> tuple[torch.Tensor | None, ...]:
         return self._ring_keys, self._ring_values, self._ring_position

@@ -107,7 +107,7 @@ def _prune(configs, named_args, **kwargs):
 _PRUNE = {"early_config_prune": _prune}
 # The best tiles depend on the sequence length (4 warps x 32-key tiles win at 4K, 8 warps x 64 at
 # 64K), so the autotuner tunes each power-of-two length bucket once.
-_TUNE_KEY = ["HEAD_DIM", "GROUP", "HAS_WINDOW", "len_bucket"]
+_TUNE_KEY = ["HEAD_DIM", "GROUP", "HAS_WINDOW", "GATED", "len_bucket"]
 
 
 def _len_bucket(max_len: int) -> int:
@@ -131,7 +131,7 @@ def _launch(kernel, kind: str, config: triton.Config | None, max_len: int, q: to
 def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
                lo, hi, seq_len, window, scale2,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+               HAS_WINDOW: tl.constexpr, GATED: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
@@ -139,13 +139,17 @@ def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, 
         if MASK:
             k_ok = kn < seq_len
             k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
         else:
             k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :])
-            ck = tl.load(C_ptr + kn) * LOG2E
         qk = _mm(q, tl.trans(k), None, DOT_PREC)
-        # log2-unit score minus the row constant (c_i - c_ref), which the LSE adds back.
-        s = qk * scale2 - (ck - c_ref)[None, :]
+        s = qk * scale2
+        if GATED:
+            # log2-unit score minus the row constant (c_i - c_ref), which the LSE adds back.
+            if MASK:
+                ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
+            else:
+                ck = tl.load(C_ptr + kn) * LOG2E
+            s = s - (ck - c_ref)[None, :]
         if MASK:
             visible = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seq_len)
             if HAS_WINDOW:
@@ -174,7 +178,7 @@ def _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, 
 def _fwd_kernel(Q, K, V, C, O, LSE, CU, scale2, window, len_bucket, max_len,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                 stride_ot, stride_oh, stride_ch,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, GATED: tl.constexpr,
                 DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Heaviest (last) query blocks first: better tail balance under the causal mask.
     block, seq = split_program_id(tl.cdiv(max_len, BLOCK_M))
@@ -193,8 +197,11 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU, scale2, window, len_bucket, max_len,
     q = tl.load(Q + (tok0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None], other=0.0)
     C_ptr = C + h * stride_ch + tok0
-    cq = tl.load(C_ptr + offs_m, mask=m_ok, other=0.0) * LOG2E
-    c_ref = tl.load(C_ptr + start_m) * LOG2E
+    cq = tl.zeros([BLOCK_M], tl.float32)
+    c_ref = 0.0
+    if GATED:
+        cq = tl.load(C_ptr + offs_m, mask=m_ok, other=0.0) * LOG2E
+        c_ref = tl.load(C_ptr + start_m) * LOG2E
     K_ptr = K + tok0 * stride_kt + kvh * stride_kh
     V_ptr = V + tok0 * stride_vt + kvh * stride_vh
 
@@ -213,13 +220,13 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU, scale2, window, len_bucket, max_len,
         inner_lo = tl.minimum(tl.maximum(((edge + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), start_m)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
                                    lo, inner_lo, seq_len, window, scale2,
-                                   HEAD_DIM, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
+                                   HEAD_DIM, BLOCK_N, True, HAS_WINDOW, GATED, DOT_PREC)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
                                inner_lo, start_m, seq_len, window, scale2,
-                               HEAD_DIM, BLOCK_N, False, HAS_WINDOW, DOT_PREC)
+                               HEAD_DIM, BLOCK_N, False, HAS_WINDOW, GATED, DOT_PREC)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
                                start_m, diag_hi, seq_len, window, scale2,
-                               HEAD_DIM, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
+                               HEAD_DIM, BLOCK_N, True, HAS_WINDOW, GATED, DOT_PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = m_i + tl.math.log2(l_safe) + (cq - c_ref)
@@ -250,7 +257,7 @@ def _delta_kernel(O, DO, DELTA, total, stride_ot, stride_oh, stride_dt, stride_d
 def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_ptr, c_ref,
                 stride_qt, stride_dot, lo, hi, seq_len, window, scale2,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-                HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+                HAS_WINDOW: tl.constexpr, GATED: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
@@ -259,16 +266,20 @@ def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_p
             q_ok = qm < seq_len
             q = tl.load(Q_ptr + qm.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], mask=q_ok[:, None], other=0.0)
             do = tl.load(DO_ptr + qm.to(tl.int64)[:, None] * stride_dot + offs_d[None, :], mask=q_ok[:, None], other=0.0)
-            cq = tl.load(C_ptr + qm, mask=q_ok, other=0.0) * LOG2E
             lse = tl.load(LSE_ptr + qm, mask=q_ok, other=float("inf"))  # P = 0 past the end
             delta = tl.load(DELTA_ptr + qm, mask=q_ok, other=0.0)
         else:
             q = tl.load(Q_ptr + qm.to(tl.int64)[:, None] * stride_qt + offs_d[None, :])
             do = tl.load(DO_ptr + qm.to(tl.int64)[:, None] * stride_dot + offs_d[None, :])
-            cq = tl.load(C_ptr + qm) * LOG2E
             lse = tl.load(LSE_ptr + qm)
             delta = tl.load(DELTA_ptr + qm)
-        row = cq - c_ref - lse
+        row = -lse
+        if GATED:
+            if MASK:
+                cq = tl.load(C_ptr + qm, mask=q_ok, other=0.0) * LOG2E
+            else:
+                cq = tl.load(C_ptr + qm) * LOG2E
+            row = cq - c_ref - lse
         # Transposed tile [BLOCK_N keys, BLOCK_M queries].
         qk_t = _mm(k, tl.trans(q), None, DOT_PREC)
         p_t = tl.math.exp2(qk_t * scale2 - kb[:, None] + row[None, :])
@@ -281,7 +292,8 @@ def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_p
         dp_t = _mm(v, tl.trans(do), None, DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = _mm(ds_t.to(q.dtype), q, dk, DOT_PREC)
-        dc += tl.sum(ds_t, 1)
+        if GATED:
+            dc += tl.sum(ds_t, 1)
     return dk, dv, dc
 
 
@@ -290,7 +302,7 @@ def _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_p
 def _dkdv_kernel(Q, K, V, C, LSE, DELTA, DO, DK, DV, DC, CU, scale, scale2, window, len_bucket, max_len,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_ch,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, GATED: tl.constexpr,
                  DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # BLOCK_N keys per program; the loop walks BLOCK_M queries at a time.
     block, seq = split_program_id(tl.cdiv(max_len, BLOCK_N))
@@ -325,9 +337,12 @@ def _dkdv_kernel(Q, K, V, C, LSE, DELTA, DO, DK, DV, DC, CU, scale, scale2, wind
     for g in range(GROUP):
         h = kvh * GROUP + g
         C_ptr = C + h * stride_ch + tok0
-        ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
-        c_ref = tl.load(C_ptr + start_n) * LOG2E
-        kb = ck - c_ref
+        kb = tl.zeros([BLOCK_N], tl.float32)
+        c_ref = 0.0
+        if GATED:
+            ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
+            c_ref = tl.load(C_ptr + start_n) * LOG2E
+            kb = ck - c_ref
         dc = tl.zeros([BLOCK_N], tl.float32)
         Q_ptr = Q + tok0 * stride_qt + h * stride_qh
         DO_ptr = DO + tok0 * stride_dot + h * stride_doh
@@ -335,14 +350,15 @@ def _dkdv_kernel(Q, K, V, C, LSE, DELTA, DO, DK, DV, DC, CU, scale, scale2, wind
         DELTA_ptr = DELTA + h * stride_ch + tok0
         dk, dv, dc = _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_ptr, c_ref,
                                  stride_qt, stride_dot, start_n, diag_hi, seq_len, window, scale2,
-                                 HEAD_DIM, BLOCK_M, True, HAS_WINDOW, DOT_PREC)
+                                 HEAD_DIM, BLOCK_M, True, HAS_WINDOW, GATED, DOT_PREC)
         dk, dv, dc = _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_ptr, c_ref,
                                  stride_qt, stride_dot, start_n + BLOCK_N, inner_hi, seq_len, window, scale2,
-                                 HEAD_DIM, BLOCK_M, False, HAS_WINDOW, DOT_PREC)
+                                 HEAD_DIM, BLOCK_M, False, HAS_WINDOW, GATED, DOT_PREC)
         dk, dv, dc = _dkdv_tiles(dk, dv, dc, k, v, kn, kb, Q_ptr, DO_ptr, C_ptr, LSE_ptr, DELTA_ptr, c_ref,
                                  stride_qt, stride_dot, inner_hi, q_hi, seq_len, window, scale2,
-                                 HEAD_DIM, BLOCK_M, True, HAS_WINDOW, DOT_PREC)
-        tl.store(DC + h * stride_ch + tok0 + kn, -dc, mask=k_ok)
+                                 HEAD_DIM, BLOCK_M, True, HAS_WINDOW, GATED, DOT_PREC)
+        if GATED:
+            tl.store(DC + h * stride_ch + tok0 + kn, -dc, mask=k_ok)
     tl.store(DK + (tok0 + kn)[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
     tl.store(DV + (tok0 + kn)[:, None] * stride_dvt + kvh * stride_dvh + offs_d[None, :],
@@ -353,7 +369,7 @@ def _dkdv_kernel(Q, K, V, C, LSE, DELTA, DO, DK, DV, DC, CU, scale, scale2, wind
 def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
               lo, hi, seq_len, window, scale2,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+              HAS_WINDOW: tl.constexpr, GATED: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
@@ -362,13 +378,18 @@ def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, st
             k_ok = kn < seq_len
             k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
         else:
             k = tl.load(K_ptr + kn.to(tl.int64)[:, None] * stride_kt + offs_d[None, :])
             v = tl.load(V_ptr + kn.to(tl.int64)[:, None] * stride_vt + offs_d[None, :])
-            ck = tl.load(C_ptr + kn) * LOG2E
         qk = _mm(q, tl.trans(k), None, DOT_PREC)
-        p = tl.math.exp2(qk * scale2 + row[:, None] - (ck - c_ref)[None, :])
+        if GATED:
+            if MASK:
+                ck = tl.load(C_ptr + kn, mask=k_ok, other=0.0) * LOG2E
+            else:
+                ck = tl.load(C_ptr + kn) * LOG2E
+            p = tl.math.exp2(qk * scale2 + row[:, None] - (ck - c_ref)[None, :])
+        else:
+            p = tl.math.exp2(qk * scale2 + row[:, None])
         if MASK:
             visible = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seq_len)
             if HAS_WINDOW:
@@ -377,7 +398,8 @@ def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, st
         dp = _mm(do, tl.trans(v), None, DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = _mm(ds.to(k.dtype), k, dq, DOT_PREC)
-        dcq += tl.sum(ds, 1)
+        if GATED:
+            dcq += tl.sum(ds, 1)
     return dq, dcq
 
 
@@ -386,7 +408,7 @@ def _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, st
 def _dq_kernel(Q, K, V, C, LSE, DELTA, DO, DQ, DCQ, CU, scale, scale2, window, len_bucket, max_len,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_ch,
-               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, GATED: tl.constexpr,
                DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     block, seq = split_program_id(tl.cdiv(max_len, BLOCK_M))
     pid_m = tl.cdiv(max_len, BLOCK_M) - 1 - block
@@ -404,11 +426,14 @@ def _dq_kernel(Q, K, V, C, LSE, DELTA, DO, DQ, DCQ, CU, scale, scale2, window, l
     q = tl.load(Q + (tok0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_ok[:, None], other=0.0)
     do = tl.load(DO + (tok0 + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=m_ok[:, None], other=0.0)
     C_ptr = C + h * stride_ch + tok0
-    cq = tl.load(C_ptr + offs_m, mask=m_ok, other=0.0) * LOG2E
-    c_ref = tl.load(C_ptr + start_m) * LOG2E
     lse = tl.load(LSE + h * stride_ch + tok0 + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + h * stride_ch + tok0 + offs_m, mask=m_ok, other=0.0)
-    row = cq - c_ref - lse
+    c_ref = 0.0
+    row = -lse
+    if GATED:
+        cq = tl.load(C_ptr + offs_m, mask=m_ok, other=0.0) * LOG2E
+        c_ref = tl.load(C_ptr + start_m) * LOG2E
+        row = cq - c_ref - lse
     K_ptr = K + tok0 * stride_kt + kvh * stride_kh
     V_ptr = V + tok0 * stride_vt + kvh * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -422,12 +447,13 @@ def _dq_kernel(Q, K, V, C, LSE, DELTA, DO, DQ, DCQ, CU, scale, scale2, window, l
         edge = tl.maximum(start_m + BLOCK_M - window, 0)
         inner_lo = tl.minimum(tl.maximum(((edge + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), start_m)
         dq, dcq = _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
-                       lo, inner_lo, seq_len, window, scale2, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
+                       lo, inner_lo, seq_len, window, scale2, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, GATED, DOT_PREC)
     dq, dcq = _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
-                   inner_lo, start_m, seq_len, window, scale2, HEAD_DIM, BLOCK_N, False, HAS_WINDOW, DOT_PREC)
+                   inner_lo, start_m, seq_len, window, scale2, HEAD_DIM, BLOCK_N, False, HAS_WINDOW, GATED, DOT_PREC)
     dq, dcq = _dq_tiles(dq, dcq, q, do, row, delta, offs_m, K_ptr, V_ptr, C_ptr, c_ref, stride_kt, stride_vt,
-                   start_m, diag_hi, seq_len, window, scale2, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
-    tl.store(DCQ + h * stride_ch + tok0 + offs_m, dcq, mask=m_ok)
+                   start_m, diag_hi, seq_len, window, scale2, HEAD_DIM, BLOCK_N, True, HAS_WINDOW, GATED, DOT_PREC)
+    if GATED:
+        tl.store(DCQ + h * stride_ch + tok0 + offs_m, dcq, mask=m_ok)
     tl.store(DQ + (tok0 + offs_m)[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
 
@@ -453,14 +479,17 @@ def delta_grid(total: int, block: int, heads: int) -> tuple[int, int]:
 
 def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | None = None):
     """q [N_tok, HQ, D], k/v [N_tok, HKV, D], c_t [HQ, N_tok] float32 -> (o, lse [HQ, N_tok]).
-    Causal 16-bit inputs on a Hopper GPU take the warp-specialised Gluon kernel (hopper.py).
+    ``c_t`` None: no forget gate (plain softmax attention; the kernels drop the bias at compile time).
+    Causal gated 16-bit inputs on a Hopper GPU take the warp-specialised Gluon kernel (hopper.py).
     ``config`` bypasses it and the autotuner (tests of one specific variant of this portable kernel)."""
-    if config is None and hopper_forward_applies(q, window):
+    if config is None and c_t is not None and hopper_forward_applies(q, window):
         return hopper_forward(q, k, v, c_t, cu, max_len, scale)
     total, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((hq, total), device=q.device, dtype=torch.float32)
     nseq = cu.numel() - 1
+    gated = c_t is not None
+    c_t = c_t if gated else lse  # never read without the gate; lse has c_t's shape and strides
 
     def grid(meta):
         return blocks_grid(max_len, meta["BLOCK_M"], nseq, hq)
@@ -470,8 +499,8 @@ def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | N
         q, k, v, c_t, o, lse, cu, scale * 1.4426950408889634, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), c_t.stride(0),
-        GROUP=hq // k.shape[1], HEAD_DIM=d, HAS_WINDOW=window is not None, DOT_PREC=_dot_precision(q.dtype),
-        **extra,
+        GROUP=hq // k.shape[1], HEAD_DIM=d, HAS_WINDOW=window is not None, GATED=gated,
+        DOT_PREC=_dot_precision(q.dtype), **extra,
     )
     return o, lse
 
@@ -486,14 +515,18 @@ def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
         o, do, delta, total, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
         HEAD_DIM=d, BLOCK=block,
     )
-    if hopper_backward_applies(q, window):
+    gated = c_t is not None
+    if gated and hopper_backward_applies(q, window):
         return hopper_backward(do, q, k, v, c_t, o, lse, delta, cu, max_len, scale)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    dc = torch.empty_like(c_t)
-    dcq = torch.empty_like(c_t)
-    common = dict(GROUP=hq // hkv, HEAD_DIM=d, HAS_WINDOW=window is not None, DOT_PREC=_dot_precision(q.dtype))
+    # Without the gate C, DC and DCQ are never touched: lse stands in for their pointers.
+    c_t = c_t if gated else lse
+    dc = torch.empty_like(c_t) if gated else lse
+    dcq = torch.empty_like(c_t) if gated else lse
+    common = dict(GROUP=hq // hkv, HEAD_DIM=d, HAS_WINDOW=window is not None, GATED=gated,
+                  DOT_PREC=_dot_precision(q.dtype))
     scale2 = scale * 1.4426950408889634
 
     def grid_kv(meta):
@@ -517,7 +550,7 @@ def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), c_t.stride(0),
         **common, **extra,
     )
-    return dq, dk, dv, dc + dcq
+    return dq, dk, dv, (dc + dcq if gated else None)
 
 
 class _ForgettingAttention(torch.autograd.Function):

@@ -23,6 +23,7 @@ from .reference import (
     sliding_window_attention_reference,
 )
 from .ring_decode import ring_decode_reference
+from ..window_attention import window_attention, window_attention_applies
 from .sliding_window import sliding_window_attention_flex, sliding_window_attention_sdpa
 
 __all__ = [
@@ -207,11 +208,12 @@ def sliding_window_attention(
 ) -> torch.Tensor:
     """Causal softmax attention over a window: query i sees keys j with 0 <= i - j <= window_size.
 
-    q [B, T, H, D]; k, v [B, T, H_kv, D] (GQA). Differentiable. backend: "auto" (flex_attention
-    with a block-sparse band mask on CUDA, "sdpa" elsewhere), "flex", "sdpa" (a dense band mask
-    through scaled_dot_product_attention), "reference" (explicit float32 softmax), or
-    "triton" (= "flex", whose kernels Triton generates). ``window_size >= T - 1`` runs SDPA's
-    causal kernel on every backend but "reference".
+    q [B, T, H, D]; k, v [B, T, H_kv, D] (GQA). Differentiable. backend: "auto" ("triton" on CUDA
+    for the head dims its kernels take, "flex" for other head dims >= 16, "sdpa" elsewhere),
+    "triton" (kernels/window_attention: tiles outside the band skipped, nothing compiled per
+    shape), "flex" (flex_attention with a block-sparse band mask, compiled once per process), "sdpa"
+    (a dense band mask through scaled_dot_product_attention) or "reference" (explicit float32
+    softmax). ``window_size >= T - 1`` runs SDPA's causal kernel on every backend but "reference".
     """
     op = "sliding_window_attention"
     _check_qkv(op, q, k, v)
@@ -219,9 +221,9 @@ def sliding_window_attention(
     impl = resolve_backend(backend, q.device, op, extra=("flex", "sdpa"))
     if backend == "auto":
         flex_ok = q.device.type == "cuda" and triton_available() and q.shape[-1] >= FLEX_MIN_HEAD_DIM
-        impl = "flex" if flex_ok else "sdpa"
+        impl = "triton" if flex_ok and window_attention_applies(q) else "flex" if flex_ok else "sdpa"
     small_for_flex = q.device.type == "cuda" and q.shape[-1] < FLEX_MIN_HEAD_DIM
-    if impl in ("flex", "triton") and small_for_flex and window_size < q.shape[1] - 1:
+    if impl == "flex" and small_for_flex and window_size < q.shape[1] - 1:
         raise ValueError(
             f"{op}: flex_attention needs head_dim >= {FLEX_MIN_HEAD_DIM}, got {q.shape[-1]}; "
             "pass backend='sdpa' (or 'auto', which picks it) or use a larger head_dim."
@@ -230,6 +232,8 @@ def sliding_window_attention(
         return sliding_window_attention_reference(q, k, v, window_size, scale)
     if impl == "sdpa" or window_size >= q.shape[1] - 1:
         return sliding_window_attention_sdpa(q, k, v, window_size, scale)
+    if impl == "triton":  # its window counts the token itself
+        return window_attention(q, k, v, window_size=window_size + 1, scale=scale, backend="triton")
     return sliding_window_attention_flex(q, k, v, window_size, scale)
 
 

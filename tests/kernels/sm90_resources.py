@@ -207,10 +207,47 @@ def fox_decode_report() -> list[dict]:
     row = {"kernel": "_partial_kernel (FoX decode)", "num_warps": fd.WARPS, "block_n": fd.BLOCK_N}
     try:
         row.update(compile_for_sm90(fd._partial_kernel, types, dict(
-            HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False, STAGES=fd.STAGES), fd.WARPS))
+            HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False, STAGES=fd.STAGES,
+            GATED=True), fd.WARPS))
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return [row]
+
+
+def window_attention_report() -> list[dict]:
+    """Forgetting Attention's portable kernels with a window, with and without the gate (FoX; the
+    window layers' kernels/window_attention), at the tiles portable_tile picks for 8K (bf16, head_dim
+    128), and the decode kernel without the gate."""
+    import torch
+
+    from hf_hybrid.kernels.forgetting_attention import decode_triton as fd
+    from hf_hybrid.kernels.forgetting_attention import triton as fa
+
+    bf, f32 = "*bf16", "*fp32"
+    types = dict(Q=bf, K=bf, V=bf, O=bf, DO=bf, DK=bf, DV=bf, DQ=bf, C=f32, LSE=f32, DELTA=f32, DC=f32, DCQ=f32,
+                 CU="*i32", scale="fp32", scale2="fp32")
+    rows = []
+    for gated in (True, False):
+        for kind, kernel in (("fwd", fa._fwd_kernel), ("dkdv", fa._dkdv_kernel), ("dq", fa._dq_kernel)):
+            tile = fa.portable_tile(kind, 8192, 128, torch.bfloat16)
+            row = {"kernel": f"{kind} GATED={gated}", "num_warps": tile.num_warps}
+            try:
+                row.update(compile_for_sm90(kernel.fn, types, dict(
+                    GROUP=1, HEAD_DIM=128, HAS_WINDOW=True, GATED=gated, DOT_PREC="tf32", **tile.kwargs),
+                    tile.num_warps, tile.num_stages))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+    decode_types = dict(Q=bf, K=bf, V=bf, CQ=bf, CK=bf, LEN="*i64", MASK="*i64", M_OUT=f32, L_OUT=f32, ACC_OUT=f32, O=bf,
+                        qk_scale="fp32")
+    row = {"kernel": "decode GATED=False", "num_warps": fd.WARPS}
+    try:
+        row.update(compile_for_sm90(fd._partial_kernel, decode_types, dict(
+            HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False, STAGES=fd.STAGES,
+            GATED=False), fd.WARPS))
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return rows + [row]
 
 
 def output_gate_report() -> list[dict]:

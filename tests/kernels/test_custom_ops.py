@@ -31,6 +31,7 @@ kv_shift = importlib.import_module("hf_hybrid.kernels.kv_shift")
 rla = importlib.import_module("hf_hybrid.kernels.residual_linear_attention")
 conv = importlib.import_module("hf_hybrid.kernels.causal_conv1d")
 ssd = importlib.import_module("hf_hybrid.kernels.ssd_scan")
+window = importlib.import_module("hf_hybrid.kernels.window_attention")
 
 
 def leaf(*shape, scale: float = 1.0, grad: bool = True) -> torch.Tensor:
@@ -84,9 +85,13 @@ def _cases():
     packed = leaf(1, T, 4, D), leaf(1, T, 2, D), leaf(1, T, 2, D)
     c_packed = cumulative_log_forget_by_head(log_f[:1], cu).requires_grad_()
     yield "forgetting_packed", forgetting.forgetting_attention_fwd, (*packed, c_packed, cu, D**-0.5, None)
+    yield "window_attention", window.window_attention_fwd, (kq, kk, kv, None, D**-0.5, 3)
+    yield "window_attention_packed", window.window_attention_fwd, (*packed, cu, D**-0.5, 2)
     c_keys = c.detach().view(4, B, T).permute(1, 2, 0).contiguous()
     decode_args = (kq[:, :1].detach(), kk.detach(), kv.detach(), c_keys[:, 6:7], c_keys, torch.tensor([7], device=DEVICE))
     yield "forgetting_decode", forgetting.forgetting_attention_decode_op, (*decode_args, None, D**-0.5, None)
+    yield "window_attention_decode", window.window_attention_decode_op, (*decode_args[:3], decode_args[5], D**-0.5, None)
+    yield "window_attention_decode_window", window.window_attention_decode_op, (*decode_args[:3], decode_args[5], None, 3)
     mask = torch.rand(B, T, device=DEVICE) > 0.3
     yield "forgetting_decode_masked", forgetting.forgetting_attention_decode_op, (*decode_args, mask, None, 3)
     rq, rk, rv = leaf(1, 37, 2, D, scale=0.5), leaf(1, 37, 1, D, scale=0.5), leaf(1, 37, 1, D, scale=0.5)
@@ -166,6 +171,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "forgetting_attention_sdpa",
         "chunk_end_attention_fwd", "chunk_end_attention_bwd", "chunk_end_decode",
         "forgetting_attention_fwd", "forgetting_attention_bwd", "forgetting_attention_decode",
+        "window_attention_fwd", "window_attention_bwd", "window_attention_decode",
         "residual_linear_attention_fwd", "residual_linear_attention_bwd",
         "residual_linear_attention_decode_step", "residual_linear_attention_decode_inplace", "rat_decode_step",
         "rat_plus_decode_step", "rattention_ring_decode", "add_rms_norm", "rms_norm_rows",
@@ -189,6 +195,7 @@ def test_public_ops_compile_fullgraph_and_match_eager():
         y = chunk_attention.block_end_attention(x[:, :, :1], k_rot, v_tilde, 4, backend="triton", output_gate=z)
         y = output_gate.sigmoid_gate(z, y, backend="triton")
         h = gated_recurrence.gated_recurrence(y, torch.sigmoid(z), 4, backend="triton")
+        h = window.window_attention(h, k, v, window_size=3, backend="triton")
         o, state = rla.residual_linear_attention(h, k, v, 2, backend="triton")
         return fused_norm.branch_norm_sum(o, weight, h, weight, 1e-6, backend="triton").square().sum() + state.sum()
 

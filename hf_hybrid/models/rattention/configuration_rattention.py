@@ -39,7 +39,7 @@ class RattentionConfig(ArchitectureLayerTypes, HybridBackboneConfig):
             outputs before they are summed.
         num_key_value_heads (`int`, defaults to 4 when that divides num_attention_heads, else
             num_attention_heads): grouped-query attention, shared by SWA, RLA and global layers.
-        kernel_backend (`str`, defaults to ``"auto"``): ``"auto"`` (Triton RLA + flex_attention SWA on
+        kernel_backend (`str`, defaults to ``"auto"``): ``"auto"`` (Triton RLA + Triton SWA, kernels/window_attention, on
             CUDA, the chunked PyTorch RLA + reference SWA elsewhere), ``"triton"``, ``"chunked"`` or
             ``"reference"`` (the O(T^2) oracles).
     The backbone's fields (sizes, norm, RoPE base ``rope_theta``, the MLP's ``mlp_type`` / ``hidden_act``

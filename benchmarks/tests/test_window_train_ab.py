@@ -1,0 +1,37 @@
+"""benchmarks/window_train_ab.py: each way puts the window layers on the path it names and undoes it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import window_train_ab
+from hf_hybrid.bench.cases import BenchConfig
+from hf_hybrid.bench.models import architectures, build_ours
+from hf_hybrid.layers import attention as attention_module
+from hf_hybrid.layers.residual_linear_attention import RattentionLocalAttention
+
+
+def test_flex_moves_both_models_window_layers_and_is_undone():
+    config = BenchConfig(device=torch.device("cpu"), dtype=torch.float32, quick=True)
+    model = build_ours(next(a for a in architectures(True) if a.name == "RATTENTION"), config)
+    local = next(m for m in model.modules() if isinstance(m, RattentionLocalAttention))
+    query = torch.zeros(1, 2, 3, 16)
+    default_backend, applies = local._swa_backend(), attention_module.window_attention_applies
+    with window_train_ab.way(model, "flex"):
+        assert local._swa_backend() == "flex" and attention_module.window_attention_applies(query) is False
+    assert local._swa_backend() == default_backend and attention_module.window_attention_applies is applies
+    with window_train_ab.way(model, "window"):
+        assert local._swa_backend() == default_backend
+
+
+def test_an_unknown_way_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="window, flex"):
+        with window_train_ab.way(torch.nn.Module(), "cudnn"):
+            pass
+
+
+def test_it_needs_a_gpu_and_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert window_train_ab.main(["--seq", "64"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err
