@@ -66,6 +66,24 @@ def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         )
 
 
+def _check_packed(op: str, q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+    """cu_seqlens: None, or int [N+1] boundaries of packed sequences in a batch of one row."""
+    if cu_seqlens is None:
+        return
+    if q.shape[0] != 1:
+        raise ValueError(f"{op}: cu_seqlens needs packed inputs with batch 1; got batch {q.shape[0]}.")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
+    if not torch.compiler.is_compiling():  # a host sync; compiled, the Triton op checks it when it runs
+        _check_cu_seqlens_values(cu_seqlens, q.shape[1])
+
+
+def _check_decode_length(op: str, length: torch.Tensor, batch: int, device: torch.device) -> None:
+    if length.dim() != 1 or length.numel() not in (1, batch) or length.dtype.is_floating_point or length.device != device:
+        raise ValueError(f"{op}: length must be an integer tensor of shape [1] or [{batch}] on {device}; "
+                         f"got {tuple(length.shape)} {length.dtype} on {length.device}.")
+
+
 def _check_cu_seqlens_values(cu_seqlens: torch.Tensor, seq: int) -> None:
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError(
@@ -112,13 +130,7 @@ def forgetting_attention(
     if not log_f.is_floating_point():
         raise ValueError(f"{_OP}: log_f must be a float tensor (log of the forget gate); got {log_f.dtype}.")
     _check_window(_OP, window_size)
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(f"{_OP}: cu_seqlens needs packed inputs with batch 1; got batch {q.shape[0]}.")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-            raise ValueError(f"{_OP}: cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
-        if not torch.compiler.is_compiling():  # a host sync; compiled, the Triton op checks it when it runs
-            _check_cu_seqlens_values(cu_seqlens, q.shape[1])
+    _check_packed(_OP, q, cu_seqlens)
     impl = resolve_backend(backend, q.device, _OP, extra=("sdpa",))
     if impl == "sdpa" or (impl == "triton" and backend == "auto" and sdpa_applies(q, k, v, log_f, window_size, cu_seqlens)):
         return _forgetting_attention_sdpa(q, k, v, log_f, scale, window_size, cu_seqlens)
@@ -285,9 +297,7 @@ def forgetting_attention_decode(
                          "use forgetting_attention_with_cache for several.")
     if c_q.shape != (b, 1, hq) or c_k.shape != (b, tk, hq):
         raise ValueError(f"{op}: c_q must be {(b, 1, hq)} and c_k {(b, tk, hq)}; got {tuple(c_q.shape)} and {tuple(c_k.shape)}.")
-    if length.dim() != 1 or length.numel() not in (1, b) or length.dtype.is_floating_point or length.device != q.device:
-        raise ValueError(f"{op}: length must be an integer tensor of shape [1] or [{b}] on {q.device}; "
-                         f"got {tuple(length.shape)} {length.dtype} on {length.device}.")
+    _check_decode_length(op, length, b, q.device)
     if key_mask is not None and (tuple(key_mask.shape) != (b, tk) or key_mask.dtype != torch.bool):
         raise ValueError(f"{op}: key_mask must be a bool [batch, keys] = {(b, tk)} tensor; got {tuple(key_mask.shape)} {key_mask.dtype}.")
     _check_window(op, window_size)

@@ -10,6 +10,8 @@ import torch
 
 from .._backend import resolve_backend
 from .._custom_ops import KernelContext, fake_like, kernel_op
+from ..forgetting_attention import _TRITON_HEAD_DIMS as _FOX_TRITON_HEAD_DIMS
+from ..forgetting_attention import _check_decode_length, _check_heads, _check_packed, _check_window
 from .reference import window_attention_decode_reference, window_attention_reference
 
 __all__ = [
@@ -22,7 +24,7 @@ __all__ = [
 ]
 
 _OP = "window_attention"
-TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+TRITON_HEAD_DIMS = _FOX_TRITON_HEAD_DIMS  # the same kernels
 
 
 def window_attention_applies(q: torch.Tensor) -> bool:
@@ -49,20 +51,12 @@ def window_attention(
     "auto" (Triton on CUDA for head_dim in TRITON_HEAD_DIMS, the reference elsewhere), "triton",
     "reference".
     """
-    from ..forgetting_attention import _check_heads, _check_cu_seqlens_values
-
     _check_heads(_OP, q, k, v)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"{_OP}: q and k must have the same sequence length; got {q.shape[1]} and {k.shape[1]}.")
     if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
         raise ValueError(f"{_OP}: window_size must be an int >= 1 (tokens, self included); got {window_size!r}.")
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(f"{_OP}: cu_seqlens needs packed inputs with batch 1; got batch {q.shape[0]}.")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-            raise ValueError(f"{_OP}: cu_seqlens must be a 1-D integer tensor [num_seqs + 1]; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
-        if not torch.compiler.is_compiling():  # a host sync; compiled, the kernel reads them as they are
-            _check_cu_seqlens_values(cu_seqlens, q.shape[1])
+    _check_packed(_OP, q, cu_seqlens)
     impl = resolve_backend(backend, q.device, _OP)
     if impl == "triton" and backend == "auto" and not window_attention_applies(q):
         impl = "reference"
@@ -97,18 +91,12 @@ def window_attention_decode(
     n >= T reads every slot (a ring). Float32 scores. backend: "auto" (the split-K Triton kernel on
     CUDA for head_dim in TRITON_HEAD_DIMS, the reference elsewhere), "triton", "reference".
     """
-    from ..forgetting_attention import _check_heads
-
     op = "window_attention_decode"
     _check_heads(op, q, k, v)
-    b = q.shape[0]
     if q.shape[1] != 1:
         raise ValueError(f"{op}: expects one query per row (q [batch, 1, heads, head_dim]); got {q.shape[1]} queries.")
-    if length.dim() != 1 or length.numel() not in (1, b) or length.dtype.is_floating_point or length.device != q.device:
-        raise ValueError(f"{op}: length must be an integer tensor of shape [1] or [{b}] on {q.device}; "
-                         f"got {tuple(length.shape)} {length.dtype} on {length.device}.")
-    if window_size is not None and (isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1):
-        raise ValueError(f"{op}: window_size must be None or an int >= 1 (tokens, self included); got {window_size!r}.")
+    _check_decode_length(op, length, q.shape[0], q.device)
+    _check_window(op, window_size)
     impl = resolve_backend(backend, q.device, op)
     if impl == "triton" and backend == "auto" and not window_attention_applies(q):
         impl = "reference"

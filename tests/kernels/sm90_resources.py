@@ -197,18 +197,20 @@ def rat_plus_decode_report() -> list[dict]:
     return _compile_rows(kernels)
 
 
-def fox_decode_report() -> list[dict]:
-    """FoX's split-K decode kernel at the benchmark's shape (bf16, 16 heads x 128) with the shipped tile."""
+def fox_decode_report(gated: bool = True) -> list[dict]:
+    """FoX's split-K decode kernel at the benchmark's shape (bf16, 16 heads x 128) with the shipped
+    tile; ``gated=False``: the same kernel with the gate compiled out (kernels/window_attention)."""
     from hf_hybrid.kernels.forgetting_attention import decode_triton as fd
 
     bf, f32 = "*bf16", "*fp32"
     types = dict(Q=bf, K=bf, V=bf, CQ=f32, CK=f32, LEN="*i64", MASK="*u8", M_OUT=f32, L_OUT=f32, ACC_OUT=f32, O=bf,
                  qk_scale="fp32")
-    row = {"kernel": "_partial_kernel (FoX decode)", "num_warps": fd.WARPS, "block_n": fd.BLOCK_N}
+    name = "_partial_kernel (FoX decode)" if gated else "decode GATED=False"
+    row = {"kernel": name, "num_warps": fd.WARPS, "block_n": fd.BLOCK_N}
     try:
         row.update(compile_for_sm90(fd._partial_kernel, types, dict(
             HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False, STAGES=fd.STAGES,
-            GATED=True), fd.WARPS))
+            GATED=gated), fd.WARPS))
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return [row]
@@ -220,7 +222,6 @@ def window_attention_report() -> list[dict]:
     128), and the decode kernel without the gate."""
     import torch
 
-    from hf_hybrid.kernels.forgetting_attention import decode_triton as fd
     from hf_hybrid.kernels.forgetting_attention import triton as fa
 
     bf, f32 = "*bf16", "*fp32"
@@ -238,16 +239,7 @@ def window_attention_report() -> list[dict]:
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
-    decode_types = dict(Q=bf, K=bf, V=bf, CQ=bf, CK=bf, LEN="*i64", MASK="*i64", M_OUT=f32, L_OUT=f32, ACC_OUT=f32, O=bf,
-                        qk_scale="fp32")
-    row = {"kernel": "decode GATED=False", "num_warps": fd.WARPS}
-    try:
-        row.update(compile_for_sm90(fd._partial_kernel, decode_types, dict(
-            HEAD_DIM=128, BLOCK=fd.BLOCK_N, HAS_MASK=False, HAS_WINDOW=False, DIRECT=False, STAGES=fd.STAGES,
-            GATED=False), fd.WARPS))
-    except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-    return rows + [row]
+    return rows + fox_decode_report(gated=False)
 
 
 def output_gate_report() -> list[dict]:
