@@ -114,14 +114,27 @@ def _len_bucket(max_len: int) -> int:
     return max(int(max_len), 1).bit_length()
 
 
+_CACHED_LAUNCH: dict = {}  # autotuned kernel -> its JIT function through launch_cached
+
+
 def _launch(kernel, kind: str, config: triton.Config | None, max_len: int, q: torch.Tensor):
     """``kernel`` (an autotuned kernel) and the launch options of one call: ``config`` when given (a
-    test of one variant), else the autotuner under HF_HYBRID_AUTOTUNE=1, else ``portable_tile``'s."""
+    test of one variant), else the autotuner under HF_HYBRID_AUTOTUNE=1, else ``portable_tile``'s.
+    A fixed tile launches through ``launch_cached`` (no Triton per-call Python; these kernels are on
+    the window layers' training path), given a grid tuple (:func:`_grid`)."""
     if config is None:
         if option("HF_HYBRID_AUTOTUNE"):
             return kernel, {}
         config = portable_tile(kind, max_len, q.shape[-1], q.dtype)
-    return kernel.fn, dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    if kernel not in _CACHED_LAUNCH:
+        _CACHED_LAUNCH[kernel] = launch_cached(kernel.fn)
+    return _CACHED_LAUNCH[kernel], dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _grid(grid, extra: dict):
+    """The launch grid: a tuple for a fixed tile (``extra`` holds its block sizes; the cached
+    launcher takes tuples only), the function of the tile for the autotuner."""
+    return grid(extra) if extra else grid
 
 
 # ----------------------------------------------------------------------------------------------
@@ -495,7 +508,7 @@ def _forward(q, k, v, c_t, cu, max_len, scale, window, config: triton.Config | N
         return blocks_grid(max_len, meta["BLOCK_M"], nseq, hq)
 
     kernel, extra = _launch(_fwd_kernel, "fwd", config, max_len, q)
-    kernel[grid](
+    kernel[_grid(grid, extra)](
         q, k, v, c_t, o, lse, cu, scale * 1.4426950408889634, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), c_t.stride(0),
@@ -533,7 +546,7 @@ def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
         return blocks_grid(max_len, meta["BLOCK_N"], nseq, hkv)
 
     kernel, extra = _launch(_dkdv_kernel, "dkdv", None, max_len, q)
-    kernel[grid_kv](
+    kernel[_grid(grid_kv, extra)](
         q, k, v, c_t, lse, delta, do, dk, dv, dc, cu, scale, scale2, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), c_t.stride(0),
@@ -544,7 +557,7 @@ def _backward(do, q, k, v, c_t, o, lse, cu, max_len, scale, window):
         return blocks_grid(max_len, meta["BLOCK_M"], nseq, hq)
 
     kernel, extra = _launch(_dq_kernel, "dq", None, max_len, q)
-    kernel[grid_q](
+    kernel[_grid(grid_q, extra)](
         q, k, v, c_t, lse, delta, do, dq, dcq, cu, scale, scale2, window or 0, _len_bucket(max_len), max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), c_t.stride(0),
