@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..kernels.linear_cross_entropy import linear_cross_entropy
+from ..kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .backbone_fusion import fused_loss_applies
 
 # The loss keywords of transformers' causal LMs (ForCausalLMLoss), taken from forward()'s kwargs.
@@ -55,8 +55,7 @@ def causal_lm_loss_from_hidden(
     if fused_loss_applies(hidden):
         loss = linear_cross_entropy(hidden, lm_head_weight.to(hidden.dtype), targets, ignore_index, reduction, backend="triton")
     else:
-        logits = F.linear(hidden, lm_head_weight).float()
-        loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+        loss = linear_cross_entropy_reference(hidden, lm_head_weight, targets, ignore_index, reduction)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..window_attention.reference import window_attention_reference
+
 FEATURE_MAPS = ("softmax", "relu", "identity")
 
 
@@ -218,14 +220,4 @@ def sliding_window_attention_reference(
     q [B, T, H, D]; k, v [B, T, H_kv, D] (GQA: head h reads h // (H / H_kv)). Float32 softmax;
     returns q's dtype. ``window_size >= T - 1`` is plain causal attention.
     """
-    heads = q.shape[2]
-    seq = q.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    kf = _expand_heads(k.float(), heads, 2)
-    vf = _expand_heads(v.float(), heads, 2)
-    scores = torch.einsum("bihd,bjhd->bhij", q.float(), kf) * scale
-    i = torch.arange(seq, device=q.device)[:, None]
-    j = torch.arange(seq, device=q.device)[None, :]
-    visible = (j <= i) & (i - j <= window_size)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("bhij,bjhd->bihd", torch.softmax(scores, dim=-1), vf).to(q.dtype)
+    return window_attention_reference(q, k, v, window_size + 1, scale)  # its window counts the token itself

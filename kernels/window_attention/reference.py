@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..forgetting_attention.decode import decode_visibility
 from ..forgetting_attention.reference import masked_softmax_attention, visibility_mask
 
 
@@ -41,8 +42,6 @@ def window_attention_decode_reference(
     position n - 1 (n = length per row, [1] or [B]) and sees the keys j < n (with ``window_size`` W
     also n - 1 - j < W). q [B,1,HQ,D]; k, v [B,T,HKV,D] -> [B,1,HQ,D] in q's dtype. A buffer used as
     a ring (a sliding window's slots in any order) passes n >= T: every slot is then seen."""
-    from ..forgetting_attention.decode import decode_visibility
-
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     visible = decode_visibility(length, k.shape[1], None, window_size)
     bias = torch.zeros((), dtype=torch.float32, device=q.device)
