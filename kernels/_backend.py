@@ -32,8 +32,17 @@ def triton_available() -> bool:
     return _TRITON_IMPORTS[0]
 
 
-def triton_interpreting() -> bool:
+def _interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Triton picks its interpreter when a kernel is defined (at import), so the answer is fixed per
+# process; reading it once also keeps an environment lookup off every kernel call.
+_INTERPRETING = _interpreter_requested()
+
+
+def triton_interpreting() -> bool:
+    return _INTERPRETING
 
 
 def resolve_backend(backend: str, device: torch.device, op: str, extra: tuple[str, ...] = ()) -> str:
@@ -51,7 +60,7 @@ def resolve_backend(backend: str, device: torch.device, op: str, extra: tuple[st
     if backend == "triton":
         if not triton_available():
             raise RuntimeError(f"{op}: backend='triton' needs the `triton` package; install it or pass backend='reference'.")
-        if not on_cuda and not triton_interpreting():
+        if not on_cuda and not _interpreter_requested():
             raise RuntimeError(
                 f"{op}: backend='triton' needs CUDA tensors (got device {device}); move the inputs to a GPU, "
                 "set TRITON_INTERPRET=1 to run the kernel in Triton's CPU interpreter, or pass backend='reference'."

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._compat.triton_launch import launch_cached
 from .._backend import triton_interpreting
 from .._grid import folded, split_program_id
 
@@ -44,6 +45,7 @@ def _tap(X, STATE, b, src, chans, tok_ok, chan_ok, T, sxb, sxt, ssb, ssc, K: tl.
     return val
 
 
+@launch_cached
 @triton.jit
 def _conv_fwd(
     X, W, BIAS, STATE, OUT, T, Cn, sxb, sxt, ssb, ssc, sob, sot,
@@ -67,6 +69,7 @@ def _conv_fwd(
     tl.store(optrs, acc.to(OUT.dtype.element_ty), mask=tok_ok[:, None] & chan_ok[None, :])
 
 
+@launch_cached
 @triton.jit
 def _conv_bwd_pre(
     X, W, BIAS, STATE, DOUT, DPRE, DW_PART, DB_PART, T, Cn, sxb, sxt, ssb, ssc, sdb, sdt,
@@ -99,6 +102,7 @@ def _conv_bwd_pre(
     tl.store(DB_PART + part + chans, tl.sum(dpre, axis=0), mask=chan_ok)
 
 
+@launch_cached
 @triton.jit
 def _conv_bwd_dx(DPRE, W, DX, T, Cn, sdb, sdt, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     pid_t, b = split_program_id(tl.cdiv(T, BT))
@@ -117,6 +121,7 @@ def _conv_bwd_dx(DPRE, W, DX, T, Cn, sdb, sdt, K: tl.constexpr, BT: tl.constexpr
              mask=tok_ok[:, None] & chan_ok[None, :])
 
 
+@launch_cached
 @triton.jit
 def _conv_step(
     X, STATE, W, BIAS, OUT, Cn, sxb, ssb, ssc, ssk, sob,

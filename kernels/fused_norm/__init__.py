@@ -80,10 +80,9 @@ def _check_cos_sin(op: str, cos_sin, x: torch.Tensor) -> None:
         raise ValueError(f"{op}: head_dim must be even for RoPE (rotate-half splits it in two); got {dim}.")
     target = (batch, seq, 1, dim)
     for name, t in zip(("cos", "sin"), cos_sin):
-        try:
-            fits = torch.broadcast_shapes(t.shape, target) == target
-        except RuntimeError:
-            fits = False
+        # broadcast_shapes(t.shape, target) == target, without torch's Python reference of it (host
+        # time on every training call)
+        fits = t.dim() <= len(target) and all(s in (1, want) for s, want in zip(reversed(t.shape), reversed(target)))
         if not fits:
             raise ValueError(
                 f"{op}: cos_sin's {name} must broadcast to [batch, seq, 1, head_dim] = {target} "

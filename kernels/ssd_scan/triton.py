@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._compat.triton_launch import launch_cached
 from .._backend import triton_interpreting
 from .._grid import folded, split_program_id
 
@@ -105,6 +106,7 @@ def _decay_matrix(g, L: tl.constexpr):
     return tl.exp(tl.where(i[:, None] >= i[None, :], diff, float("-inf")))
 
 
+@launch_cached
 @triton.jit
 def _states_fwd(
     X, DT, G, Bm, S, INIT, T, H, P, N, heads_per_group, NT,
@@ -135,6 +137,7 @@ def _states_fwd(
     tl.store(S + ((b * (NT + 1) + NT) * H + h) * P * N + pn, state.to(S.dtype.element_ty), mask=pn_ok)
 
 
+@launch_cached
 @triton.jit
 def _output_fwd(
     X, DT, G, Bm, Cm, S, Dv, Y, T, H, P, N, heads_per_group, NT,
@@ -170,6 +173,7 @@ def _output_fwd(
     tl.store(yptrs, y.to(Y.dtype.element_ty), mask=row_ok[:, None] & p_ok[None, :])
 
 
+@launch_cached
 @triton.jit
 def _dstates_bwd(
     DY, DT, G, Cm, DS, DFINAL, DINIT, T, H, P, N, heads_per_group, NT,
@@ -201,6 +205,7 @@ def _dstates_bwd(
     tl.store(DINIT + (b * H + h) * P * N + pn, dstate, mask=pn_ok)
 
 
+@launch_cached
 @triton.jit
 def _chunk_bwd(
     X, DT, G, Bm, Cm, S, DS, Dv, DY, DX, DDT, DG, DBH, DCH, DDP, T, H, H0, HS, P, N, heads_per_group, NT,
@@ -427,6 +432,7 @@ def ssd_scan_triton(x, dt, A, B, C, D, initial_state, return_final_state):
     return (y, final_state) if return_final_state else y
 
 
+@launch_cached
 @triton.jit
 def _step(
     STATE, X, DT, A, Bm, Cm, Dv, DT_BIAS, Y, H, P, N, heads_per_group,
