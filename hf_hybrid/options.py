@@ -34,7 +34,7 @@ class Switch:
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("HF_HYBRID_LIGER", "1", (), read="at import (or set_backbone_fusion())",
-           trades="the fused LM head + loss (our kernel) and Liger's RMSNorm and SwiGLU (when liger-kernel is "
+           trades="the fused LM head + loss and RMSNorm (our kernels) and Liger's SwiGLU (when liger-kernel is "
                   "installed) in the shared backbone on CUDA; 0 keeps PyTorch's modules (more memory and time)"),
     Switch("HF_HYBRID_FUSED_DECODE", "1", (), read="at import (or set_backbone_fusion(fused_decode=))",
            trades="the fused norm / residual kernels inside generate()'s graphed decode step; 0 keeps them "

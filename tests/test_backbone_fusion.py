@@ -1,7 +1,8 @@
-"""The optional Liger path of the shared backbone (hf_hybrid/layers/backbone_fusion.py) against our
-PyTorch path: the RMSNorm and SwiGLU kernels (whose launches the interpreter rejects: a float
-argument is given a .to()) and a whole model with every fused op are compared on the GPU. The fused
-loss, which needs no Liger, is tested in test_fused_loss.py."""
+"""The fused path of the shared backbone (hf_hybrid/layers/backbone_fusion.py) against our PyTorch
+path: the RMSNorm kernel (ours) and Liger's SwiGLU kernel (whose launches the interpreter rejects: a
+float argument is given a .to()) and a whole model with every fused op are compared on the GPU. The
+fused loss, which needs no Liger, is tested in test_fused_loss.py; the norm kernel against its
+reference in tests/kernels/test_residual_norm.py."""
 from __future__ import annotations
 
 import pytest
@@ -42,6 +43,8 @@ def test_layer_kernels_wait_for_enough_tokens(fusion):
     fusion.set_backbone_fusion(True, min_tokens=fusion.FUSED_MIN_TOKENS)  # the default threshold
     assert not fusion.fused_layer_applies(torch.zeros(32, 1, 16))
     assert fusion.fused_layer_applies(torch.zeros(1, fusion.FUSED_MIN_TOKENS, 16))
+    assert not fusion.fused_norm_applies(torch.zeros(32, 1, 16))
+    assert fusion.fused_norm_applies(torch.zeros(1, fusion.FUSED_MIN_TOKENS, 16))
     assert fusion.fused_loss_applies(torch.zeros(32, 1, 16))  # the loss has no threshold
 
 

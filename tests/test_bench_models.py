@@ -27,7 +27,7 @@ def test_suite_is_registered_and_lists_every_architecture_against_llama():
         expected = [a.name for a in models.architectures(True) if a.trains or not case.name.startswith("train")]
         assert [v for v in case.variants if v in ours] == expected
         assert ("Llama static" in case.variants) == case.name.startswith("decode")
-        assert ("Llama+Liger, our loss" in case.variants) == case.name.startswith("train")
+        assert (models.LLAMA_OUR_KERNELS in case.variants) == case.name.startswith("train")
 
 
 def test_quick_cpu_run_writes_json_and_markdown_with_every_model(tmp_path):
@@ -67,16 +67,17 @@ def test_summary_compares_with_the_fastest_llama():
     assert "50.0 (2.00x), 6.0 GB" in lines["RAT"]  # against Llama+Liger, the faster Llama
     assert "800 (2.00x)" in lines["RAT"]  # against Llama static, the faster decode
     assert "OOM" in lines["FoX (pro)"]
-    results.append(row("train T=8K", "Llama+Liger, our loss", 80.0))  # the fastest Llama is the baseline
+    results.append(row("train T=8K", models.LLAMA_OUR_KERNELS, 80.0))  # the fastest Llama is the baseline
     lines = {line.split(" | ")[0].strip("| "): line for line in models.summary_markdown(results).splitlines()}
     assert "50.0 (1.60x), 6.0 GB" in lines["RAT"]
 
 
-def test_llama_with_our_loss_has_the_same_loss():
-    """The baseline row with our loss (the fused kernel on CUDA, float32 logits on the CPU)."""
+def test_llama_with_our_kernels_has_the_same_loss():
+    """The baseline row with our loss and norm (the fused kernels on CUDA; on the CPU float32
+    logits and our RMSNorm's PyTorch lines)."""
     config = CPU if not torch.cuda.is_available() else BenchConfig(device=torch.device("cuda"), dtype=torch.float32, quick=True)
     plain = models.build_llama(config)
-    ours = models.with_package_loss(models.build_llama(config))
+    ours = models.with_package_kernels(models.build_llama(config))
     ours.load_state_dict(plain.state_dict())
     ids = torch.randint(3, 200, (1, 64), device=config.device)
     torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss)

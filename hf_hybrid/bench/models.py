@@ -10,10 +10,11 @@ architecture's defaults. Cells (one Case each, every model a variant):
 - ``train T=8K`` / ``train T=32K``: ``model(input_ids, labels=input_ids).loss.backward()`` at B=1
   (then the gradients are dropped), ms and peak GB. Llama runs as is and with Liger's kernels
   (``apply_liger_kernel_to_llama``: RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); the
-  baseline of the summary is the faster of the two. Our models use Liger's norm and SwiGLU kernels
-  when it is installed and this package's fused LM head + loss (layers/backbone_fusion.py), which
-  unlike Liger's does not synchronise with the host; ``Llama+Liger, our loss`` is Llama with
-  Liger's kernels and that same loss, so the row shows what the loss alone is worth;
+  baseline of the summary is the fastest of them. Our models use Liger's SwiGLU kernel when it is
+  installed and this package's fused LM head + loss and RMSNorm (layers/backbone_fusion.py); the
+  loss, unlike Liger's, does not synchronise with the host, and the norm costs less host time;
+  ``Llama+Liger, our loss+norm`` is Llama with Liger's kernels and that same loss and norm, the
+  baseline given the same backbone kernels;
   ``<model> unfused`` rows (T=8K) show the fused kernels switched off.
 - ``prefill T=32K``: ``model(input_ids, logits_to_keep=1)`` under no_grad (the cache is built).
 - ``decode B=32 prompt=2K new=128`` / ``decode B=8 prompt=16K new=64``: ``generate()`` greedy with
@@ -62,6 +63,7 @@ from .timing import Timing
 FULL_SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16)
 QUICK_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 MAX_POSITIONS = 32768
+LLAMA_OUR_KERNELS = "Llama+Liger, our loss+norm"  # the training baseline with our models' loss and norm
 UNFUSED_ROWS = ("RAT", "FoX (llama)")  # also timed with the Liger backbone kernels off (train T=8K)
 
 
@@ -197,14 +199,22 @@ def build_llama(config: BenchConfig, liger: bool = False):
     return model
 
 
-def with_package_loss(model):
-    """``model`` (a Llama) with its LM head and loss computed as our models compute them
-    (layers/loss.py: kernels/linear_cross_entropy on CUDA) instead of Liger's fused linear
-    cross-entropy, which synchronises with the host twice per step: the training baseline given the
-    same loss as the models it is compared with."""
+def with_package_kernels(model):
+    """``model`` (a Llama) with its LM head and loss, and its RMSNorms, computed as our models compute
+    them (layers/loss.py: kernels/linear_cross_entropy; layers/norm.py: kernels/residual_norm, on
+    CUDA) instead of Liger's fused linear cross-entropy, which synchronises with the host twice per
+    step, and Liger's RMSNorm: the training baseline given the same backbone kernels as the models
+    it is compared with."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from ..layers.loss import causal_lm_loss_from_hidden
+    from ..layers.norm import RMSNorm
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "variance_epsilon") and weight is not None and weight.dim() == 1:
+            module.eps = module.variance_epsilon
+            module.forward = RMSNorm.forward.__get__(module)
 
     def forward(input_ids=None, labels=None, use_cache=False, **kwargs):
         hidden = model.model(input_ids=input_ids, use_cache=use_cache, **kwargs).last_hidden_state
@@ -376,7 +386,7 @@ def _variants(config: BenchConfig, make_builder, llama_static=None, unfused: boo
         "Llama+Liger": make_builder(lambda: build_llama(config, liger=True)),
     }
     if not inference:  # training cells: Llama with Liger and this package's loss, the same loss as ours
-        variants["Llama+Liger, our loss"] = make_builder(lambda: with_package_loss(build_llama(config, liger=True)))
+        variants[LLAMA_OUR_KERNELS] = make_builder(lambda: with_package_kernels(build_llama(config, liger=True)))
     for arch in architectures(config.quick):
         if arch.trains or inference:
             variants[arch.name] = make_builder(lambda arch=arch: build_ours(arch, config))
@@ -465,7 +475,7 @@ def summary_markdown(results: list[dict]) -> str:
         for column in columns:
             r = _cell(results, column, variant)
             unit = r["unit"] if r else "ms"
-            llamas = [_cell(results, column, v) for v in ("Llama", "Llama+Liger", "Llama+Liger, our loss", "Llama static")]
+            llamas = [_cell(results, column, v) for v in ("Llama", "Llama+Liger", LLAMA_OUR_KERNELS, "Llama static")]
             values = [x["value"] for x in llamas if x and x["value"] is not None]
             best = (max(values) if unit == "tokens/s" else min(values)) if values else None
             text = _show(r, unit)
@@ -482,7 +492,7 @@ def summary_markdown(results: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     notes = ("(x) = speed relative to the fastest Llama of the column (Llama as is, with Liger, with Liger and "
-             "our loss for training, and for decode "
+             "our loss and norm for training, and for decode "
              "with the static cache); > 1 is faster. Train cells add the peak GPU memory. First step: the wall time "
              "of the model's first training step in the process, compiles and autotuning included (a first use "
              "when the Triton cache was empty).")

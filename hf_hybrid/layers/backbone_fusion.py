@@ -1,23 +1,24 @@
-"""Fused kernels for the backbone every architecture shares: the LM head with its loss (this
-package's kernel), RMSNorm and SwiGLU (Liger Kernel, extra ``[fast]``).
+"""Fused kernels for the backbone every architecture shares: the LM head with its loss and RMSNorm
+(this package's kernels), SwiGLU (Liger Kernel, extra ``[fast]``).
 
 In eager PyTorch an RMSNorm is six kernels, SwiGLU's product two, and the loss materialises the
 float32 logits of the whole sequence (T x 32K x 4 bytes: 4 GiB at T = 32K, again for the gradient).
 The LM head and its cross-entropy run chunk by chunk in kernels/linear_cross_entropy (no [T, vocab]
-logits, no host synchronisation); Liger (``pip install hf-hybrid[fast]`` or ``liger-kernel``) fuses
-the norm and SwiGLU each into one Triton kernel. Together they take a long training step's time and
-peak memory down by about a quarter and a half (`hf-hybrid bench --suites models --only train`;
+logits, no host synchronisation); the norm is one kernel each way (kernels/residual_norm, launched
+through the compiled launcher: Liger's RMSNorm cost ~0.3 ms of host time per call and layer, which
+an 8K training step, issued about as fast as the GPU runs it, waits on); Liger
+(``pip install hf-hybrid[fast]`` or ``liger-kernel``) fuses SwiGLU into one Triton kernel. Together
+they take a long training step's time and peak memory down by about a quarter and a half (`hf-hybrid bench --suites models --only train`;
 docs/benchmarks/models.md).
 
-When they apply: automatically on CUDA tensors, the loss wherever Triton imports, the norm and
-SwiGLU kernels when ``liger_kernel`` is installed and from FUSED_MIN_TOKENS tokens per call
-(training and prefill). They are off on the CPU, inside torch.compile (Inductor fuses these ops
+When they apply: automatically on CUDA tensors, the loss wherever Triton imports, the norm from
+FUSED_MIN_TOKENS tokens per call (training and prefill), SwiGLU there too when ``liger_kernel`` is
+installed. They are off on the CPU, inside torch.compile (Inductor fuses these ops
 itself), and when switched off with the environment variable ``HF_HYBRID_LIGER=0`` (read at import)
 or ``set_backbone_fusion(False)`` (at run time, e.g. to measure before / after). Our PyTorch code is
 the path in every other case and the reference the fused path is tested against.
 
-Numerics: RMSNorm uses Liger's "gemma" casting mode, which is exactly our RMSNorm's (normalise and
-scale in float32, round once); SiLU(gate) * up is computed in float32 and rounded once (PyTorch
+Numerics: the RMSNorm kernel is our RMSNorm's math (normalise and scale in float32, round once); SiLU(gate) * up is computed in float32 and rounded once (PyTorch
 rounds after the SiLU too); the fused loss equals transformers' ForCausalLMLoss (see loss.py).
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import importlib.util
 import torch
 
 from ..kernels._backend import triton_available
+from ..kernels.residual_norm import rms_norm
 from ..options import get as option
 
 _enabled = option("HF_HYBRID_LIGER")
@@ -100,12 +102,12 @@ def liger_installed() -> bool:
 
 def fused_decode_active() -> bool:
     """True inside generate()'s static decode step with fused_decode on: the fused norm kernels
-    (Liger's, and this package's per-head ones) apply there at any token count."""
+    (the backbone's RMSNorm, the per-head ones) and Liger's SwiGLU apply there at any token count."""
     return _fused_decode and _static_decode_depth > 0
 
 
 def fused_backbone_applies(x: torch.Tensor) -> bool:
-    """True when Liger's norm and SwiGLU kernels may run on ``x`` (see the module docstring):
+    """True when Liger's SwiGLU kernel may run on ``x`` (see the module docstring):
     where the fused loss would, with Liger installed."""
     return fused_loss_applies(x) and liger_installed()
 
@@ -115,6 +117,15 @@ def fused_loss_applies(x: torch.Tensor) -> bool:
     (kernels/linear_cross_entropy; loss.py): where the fused backbone would run, Liger or not."""
     # is_compiling() first: under torch.compile nothing after it is traced (find_spec is untraceable)
     return not torch.compiler.is_compiling() and _enabled and (x.is_cuda or _allow_cpu) and triton_available()
+
+
+def fused_norm_applies(x: torch.Tensor) -> bool:
+    """True when the RMSNorm on ``x`` [..., features] runs as kernels/residual_norm: where the
+    fused loss would, from ``FUSED_MIN_TOKENS`` rows (training and prefill, not eager decode
+    steps), or in the static decode step with fused_decode on."""
+    if not fused_loss_applies(x):
+        return False
+    return x.numel() >= _min_tokens * x.shape[-1] or fused_decode_active()
 
 
 def fused_layer_applies(x: torch.Tensor) -> bool:
@@ -131,23 +142,19 @@ def _ops():
     # In a try block: transformers' remote-code loader (checkpoints saved with their code) treats
     # every other import in this file as a hard requirement, and Liger is optional.
     try:
-        from liger_kernel.ops import LigerRMSNormFunction, LigerSiLUMulFunction
+        from liger_kernel.ops import LigerSiLUMulFunction
     except ImportError as exc:
-        raise ImportError(f"the fused backbone needs liger-kernel: pip install 'hf-hybrid[fast]' ({exc})") from exc
-    return LigerRMSNormFunction, LigerSiLUMulFunction
+        raise ImportError(f"the fused SwiGLU needs liger-kernel: pip install 'hf-hybrid[fast]' ({exc})") from exc
+    return LigerSiLUMulFunction
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension with a 1-D weight, one kernel each way (float32 math)."""
-    rms_norm, _ = _ops()
-    # offset 0, casting "gemma" (all float32, one rounding), in_place False: dY stays intact for
-    # callers that reuse it.
-    return rms_norm.apply(x, weight, eps, 0.0, "gemma", False)
+    return rms_norm(x, weight, eps, backend="triton")
 
 
 def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel (and one for the backward)."""
-    _, silu_mul = _ops()
-    return silu_mul.apply(gate, up)
+    return _ops().apply(gate, up)
 
 

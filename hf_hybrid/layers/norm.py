@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .backbone_fusion import fused_layer_applies, fused_rms_norm
+from .backbone_fusion import fused_norm_applies, fused_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -12,7 +12,7 @@ class RMSNorm(nn.Module):
 
     ``shape`` is the weight's shape: ``hidden_size`` for the usual pre-norm, or ``(heads, head_dim)``
     for per-head norms applied to ``[..., heads, head_dim]`` tensors (normalised over head_dim).
-    A 1-D weight on CUDA runs Liger's fused kernel when it is installed (backbone_fusion.py);
+    A 1-D weight on CUDA runs one fused kernel each way (kernels/residual_norm; backbone_fusion.py);
     the PyTorch lines below are the path everywhere else and compute the same thing.
     """
 
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dim() == 1 and fused_layer_applies(x):
+        if self.weight.dim() == 1 and fused_norm_applies(x):
             return fused_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)

@@ -4,16 +4,20 @@ The pre-norm block adds its mixer's and its MLP's output to the residual stream,
 reads the sum right away; in a decode step each add is a kernel of its own (two per block). Here
 the add rides on the norm. Forward only: generate()'s static decode step uses it
 (hf_hybrid/layers/backbone.py, ``DecoderLayer.forward_deferred_add``).
+
+Without the add, :func:`rms_norm` is the backbone's RMSNorm for training too: the same forward
+kernel and a backward kernel (dx per row, dweight as float32 partials summed over rows), each one
+launch through the compiled launcher, as a custom op with autograd.
 """
 from __future__ import annotations
 
 import torch
 
 from .._backend import resolve_backend
-from .._custom_ops import kernel_op
+from .._custom_ops import fake_like, kernel_op
 from .reference import add_rms_norm_reference
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_supported"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_supported", "rms_norm", "rms_norm_reference"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HIDDEN = 16384  # one row per program in registers
@@ -51,6 +55,27 @@ def add_rms_norm(
     return add_rms_norm_op(x, delta, weight, float(eps))
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) with weight: the reference's y without the add."""
+    return add_rms_norm_reference(x, None, weight, eps)[1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
+    """y = RMSNorm(x) with ``weight`` [N] over x [..., N] (float32 math, one rounding to x's dtype),
+    differentiable in x and weight. backend "auto" (Triton on CUDA), "triton", "reference"."""
+    op = "rms_norm"
+    n = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(f"{op}: weight must be [{n}] (x's last dim); got {tuple(weight.shape)}.")
+    if resolve_backend(backend, x.device, op) == "reference" or x.numel() == 0:
+        return rms_norm_reference(x, weight, eps)
+    if not add_rms_norm_supported(x):
+        if backend == "triton":
+            raise ValueError(f"{op}: the Triton kernel takes {_DTYPES} rows of at most {_MAX_HIDDEN}; pass backend='reference'.")
+        return rms_norm_reference(x, weight, eps)
+    return rms_norm_rows_op(x if x.stride(-1) == 1 else x.contiguous(), weight, float(eps))
+
+
 @kernel_op("add_rms_norm")
 def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     from .triton import add_rms_norm_triton
@@ -74,3 +99,30 @@ def rms_norm_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
 @rms_norm_rows_op.register_fake
 def _(x, weight, eps):
     return torch.empty_like(x)
+
+
+@kernel_op("rms_norm_rows_bwd")
+def rms_norm_rows_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton import rms_norm_backward_triton
+
+    return rms_norm_backward_triton(x, weight, dy if dy.is_contiguous() else dy.contiguous(), eps)
+
+
+@rms_norm_rows_bwd.register_fake
+def _(x, weight, dy, eps):
+    return fake_like(x, weight)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dweight = rms_norm_rows_bwd(x, weight, dy, ctx.eps)
+    return dx, dweight, None
+
+
+rms_norm_rows_op.register_autograd(_backward, setup_context=_setup)

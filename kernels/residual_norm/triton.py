@@ -1,13 +1,23 @@
-"""Triton kernel of :mod:`.reference`: one program per row reads x and d once and writes h and y
-(forward only: it serves generate()'s decode step, where the two adds of each block were kernels
-of their own)."""
+"""Triton kernels of :mod:`.reference`: the forward, one program per row, reads x and d once and
+writes h and y (generate()'s decode step, where the two adds of each block were kernels of their
+own, and the training norm without d); the backward of the norm without d (training)."""
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from ..._compat.triton_launch import launch_cached
 
+# Programs of the backward per streaming multiprocessor: each loops over rows and keeps one float32
+# dW partial; their partials are summed afterwards ([programs, N] float32: 2 MiB at N = 2048 on 132 SMs).
+BWD_PROGRAMS_PER_SM = 2
+INTERPRET_BWD_PROGRAMS = 3  # a few programs, several rows each, in the CPU interpreter
+
+
+@launch_cached
 @triton.jit
 def _add_rms_norm_kernel(X, D, W, H, Y, sx, sd, sh, sy, N, eps, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -37,3 +47,50 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, weight: tor
         BLOCK=block, HAS_DELTA=delta is not None, num_warps=min(16, max(1, block // 256)),
     )
     return (h.view(x.shape) if delta is not None else None), y.view(x.shape)
+
+
+@launch_cached
+@triton.jit
+def _rms_norm_bwd_kernel(X, W, DY, DX, DW_PARTS, sx, sdy, sdx, rows, N, eps, programs,
+                         BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    for row in range(pid, rows, programs):
+        r = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
+        x = tl.load(X + r * sx + cols, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r * sdy + cols, mask=ok, other=0.0).to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
+        x_hat = x * inv_rms
+        g = dy * w
+        dx = inv_rms * (g - x_hat * (tl.sum(g * x_hat, 0) / N))
+        tl.store(DX + r * sdx + cols, dx.to(DX.dtype.element_ty), mask=ok)
+        dw += dy * x_hat
+    tl.store(DW_PARTS + pid * N + cols, dw, mask=ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float):
+    """(dx, dweight) of y = RMSNorm(x) with weight (the reference without d), the inverse RMS
+    recomputed from x; dweight summed over rows in float32 and rounded to weight's dtype."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    dys = dy.reshape(-1, n)
+    dx = torch.empty_like(rows)
+    if x.is_cuda:
+        programs = max(1, min(rows.shape[0], BWD_PROGRAMS_PER_SM * _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())))
+    else:
+        programs = max(1, min(rows.shape[0], INTERPRET_BWD_PROGRAMS))
+    parts = torch.empty((programs, n), device=x.device, dtype=torch.float32)
+    block = triton.next_power_of_2(n)
+    _rms_norm_bwd_kernel[(programs,)](
+        rows, weight, dys, dx, parts, rows.stride(0), dys.stride(0), dx.stride(0), rows.shape[0], n, float(eps), programs,
+        BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return dx.view(x.shape), parts.sum(0).to(weight.dtype)

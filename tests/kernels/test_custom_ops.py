@@ -121,6 +121,8 @@ def _cases():
         rows, residual_update, torch.randn(48, device=DEVICE), 1e-6)
     yield "rms_norm_rows", importlib.import_module("hf_hybrid.kernels.residual_norm").rms_norm_rows_op, (
         rows, torch.randn(48, device=DEVICE), 1e-6)
+    yield "rms_norm_rows_train", importlib.import_module("hf_hybrid.kernels.residual_norm").rms_norm_rows_op, (
+        torch.randn(B, 5, 48, device=DEVICE, requires_grad=True), torch.randn(48, device=DEVICE, requires_grad=True), 1e-6)
     ring = lambda: torch.randn(B, 4, 2, D, device=DEVICE)  # noqa: E731  (a window of 3 + the token)
     yield "rattention_ring_decode", rla.ring_decode_op, (
         dq, *leaving, leaving[0], state.clone(), ring(), ring(), ring(), torch.tensor([6], device=DEVICE), "softmax")
@@ -174,7 +176,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "window_attention_fwd", "window_attention_bwd", "window_attention_decode",
         "residual_linear_attention_fwd", "residual_linear_attention_bwd",
         "residual_linear_attention_decode_step", "residual_linear_attention_decode_inplace", "rat_decode_step",
-        "rat_plus_decode_step", "rattention_ring_decode", "add_rms_norm", "rms_norm_rows",
+        "rat_plus_decode_step", "rattention_ring_decode", "add_rms_norm", "rms_norm_rows", "rms_norm_rows_bwd",
         "causal_conv1d_fwd", "causal_conv1d_bwd", "ssd_scan_fwd", "ssd_scan_bwd", "causal_conv1d_step", "ssd_step",
     }
     missing = {name for name in ops if not hasattr(torch.ops.hf_hybrid, name)}
