@@ -1,10 +1,10 @@
-"""benchmarks/window_train_ab.py: each way puts the window layers on the path it names and undoes it."""
+"""benchmarks/train_ab.py: each way puts the model's step on the path it names and undoes it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks import window_train_ab
+from benchmarks import train_ab
 from hf_hybrid.bench.cases import BenchConfig
 from hf_hybrid.bench.models import architectures, build_ours
 from hf_hybrid.layers import attention as attention_module
@@ -17,21 +17,32 @@ def test_flex_moves_both_models_window_layers_and_is_undone():
     local = next(m for m in model.modules() if isinstance(m, RattentionLocalAttention))
     query = torch.zeros(1, 2, 3, 16)
     default_backend, applies = local._swa_backend(), attention_module.window_attention_applies
-    with window_train_ab.way(model, "flex"):
+    with train_ab.way(model, "flex"):
         assert local._swa_backend() == "flex" and attention_module.window_attention_applies(query) is False
     assert local._swa_backend() == default_backend and attention_module.window_attention_applies is applies
-    with window_train_ab.way(model, "window"):
+    with train_ab.way(model, "window"):
         assert local._swa_backend() == default_backend
 
 
 def test_an_unknown_way_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="window, flex"):
-        with window_train_ab.way(torch.nn.Module(), "cudnn"):
+    with pytest.raises(ValueError, match="window, flex, ours, liger"):
+        with train_ab.way(torch.nn.Module(), "cudnn"):
             pass
 
 
 def test_it_needs_a_gpu_and_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
-    assert window_train_ab.main(["--seq", "64"]) == 1
+    assert train_ab.main(["--seq", "64"]) == 1
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_liger_puts_the_backbone_norm_on_ligers_function_and_is_undone():
+    from hf_hybrid.layers import norm as norm_module
+
+    ours = norm_module.fused_rms_norm
+    with train_ab.way(torch.nn.Module(), "liger"):
+        assert norm_module.fused_rms_norm is train_ab._liger_rms_norm
+    assert norm_module.fused_rms_norm is ours
+    with train_ab.way(torch.nn.Module(), "ours"):
+        assert norm_module.fused_rms_norm is ours

@@ -1,0 +1,113 @@
+"""Two ways of one part of the training step, in one process: each model's step timed in rounds
+that alternate the two ways, with Liger-Llama (the training baseline) timed in the same rounds, at
+the models suite's shape (8 layers of the 1.3B shape, bf16, B=1). One process keeps the host's
+speed the same for every row (these steps are about as long on the host as on the GPU, so a slower
+host moves them).
+
+    python -m benchmarks.train_ab --compare window --seq 8192 --rounds 3 --json F
+    python -m benchmarks.train_ab --compare norm --seq 8192 --rounds 3 --json F
+
+``--compare window``: the sliding-window layers' attention, ``window`` (kernels/window_attention,
+the default) against ``flex``: RAT-SWA's window layers through transformers' compiled flex_attention
+with a BlockMask (``window_attention_applies`` answering False), RATTENTION's local layers with
+``backend="flex"``.
+``--compare norm``: the backbone's RMSNorm, ``ours`` (kernels/residual_norm, the default) against
+``liger`` (Liger's RMSNorm in its "gemma" casting mode, the same math).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+
+import torch
+
+COMPARISONS = {  # compare -> (its models, its two ways, the default first)
+    "window": (("rat_swa", "rattention"), ("window", "flex")),
+    "norm": (("rat", "rat_swa", "fox", "rattention", "se_hybrid"), ("ours", "liger")),
+}
+
+
+def _liger_rms_norm(x, weight, eps):
+    from liger_kernel.ops import LigerRMSNormFunction
+
+    return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "gemma", False)
+
+
+@contextlib.contextmanager
+def way(model, name: str):
+    """The model's step on ``name``, one of the ways in COMPARISONS (the defaults change nothing)."""
+    from hf_hybrid.layers import attention as attention_module
+    from hf_hybrid.layers import norm as norm_module
+    from hf_hybrid.layers.residual_linear_attention import RattentionLocalAttention
+
+    known = [w for _, ways in COMPARISONS.values() for w in ways]
+    if name not in known:
+        raise ValueError(f"way must be one of {', '.join(known)}; got {name!r}.")
+    locals_ = [m for m in model.modules() if isinstance(m, RattentionLocalAttention)]
+    saved_applies, saved_norm = attention_module.window_attention_applies, norm_module.fused_rms_norm
+    if name == "flex":
+        attention_module.window_attention_applies = lambda query: False
+        for m in locals_:
+            m._swa_backend = lambda: "flex"
+    if name == "liger":
+        norm_module.fused_rms_norm = _liger_rms_norm
+    try:
+        yield
+    finally:
+        attention_module.window_attention_applies, norm_module.fused_rms_norm = saved_applies, saved_norm
+        for m in locals_:
+            m.__dict__.pop("_swa_backend", None)
+
+
+def run(compare: str, seq: int, rounds: int, steps: int) -> list[dict]:
+    from hf_hybrid.bench.timing import time_fn
+
+    from .train_gaps import _build
+
+    names, ways = COMPARISONS[compare]
+    device = torch.device("cuda")
+    rows: dict[str, list[float]] = {}
+    models = {name: _build(name, seq, device) for name in ("llama_liger", *names)}
+    ids = torch.randint(3, 32000, (1, seq), device=device)
+
+    def step(model):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(rounds):
+        for name, model in models.items():
+            for choice in (ways if name in names else ("",)):
+                with way(model, choice or ways[0]):
+                    ms = time_fn(lambda: step(model), device, warmup=2, repeat=steps).median_ms
+                rows.setdefault(f"{name} {choice}".strip(), []).append(ms)
+    baseline = statistics.median(rows["llama_liger"])
+    return [{"row": row, "ms": round(statistics.median(times), 3), "rounds_ms": [round(t, 3) for t in times],
+             "x_llama_liger": round(baseline / statistics.median(times), 3), "device": torch.cuda.get_device_name()}
+            for row, times in rows.items()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.train_ab", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="window")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row and round")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("train_ab needs a CUDA device", file=sys.stderr)
+        return 1
+    rows = run(args.compare, args.seq, args.rounds, args.steps)
+    for row in rows:
+        print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
