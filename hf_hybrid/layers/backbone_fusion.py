@@ -5,11 +5,11 @@ In eager PyTorch an RMSNorm is six kernels, SwiGLU's product two, and the loss m
 float32 logits of the whole sequence (T x 32K x 4 bytes: 4 GiB at T = 32K, again for the gradient).
 The LM head and its cross-entropy run chunk by chunk in kernels/linear_cross_entropy (no [T, vocab]
 logits, no host synchronisation); the norm is one kernel each way (kernels/residual_norm, launched
-through the compiled launcher: Liger's RMSNorm cost ~0.3 ms of host time per call and layer, which
-an 8K training step, issued about as fast as the GPU runs it, waits on); Liger
-(``pip install hf-hybrid[fast]`` or ``liger-kernel``) fuses SwiGLU into one Triton kernel. Together
-they take a long training step's time and peak memory down by about a quarter and a half (`hf-hybrid bench --suites models --only train`;
-docs/benchmarks/models.md).
+through the compiled launcher, with less host time per call than Liger's RMSNorm: an 8K training
+step is issued about as fast as the GPU runs it); Liger (``pip install hf-hybrid[fast]`` or
+``liger-kernel``) fuses SwiGLU into one Triton kernel. Together they take a long training step's
+time and peak memory down by about a quarter and a half (`hf-hybrid bench --suites models --only
+train`; docs/benchmarks/models.md).
 
 When they apply: automatically on CUDA tensors, the loss wherever Triton imports, the norm from
 FUSED_MIN_TOKENS tokens per call (training and prefill), SwiGLU there too when ``liger_kernel`` is
@@ -18,8 +18,9 @@ itself), and when switched off with the environment variable ``HF_HYBRID_LIGER=0
 or ``set_backbone_fusion(False)`` (at run time, e.g. to measure before / after). Our PyTorch code is
 the path in every other case and the reference the fused path is tested against.
 
-Numerics: the RMSNorm kernel is our RMSNorm's math (normalise and scale in float32, round once); SiLU(gate) * up is computed in float32 and rounded once (PyTorch
-rounds after the SiLU too); the fused loss equals transformers' ForCausalLMLoss (see loss.py).
+Numerics: the RMSNorm kernel is our RMSNorm's math (normalise and scale in float32, round once);
+SiLU(gate) * up is computed in float32 and rounded once (PyTorch rounds after the SiLU too); the
+fused loss equals transformers' ForCausalLMLoss (see loss.py).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ _static_decode_depth = 0
 
 def set_backbone_fusion(enabled: bool, *, allow_cpu: bool | None = None, min_tokens: int | None = None,
                         fused_decode: bool | None = None) -> None:
-    """Switch the Liger kernels on (the default where they apply) or off for every model in the process.
+    """Switch the fused backbone kernels on (the default where they apply) or off for every model in the process.
     ``allow_cpu`` also sends CPU tensors to them (Triton's interpreter: for tests at tiny shapes);
     ``min_tokens``: the fewest tokens per call for which the norm and SwiGLU kernels are used
     (default FUSED_MIN_TOKENS); ``fused_decode``: use them in generate()'s static decode step too,
