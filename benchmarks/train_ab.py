@@ -5,14 +5,15 @@ speed the same for every row (these steps are about as long on the host as on th
 host moves them).
 
     python -m benchmarks.train_ab --compare window --seq 8192 --rounds 3 --json F
-    python -m benchmarks.train_ab --compare norm --seq 8192 --rounds 3 --json F
+    python -m benchmarks.train_ab --compare backbone --seq 8192 --rounds 3 --json F
 
 ``--compare window``: the sliding-window layers' attention, ``window`` (kernels/window_attention,
 the default) against ``flex``: RAT-SWA's window layers through transformers' compiled flex_attention
 with a BlockMask (``window_attention_applies`` answering False), RATTENTION's local layers with
 ``backend="flex"``.
-``--compare norm``: the backbone's RMSNorm, ``ours`` (kernels/residual_norm, the default) against
-``liger`` (Liger's RMSNorm in its "gemma" casting mode, the same math).
+``--compare backbone``: the backbone's RMSNorm and SwiGLU product, ``ours`` (kernels/residual_norm
+and kernels/output_gate, the default) against ``liger`` (Liger's RMSNorm in its "gemma" casting
+mode, the same math, and Liger's SwiGLU).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 
 COMPARISONS = {  # compare -> (its models, its two ways, the default first)
     "window": (("rat_swa", "rattention"), ("window", "flex")),
-    "norm": (("rat", "rat_swa", "fox", "rattention", "se_hybrid"), ("ours", "liger")),
+    "backbone": (("rat", "rat_swa", "fox", "rattention", "se_hybrid"), ("ours", "liger")),
 }
 
 
@@ -36,10 +37,17 @@ def _liger_rms_norm(x, weight, eps):
     return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "gemma", False)
 
 
+def _liger_silu_mul(gate, up):
+    from liger_kernel.ops import LigerSiLUMulFunction
+
+    return LigerSiLUMulFunction.apply(gate, up)
+
+
 @contextlib.contextmanager
 def way(model, name: str):
     """The model's step on ``name``, one of the ways in COMPARISONS (the defaults change nothing)."""
     from hf_hybrid.layers import attention as attention_module
+    from hf_hybrid.layers import mlp as mlp_module
     from hf_hybrid.layers import norm as norm_module
     from hf_hybrid.layers.residual_linear_attention import RattentionLocalAttention
 
@@ -47,17 +55,17 @@ def way(model, name: str):
     if name not in known:
         raise ValueError(f"way must be one of {', '.join(known)}; got {name!r}.")
     locals_ = [m for m in model.modules() if isinstance(m, RattentionLocalAttention)]
-    saved_applies, saved_norm = attention_module.window_attention_applies, norm_module.fused_rms_norm
+    saved = attention_module.window_attention_applies, norm_module.fused_rms_norm, mlp_module.fused_silu_mul
     if name == "flex":
         attention_module.window_attention_applies = lambda query: False
         for m in locals_:
             m._swa_backend = lambda: "flex"
     if name == "liger":
-        norm_module.fused_rms_norm = _liger_rms_norm
+        norm_module.fused_rms_norm, mlp_module.fused_silu_mul = _liger_rms_norm, _liger_silu_mul
     try:
         yield
     finally:
-        attention_module.window_attention_applies, norm_module.fused_rms_norm = saved_applies, saved_norm
+        attention_module.window_attention_applies, norm_module.fused_rms_norm, mlp_module.fused_silu_mul = saved
         for m in locals_:
             m.__dict__.pop("_swa_backend", None)
 

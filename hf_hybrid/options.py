@@ -34,8 +34,8 @@ class Switch:
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("HF_HYBRID_LIGER", "1", (), read="at import (or set_backbone_fusion())",
-           trades="the fused LM head + loss and RMSNorm (our kernels) and Liger's SwiGLU (when liger-kernel is "
-                  "installed) in the shared backbone on CUDA; 0 keeps PyTorch's modules (more memory and time)"),
+           trades="the fused LM head + loss, RMSNorm and SwiGLU (this package's kernels) in the shared "
+                  "backbone on CUDA; 0 keeps PyTorch's modules (more memory and time)"),
     Switch("HF_HYBRID_FUSED_DECODE", "1", (), read="at import (or set_backbone_fusion(fused_decode=))",
            trades="the fused norm / residual kernels inside generate()'s graphed decode step; 0 keeps them "
                   "out of that step only (slower decode, the plain modules' numerics)"),

@@ -1,8 +1,7 @@
 """The fused path of the shared backbone (hf_hybrid/layers/backbone_fusion.py) against our PyTorch
-path: the RMSNorm kernel (ours) and Liger's SwiGLU kernel (whose launches the interpreter rejects: a
-float argument is given a .to()) and a whole model with every fused op are compared on the GPU. The
-fused loss, which needs no Liger, is tested in test_fused_loss.py; the norm kernel against its
-reference in tests/kernels/test_residual_norm.py."""
+path: the RMSNorm and SwiGLU kernels and a whole model with every fused op are compared on the GPU
+(the kernels against their references in Triton's interpreter too: tests/kernels/test_residual_norm.py,
+test_output_gate.py). The fused loss is tested in test_fused_loss.py."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +11,6 @@ from hf_hybrid.layers import backbone_fusion
 from hf_hybrid.layers.mlp import SwiGLUMLP
 from hf_hybrid.layers.norm import RMSNorm
 
-pytest.importorskip("liger_kernel", reason="the [fast] extra (liger-kernel) is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -35,16 +33,14 @@ def _unfused(fn):
 
 
 def test_fusion_is_off_on_cpu_by_default():
-    assert not backbone_fusion.fused_backbone_applies(torch.zeros(2))
+    assert not backbone_fusion.fused_layer_applies(torch.zeros(2, 2048, 8))
 
 
 def test_layer_kernels_wait_for_enough_tokens(fusion):
-    """Decode steps (a few tokens) keep the PyTorch norm and SwiGLU: launch-bound, Liger is slower there."""
+    """Eager decode steps (a few tokens) keep the PyTorch norm and SwiGLU (see FUSED_MIN_TOKENS)."""
     fusion.set_backbone_fusion(True, min_tokens=fusion.FUSED_MIN_TOKENS)  # the default threshold
     assert not fusion.fused_layer_applies(torch.zeros(32, 1, 16))
     assert fusion.fused_layer_applies(torch.zeros(1, fusion.FUSED_MIN_TOKENS, 16))
-    assert not fusion.fused_norm_applies(torch.zeros(32, 1, 16))
-    assert fusion.fused_norm_applies(torch.zeros(1, fusion.FUSED_MIN_TOKENS, 16))
     assert fusion.fused_loss_applies(torch.zeros(32, 1, 16))  # the loss has no threshold
 
 
@@ -97,6 +93,26 @@ def test_swiglu_fused_matches_pytorch_on_gpu(fusion, dtype, tol):
     assert backbone_fusion.fused_layer_applies(x)
     for got, want in zip(run(), _unfused(run)):
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_norm_and_swiglu_kernels_run_and_match_pytorch(fusion):
+    """On any device (CPU: Triton's interpreter): the fused layers take the kernels and match the
+    PyTorch lines, forward and backward, in float32."""
+    torch.manual_seed(0)
+    norm, mlp = RMSNorm(32).to(DEVICE), SwiGLUMLP(32, 48).to(DEVICE)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 5, 32, device=DEVICE, requires_grad=True)
+
+    def run():
+        for p in (x, *norm.parameters(), *mlp.parameters()):
+            p.grad = None
+        y = mlp(norm(x))
+        y.square().sum().backward()
+        return [y.detach(), x.grad] + [p.grad for p in (*norm.parameters(), *mlp.parameters())]
+
+    assert backbone_fusion.fused_layer_applies(x)
+    for got, want in zip(run(), _unfused(run)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

@@ -37,12 +37,13 @@ def test_it_needs_a_gpu_and_says_so(capsys):
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
-def test_liger_puts_the_backbone_norm_on_ligers_function_and_is_undone():
+def test_liger_puts_the_backbone_norm_and_swiglu_on_ligers_functions_and_is_undone():
+    from hf_hybrid.layers import mlp as mlp_module
     from hf_hybrid.layers import norm as norm_module
 
-    ours = norm_module.fused_rms_norm
+    ours = norm_module.fused_rms_norm, mlp_module.fused_silu_mul
     with train_ab.way(torch.nn.Module(), "liger"):
-        assert norm_module.fused_rms_norm is train_ab._liger_rms_norm
-    assert norm_module.fused_rms_norm is ours
+        assert (norm_module.fused_rms_norm, mlp_module.fused_silu_mul) == (train_ab._liger_rms_norm, train_ab._liger_silu_mul)
+    assert (norm_module.fused_rms_norm, mlp_module.fused_silu_mul) == ours
     with train_ab.way(torch.nn.Module(), "ours"):
-        assert norm_module.fused_rms_norm is ours
+        assert (norm_module.fused_rms_norm, mlp_module.fused_silu_mul) == ours

@@ -10,19 +10,19 @@ architecture's defaults. Cells (one Case each, every model a variant):
 - ``train T=8K`` / ``train T=32K``: ``model(input_ids, labels=input_ids).loss.backward()`` at B=1
   (then the gradients are dropped), ms and peak GB. Llama runs as is and with Liger's kernels
   (``apply_liger_kernel_to_llama``: RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); the
-  baseline of the summary is the fastest of them. Our models use Liger's SwiGLU kernel when it is
-  installed and this package's fused LM head + loss and RMSNorm (layers/backbone_fusion.py); the
-  loss, unlike Liger's, does not synchronise with the host, and the norm costs less host time;
-  ``Llama+Liger, our loss+norm`` is Llama with Liger's kernels and that same loss and norm, the
-  baseline given the same backbone kernels;
+  baseline of the summary is the fastest of them. Our models use this package's fused LM head +
+  loss, RMSNorm and SwiGLU (layers/backbone_fusion.py); the loss, unlike Liger's, does not
+  synchronise with the host, and the norm and SwiGLU cost less host time; ``Llama+Liger, our
+  kernels`` is Llama with Liger's RoPE and those same loss, norm and SwiGLU kernels, the baseline
+  given the same backbone kernels;
   ``<model> unfused`` rows (T=8K) show the fused kernels switched off.
 - ``prefill T=32K``: ``model(input_ids, logits_to_keep=1)`` under no_grad (the cache is built).
 - ``decode B=32 prompt=2K new=128`` / ``decode B=8 prompt=16K new=64``: ``generate()`` greedy with
   ``min_new_tokens = max_new_tokens`` and otherwise default arguments; Llama with its default
   (dynamic) cache, with Liger, and with ``cache_implementation="static"`` (generate() then compiles
   the decode step: its fastest; Liger adds nothing under Inductor, which fuses the same ops).
-  Liger slows eager decode steps down (they are launch-bound), so our models keep PyTorch's norm
-  and SwiGLU below backbone_fusion.FUSED_MIN_TOKENS tokens.
+  Liger slows eager decode steps down (they are launch-bound); our models keep PyTorch's norm and
+  SwiGLU below backbone_fusion.FUSED_MIN_TOKENS tokens.
   A logits processor records a CUDA event after the prefill and after every token, so the cell
   reports decode throughput, B x (new - 1) / (time from the first to the last token), and keeps
   the prefill and whole-call times in its info. The warm-up is a short generate() (a whole one
@@ -63,8 +63,8 @@ from .timing import Timing
 FULL_SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16)
 QUICK_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 MAX_POSITIONS = 32768
-LLAMA_OUR_KERNELS = "Llama+Liger, our loss+norm"  # the training baseline with our models' loss and norm
-UNFUSED_ROWS = ("RAT", "FoX (llama)")  # also timed with the Liger backbone kernels off (train T=8K)
+LLAMA_OUR_KERNELS = "Llama+Liger, our kernels"  # the training baseline with our models' loss, norm and SwiGLU
+UNFUSED_ROWS = ("RAT", "FoX (llama)")  # also timed with the fused backbone kernels off (train T=8K)
 
 
 class SkipVariant(Exception):
@@ -189,7 +189,7 @@ def build_llama(config: BenchConfig, liger: bool = False):
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
         except ImportError as exc:
-            raise SkipVariant(f"liger-kernel is not installed ({exc}); pip install 'hf-hybrid[fast]'") from exc
+            raise SkipVariant(f"liger-kernel is not installed ({exc}); pip install 'hf-hybrid[bench]'") from exc
     shape = _shape(config)
     llama_config = LlamaConfig(**shape, num_key_value_heads=shape["num_attention_heads"], max_position_embeddings=MAX_POSITIONS,
                                rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -200,14 +200,15 @@ def build_llama(config: BenchConfig, liger: bool = False):
 
 
 def with_package_kernels(model):
-    """``model`` (a Llama) with its LM head and loss, and its RMSNorms, computed as our models compute
-    them (layers/loss.py: kernels/linear_cross_entropy; layers/norm.py: kernels/residual_norm, on
-    CUDA) instead of Liger's fused linear cross-entropy, which synchronises with the host twice per
-    step, and Liger's RMSNorm: the training baseline given the same backbone kernels as the models
-    it is compared with."""
+    """``model`` (a Llama, with or without Liger's patch) with its LM head and loss, its RMSNorms and
+    its SwiGLU product computed as our models compute them (layers/loss.py, layers/norm.py,
+    layers/mlp.py: this package's kernels on CUDA) instead of Liger's fused linear cross-entropy,
+    which synchronises with the host twice per step, and Liger's RMSNorm and SwiGLU: the training
+    baseline given the same backbone kernels as the models it is compared with (Liger's RoPE stays)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from ..layers.loss import causal_lm_loss_from_hidden
+    from ..layers.mlp import SwiGLUMLP
     from ..layers.norm import RMSNorm
 
     for module in model.modules():
@@ -215,6 +216,9 @@ def with_package_kernels(model):
         if hasattr(module, "variance_epsilon") and weight is not None and weight.dim() == 1:
             module.eps = module.variance_epsilon
             module.forward = RMSNorm.forward.__get__(module)
+        elif all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj")):
+            module.hidden_act = model.config.hidden_act
+            module.forward = SwiGLUMLP.forward.__get__(module)
 
     def forward(input_ids=None, labels=None, use_cache=False, **kwargs):
         hidden = model.model(input_ids=input_ids, use_cache=use_cache, **kwargs).last_hidden_state
@@ -385,7 +389,7 @@ def _variants(config: BenchConfig, make_builder, llama_static=None, unfused: boo
         "Llama": make_builder(lambda: build_llama(config)),
         "Llama+Liger": make_builder(lambda: build_llama(config, liger=True)),
     }
-    if not inference:  # training cells: Llama with Liger and this package's loss, the same loss as ours
+    if not inference:  # training cells: Llama with this package's loss, norm and SwiGLU, as ours have them
         variants[LLAMA_OUR_KERNELS] = make_builder(lambda: with_package_kernels(build_llama(config, liger=True)))
     for arch in architectures(config.quick):
         if arch.trains or inference:
@@ -492,7 +496,7 @@ def summary_markdown(results: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     notes = ("(x) = speed relative to the fastest Llama of the column (Llama as is, with Liger, with Liger and "
-             "our loss and norm for training, and for decode "
+             "our backbone kernels for training, and for decode "
              "with the static cache); > 1 is faster. Train cells add the peak GPU memory. First step: the wall time "
              "of the model's first training step in the process, compiles and autotuning included (a first use "
              "when the Triton cache was empty).")

@@ -1,22 +1,24 @@
-"""Fused kernels for the backbone every architecture shares: the LM head with its loss and RMSNorm
-(this package's kernels), SwiGLU (Liger Kernel, extra ``[fast]``).
+"""Fused kernels for the backbone every architecture shares, all of this package: the LM head with
+its loss (kernels/linear_cross_entropy), RMSNorm (kernels/residual_norm) and SwiGLU's product
+(kernels/output_gate, ``silu_gate``).
 
 In eager PyTorch an RMSNorm is six kernels, SwiGLU's product two, and the loss materialises the
 float32 logits of the whole sequence (T x 32K x 4 bytes: 4 GiB at T = 32K, again for the gradient).
-The LM head and its cross-entropy run chunk by chunk in kernels/linear_cross_entropy (no [T, vocab]
-logits, no host synchronisation); the norm is one kernel each way (kernels/residual_norm, launched
-through the compiled launcher, with less host time per call than Liger's RMSNorm: an 8K training
-step is issued about as fast as the GPU runs it); Liger (``pip install hf-hybrid[fast]`` or
-``liger-kernel``) fuses SwiGLU into one Triton kernel. Together they take a long training step's
-time and peak memory down by about a quarter and a half (`hf-hybrid bench --suites models --only
-train`; docs/benchmarks/models.md).
+The LM head and its cross-entropy run chunk by chunk (no [T, vocab] logits, no host
+synchronisation); the norm and SwiGLU's product are one kernel each way. Every launch goes through
+the compiled launcher (hf_hybrid/_compat/triton_launch.py): an 8K training step is issued about as
+fast as the GPU runs it, so host time per call counts (Liger's RMSNorm and SwiGLU, used before,
+took more; `python -m benchmarks.train_ab --compare norm`). Together they take a long training
+step's time and peak memory down by about a quarter and a half (`hf-hybrid bench --suites models
+--only train`; docs/benchmarks/models.md).
 
-When they apply: automatically on CUDA tensors, the loss wherever Triton imports, the norm from
-FUSED_MIN_TOKENS tokens per call (training and prefill), SwiGLU there too when ``liger_kernel`` is
-installed. They are off on the CPU, inside torch.compile (Inductor fuses these ops
-itself), and when switched off with the environment variable ``HF_HYBRID_LIGER=0`` (read at import)
-or ``set_backbone_fusion(False)`` (at run time, e.g. to measure before / after). Our PyTorch code is
-the path in every other case and the reference the fused path is tested against.
+When they apply: automatically on CUDA tensors wherever Triton imports, the loss always, the norm
+and SwiGLU from FUSED_MIN_TOKENS tokens per call (training and prefill) and inside generate()'s
+static decode step. They are off on the CPU, inside torch.compile (Inductor fuses these ops
+itself), and when switched off with the environment variable ``HF_HYBRID_LIGER=0`` (read at import;
+the name dates from Liger's kernels) or ``set_backbone_fusion(False)`` (at run time, e.g. to
+measure before / after). Our PyTorch code is the path in every other case and the reference the
+fused path is tested against.
 
 Numerics: the RMSNorm kernel is our RMSNorm's math (normalise and scale in float32, round once);
 SiLU(gate) * up is computed in float32 and rounded once (PyTorch rounds after the SiLU too); the
@@ -25,20 +27,19 @@ fused loss equals transformers' ForCausalLMLoss (see loss.py).
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 
 import torch
 
 from ..kernels._backend import triton_available
+from ..kernels.output_gate import silu_gate
 from ..kernels.residual_norm import rms_norm
 from ..options import get as option
 
 _enabled = option("HF_HYBRID_LIGER")
 _allow_cpu = False
-# The norm and SwiGLU kernels are used from this many tokens per call: a decode step (a few tokens)
-# is launch-bound, and there Liger's Python-side launch costs more than the PyTorch ops (an eager
-# Llama with Liger decodes slower than without), while training and prefill gain.
+# The norm and SwiGLU kernels are used from this many tokens per call. An eager decode step (a few
+# tokens) keeps the PyTorch ops: chosen when these were Liger's kernels, whose Python-side launch
+# cost more than the ops there (an eager Llama with Liger decodes slower than without).
 FUSED_MIN_TOKENS = 1024
 _min_tokens = FUSED_MIN_TOKENS
 # Inside generate()'s static decode step (hf_hybrid/generation: captured in a CUDA graph on the GPU)
@@ -96,57 +97,26 @@ def backbone_fusion_enabled() -> bool:
     return _enabled
 
 
-@functools.lru_cache(maxsize=None)
-def liger_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
 def fused_decode_active() -> bool:
     """True inside generate()'s static decode step with fused_decode on: the fused norm kernels
-    (the backbone's RMSNorm, the per-head ones) and Liger's SwiGLU apply there at any token count."""
+    (the backbone's RMSNorm, the per-head ones) and SwiGLU's apply there at any token count."""
     return _fused_decode and _static_decode_depth > 0
-
-
-def fused_backbone_applies(x: torch.Tensor) -> bool:
-    """True when Liger's SwiGLU kernel may run on ``x`` (see the module docstring):
-    where the fused loss would, with Liger installed."""
-    return fused_loss_applies(x) and liger_installed()
 
 
 def fused_loss_applies(x: torch.Tensor) -> bool:
     """True when the LM head and its loss on ``x`` run as this package's chunked Triton kernel
-    (kernels/linear_cross_entropy; loss.py): where the fused backbone would run, Liger or not."""
+    (kernels/linear_cross_entropy; loss.py)."""
     # is_compiling() first: under torch.compile nothing after it is traced (find_spec is untraceable)
     return not torch.compiler.is_compiling() and _enabled and (x.is_cuda or _allow_cpu) and triton_available()
 
 
-def fused_norm_applies(x: torch.Tensor) -> bool:
-    """True when the RMSNorm on ``x`` [..., features] runs as kernels/residual_norm: where the
-    fused loss would, from ``FUSED_MIN_TOKENS`` rows (training and prefill, not eager decode
-    steps), or in the static decode step with fused_decode on."""
+def fused_layer_applies(x: torch.Tensor) -> bool:
+    """True when the per-layer RMSNorm and SwiGLU on ``x`` [..., features] run as this package's
+    kernels: where the fused loss would, from ``FUSED_MIN_TOKENS`` rows (training and prefill, not
+    eager decode steps), or in the static decode step with fused_decode on."""
     if not fused_loss_applies(x):
         return False
     return x.numel() >= _min_tokens * x.shape[-1] or fused_decode_active()
-
-
-def fused_layer_applies(x: torch.Tensor) -> bool:
-    """As fused_backbone_applies, for the per-layer norm and SwiGLU on ``x`` [..., features]:
-    also needs at least ``FUSED_MIN_TOKENS`` rows (training and prefill, not eager decode steps),
-    or the static decode step with fused_decode on."""
-    if not fused_backbone_applies(x):
-        return False
-    return x.numel() >= _min_tokens * x.shape[-1] or fused_decode_active()
-
-
-@functools.lru_cache(maxsize=None)
-def _ops():
-    # In a try block: transformers' remote-code loader (checkpoints saved with their code) treats
-    # every other import in this file as a hard requirement, and Liger is optional.
-    try:
-        from liger_kernel.ops import LigerSiLUMulFunction
-    except ImportError as exc:
-        raise ImportError(f"the fused SwiGLU needs liger-kernel: pip install 'hf-hybrid[fast]' ({exc})") from exc
-    return LigerSiLUMulFunction
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,6 +126,4 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel (and one for the backward)."""
-    return _ops().apply(gate, up)
-
-
+    return silu_gate(gate, up, backend="triton")

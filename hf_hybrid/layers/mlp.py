@@ -19,8 +19,7 @@ from .projections import project_few_rows
 
 class SwiGLUMLP(nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)); act is SiLU (SwiGLU) unless ``hidden_act`` says
-    otherwise. For SwiGLU without biases on CUDA with Liger installed the SiLU and the product are one
-    kernel (backbone_fusion.py); a decode step's few rows go through the few-row projection kernel
+    otherwise. For SwiGLU on CUDA the SiLU and the product are one kernel (backbone_fusion.py); a decode step's few rows go through the few-row projection kernel
     (projections.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
@@ -42,7 +41,7 @@ class SwiGLUMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """down_proj(act(up_proj(x))), the two-layer feed-forward block (torch ops: Liger's fusion is
+    """down_proj(act(up_proj(x))), the two-layer feed-forward block (torch ops: the fused product is
     SwiGLU's). The RAT / RAT+ authors' models use it with exact GELU, 4 x hidden and no bias."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "gelu", bias: bool = False):

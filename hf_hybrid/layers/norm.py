@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .backbone_fusion import fused_norm_applies, fused_rms_norm
+from .backbone_fusion import fused_layer_applies, fused_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dim() == 1 and fused_norm_applies(x):
+        if self.weight.dim() == 1 and fused_layer_applies(x):
             return fused_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)

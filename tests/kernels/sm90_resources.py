@@ -243,19 +243,20 @@ def window_attention_report() -> list[dict]:
 
 
 def output_gate_report() -> list[dict]:
-    """The sigmoid output gate's forward and backward (bf16)."""
+    """The output gates' forward and backward (bf16), sigmoid and SiLU."""
     from hf_hybrid.kernels.output_gate import triton as og
 
     bf = "*bf16"
     kernels = {"_fwd_kernel": dict(Z=bf, Y=bf, O=bf), "_bwd_kernel": dict(Z=bf, Y=bf, DO=bf, DZ=bf, DY=bf)}
     rows = []
-    for name, types in kernels.items():
-        row = {"kernel": name, "num_warps": 8}
-        try:
-            row.update(compile_for_sm90(getattr(og, name), types, dict(BLOCK=og.BLOCK), 8))
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        rows.append(row)
+    for silu in (False, True):
+        for name, types in kernels.items():
+            row = {"kernel": name, "silu": silu, "num_warps": 8}
+            try:
+                row.update(compile_for_sm90(getattr(og, name), types, dict(BLOCK=og.BLOCK, SILU=silu), 8))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
     return rows
 
 

@@ -50,6 +50,7 @@ def _cases():
     q, k, v, z = (leaf(B, T, H, D) for _ in range(4))
     cos, sin = rope_tables(T, D)
     yield "sigmoid_gate", output_gate.sigmoid_gate_fwd, (leaf(3, 5), leaf(3, 5))
+    yield "silu_gate", output_gate.silu_gate_fwd, (leaf(3, 5), leaf(3, 5))
     yield "kv_shift", kv_shift.kv_shift_fwd, (q, leaf(B, T, H), leaf(B, H, D))
     yield "kv_shift_no_previous", kv_shift.kv_shift_fwd, (q, leaf(B, T, H), None)
     yield "gated_recurrence", gated_recurrence.gated_recurrence_fwd, (q, torch.rand(B, T, H, D, device=DEVICE).requires_grad_(), 0, 0, None)
@@ -166,7 +167,7 @@ def test_opcheck(op, args):
 
 def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
     ops = {
-        "sigmoid_gate_fwd", "sigmoid_gate_bwd", "kv_shift_fwd", "kv_shift_bwd", "gated_recurrence_fwd", "gated_recurrence_bwd",
+        "sigmoid_gate_fwd", "sigmoid_gate_bwd", "silu_gate_fwd", "silu_gate_bwd", "kv_shift_fwd", "kv_shift_bwd", "gated_recurrence_fwd", "gated_recurrence_bwd",
         "rat_keys_values_fwd", "rat_keys_values_bwd", "rms_norm_rotary_fwd", "rms_norm_rotary_bwd",
         "branch_norm_sum_fwd", "branch_norm_sum_bwd", "block_end_attention_fwd", "block_end_attention_bwd",
         "block_end_attention_sdpa_fwd", "block_end_attention_sdpa_bwd",
