@@ -8,7 +8,7 @@ The LM head and its cross-entropy run chunk by chunk (no [T, vocab] logits, no h
 synchronisation); the norm and SwiGLU's product are one kernel each way. Every launch goes through
 the compiled launcher (hf_hybrid/_compat/triton_launch.py): an 8K training step is issued about as
 fast as the GPU runs it, so host time per call counts (Liger's RMSNorm and SwiGLU, used before,
-took more; `python -m benchmarks.train_ab --compare norm`). Together they take a long training
+took more; `python -m benchmarks.train_ab --compare backbone`). Together they take a long training
 step's time and peak memory down by about a quarter and a half (`hf-hybrid bench --suites models
 --only train`; docs/benchmarks/models.md).
 
