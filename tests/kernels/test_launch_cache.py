@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from hf_hybrid._compat import triton_launch as _launch
-from hf_hybrid._compat.triton_launch import CachedLaunchKernel, _arg_key, _Unsupported, launch_cached
+from hf_hybrid._compat.triton_launch import CachedLaunchKernel, _arg_key, _args_key, _Unsupported, launch_cached
 
 
 @launch_cached
@@ -33,6 +33,14 @@ def test_the_key_holds_what_triton_specialises_on():
     assert _arg_key(True) != _arg_key(1) and _arg_key(None) == (type(None), None)
     with pytest.raises(_Unsupported):
         _arg_key((1, 2))
+
+
+def test_the_inlined_key_of_all_arguments_is_the_per_argument_key():
+    base = torch.zeros(64)
+    args = (base, base[1:], torch.nn.Parameter(base), 1, 2, 32, 2**40, 2**63 + 16, -7, 0.5, True, None, torch.float16, "s")
+    assert _args_key(args) == tuple(map(_arg_key, args))
+    with pytest.raises(_Unsupported):
+        _args_key((base, (1, 2)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's case")
