@@ -23,8 +23,8 @@ types, constexprs, warps and stages. It is written by hand, since on a CPU the h
 interpreter's tiles. It covers RAT's training step and generate(), RAT+'s training step, FoX's
 portable attention, the sliding-window attention of RATTENTION's (and RAT-SWA's) training step and
 the SE hybrid's Mamba-2 layers (training step and generate()); RATTENTION's RLA kernels and FoX's
-Gluon kernels (the sm_90 default) come from benchmarks.sm90's reports (``REPORTS``). Not covered:
-Liger's backbone kernels. The GPU test's JSON has every
+Gluon kernels (the sm_90 default) come from benchmarks.sm90's reports (``REPORTS``). The backbone's
+norm and SwiGLU kernels are added to every training path. The GPU test's JSON has every
 architecture's actual compiles (``compiles``: kernel, seconds) from a compile hook, and
 torch.compile's seconds. benchmarks/tests/test_compile_cost.py checks every catalogued launch
 against its kernel's declared arguments and constexprs.
@@ -211,8 +211,8 @@ def _rat_plus_launches():
         Launch("chunk_attention.triton:_fwd_kernel", attention, dict(
             block_mode, HAS_GATE=False, STORE_UNGATED=False, BLOCK_M=fm, BLOCK_N=fn_, BLOCK_S=fn_, HEAD_DIM=HEAD_DIM,
             DOT_PREC="tf32x3"), fw, fs, note=f"dilation {RAT_PLUS_DILATION}"),
-        Launch("output_gate.triton:_fwd_kernel", _types("Z", "Y", "O"), dict(BLOCK=og.BLOCK), 8),
-        Launch("output_gate.triton:_bwd_kernel", _types("Z", "Y", "DO", "DZ", "DY"), dict(BLOCK=og.BLOCK), 8),
+        Launch("output_gate.triton:_fwd_kernel", _types("Z", "Y", "O"), dict(BLOCK=og.BLOCK, SILU=False), 8),
+        Launch("output_gate.triton:_bwd_kernel", _types("Z", "Y", "DO", "DZ", "DY"), dict(BLOCK=og.BLOCK, SILU=False), 8),
         Launch("chunk_attention.triton:_own_rows_kernel", attention, dict(
             WRITE_OWN=True, HAS_GATE=False, ATOMIC_DQ=False, BLOCK_M=ca.ROWS_BLOCK, HEAD_DIM=HEAD_DIM), ca.ROWS_WARPS),
         Launch("chunk_attention.triton:_dq_kernel", attention, dict(
@@ -319,13 +319,31 @@ def _se_hybrid_launches():
     return [Path("se_hybrid", "train", train), Path("se_hybrid", "generate", generate)]
 
 
+def _train_backbone_launches():
+    """The training step's RMSNorm and SwiGLU product (hidden 2048, SwiGLU 5632), shared by every
+    architecture."""
+    from hf_hybrid.kernels.output_gate import triton as og
+
+    return [
+        Launch("residual_norm.triton:_add_rms_norm_kernel", _types("X", "D", "W", "H", "Y"),
+               dict(BLOCK=2048, HAS_DELTA=False), 8, note="RMSNorm"),
+        Launch("residual_norm.triton:_rms_norm_bwd_kernel", dict(_types("X", "W", "DY", "DX"), DW_PARTS=F32),
+               dict(BLOCK=2048), 8, note="RMSNorm"),
+        Launch("output_gate.triton:_fwd_kernel", _types("Z", "Y", "O"), dict(BLOCK=og.BLOCK, SILU=True), 8, note="SwiGLU"),
+        Launch("output_gate.triton:_bwd_kernel", _types("Z", "Y", "DO", "DZ", "DY"), dict(BLOCK=og.BLOCK, SILU=True), 8,
+               note="SwiGLU"),
+    ]
+
+
 def catalogue() -> list[Path]:
-    """Every catalogued (architecture, path) with its launches; the decode step's backbone kernels
-    are added to every generate() path."""
+    """Every catalogued (architecture, path) with its launches; the backbone's kernels are added to
+    every training path (norm, SwiGLU) and every generate() path (the decode step's)."""
     paths = _rat_launches() + _rat_plus_launches() + _fox_launches() + _window_launches() + _se_hybrid_launches()
     for path in paths:
         if path.path == "generate":
             path.launches += _decode_backbone_launches()
+        if path.path == "train":
+            path.launches += _train_backbone_launches()
     return paths
 
 

@@ -84,18 +84,19 @@ def test_a_tiny_case_compiles_for_sm90_and_reports_its_seconds(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compile_cost", "--kernel", "residual_norm", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.compile_cost", "--kernel", "_rms_norm_bwd", "--json", str(out)],
         cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
-    # The decode step's fused norm, in every generate() path: built once, by the first.
-    assert [(r["arch"], r["path"]) for r in rows] == [("rat", "generate"), ("se_hybrid", "generate")]
-    row, again = rows
-    assert row["configs"] == 1 and row["seconds"] > 0 and not row["shared"] and again["shared"]
+    # The backbone norm's backward, in every training path: built once, by the first.
+    assert [(r["arch"], r["path"]) for r in rows] == [("rat", "train"), ("rat_plus", "train"), ("rattention", "train"),
+                                                      ("se_hybrid", "train")]
+    row, *again = rows
+    assert row["configs"] == 1 and row["seconds"] > 0 and not row["shared"] and all(r["shared"] for r in again)
     [built] = row["compiled"]
     assert "error" not in built and 0 < built["regs"] <= 255
-    assert "_add_rms_norm_kernel" in done.stdout and "total compile s" in done.stdout
+    assert "_rms_norm_bwd_kernel" in done.stdout and "total compile s" in done.stdout
 
 
 def test_report_rows_are_timed_per_compile_and_the_helpers_put_back(monkeypatch):
