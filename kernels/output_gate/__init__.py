@@ -49,38 +49,26 @@ def _backward(z: torch.Tensor, y: torch.Tensor, dout: torch.Tensor, silu: bool) 
     return gate_backward_triton(z.contiguous(), y.contiguous(), dout.contiguous(), silu)
 
 
-def _autograd_backward(backward_op):
-    def backward(ctx, dout):
-        return backward_op(*ctx.saved_tensors, dout)
-
-    return backward
-
-
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-@kernel_op("sigmoid_gate_fwd")
-def sigmoid_gate_fwd(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return _forward(z, y, silu=False)
+def _gate_ops(name: str, silu: bool):
+    """The forward and backward custom ops of one gate, with the forward's autograd."""
+
+    @kernel_op(f"{name}_fwd")
+    def forward(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _forward(z, y, silu)
+
+    @kernel_op(f"{name}_bwd")
+    def backward(z: torch.Tensor, y: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _backward(z, y, dout, silu)
+
+    forward.register_fake(lambda z, y: torch.empty(y.shape, dtype=y.dtype, device=y.device))
+    backward.register_fake(lambda z, y, dout: fake_like(z, y))
+    forward.register_autograd(lambda ctx, dout: backward(*ctx.saved_tensors, dout), setup_context=_setup)
+    return forward, backward
 
 
-@kernel_op("sigmoid_gate_bwd")
-def sigmoid_gate_bwd(z: torch.Tensor, y: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward(z, y, dout, silu=False)
-
-
-@kernel_op("silu_gate_fwd")
-def silu_gate_fwd(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return _forward(z, y, silu=True)
-
-
-@kernel_op("silu_gate_bwd")
-def silu_gate_bwd(z: torch.Tensor, y: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward(z, y, dout, silu=True)
-
-
-for _fwd, _bwd in ((sigmoid_gate_fwd, sigmoid_gate_bwd), (silu_gate_fwd, silu_gate_bwd)):
-    _fwd.register_fake(lambda z, y: torch.empty(y.shape, dtype=y.dtype, device=y.device))
-    _bwd.register_fake(lambda z, y, dout: fake_like(z, y))
-    _fwd.register_autograd(_autograd_backward(_bwd), setup_context=_setup)
+sigmoid_gate_fwd, sigmoid_gate_bwd = _gate_ops("sigmoid_gate", silu=False)
+silu_gate_fwd, silu_gate_bwd = _gate_ops("silu_gate", silu=True)
