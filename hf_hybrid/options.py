@@ -30,12 +30,14 @@ class Switch:
     choices: tuple[str, ...]  # () for an on/off switch
     trades: str  # what the non-default value buys and costs
     read: str  # when it is read
+    former: str | None = None  # the variable's earlier name, still read when the new one is unset
 
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
-    Switch("HF_HYBRID_LIGER", "1", (), read="at import (or set_backbone_fusion())",
+    Switch("HF_HYBRID_FUSED_BACKBONE", "1", (), read="at import (or set_backbone_fusion())",
            trades="the fused LM head + loss, RMSNorm and SwiGLU (this package's kernels) in the shared "
-                  "backbone on CUDA; 0 keeps PyTorch's modules (more memory and time)"),
+                  "backbone on CUDA; 0 keeps PyTorch's modules (more memory and time)",
+           former="HF_HYBRID_LIGER"),
     Switch("HF_HYBRID_FUSED_DECODE", "1", (), read="at import (or set_backbone_fusion(fused_decode=))",
            trades="the fused norm / residual kernels inside generate()'s graphed decode step; 0 keeps them "
                   "out of that step only (slower decode, the plain modules' numerics)"),
@@ -74,18 +76,20 @@ def _switch(name: str) -> Switch:
         raise KeyError(f"{name} is not a switch of hf-hybrid; the switches are {', '.join(SWITCHES)}.") from None
 
 
-def _parse(switch: Switch, value: str):
+def _parse(switch: Switch, value: str, variable: str | None = None):
+    """``variable``: the name the value was read under (the switch's, or its former name)."""
+    variable = variable or switch.name
     value = value.strip().lower()
     if not switch.choices:
         if value in _ON or value == "":
             return True
         if value in _OFF:
             return False
-        raise ValueError(f"{switch.name}={value!r}: set it to 1 or 0 (or unset it: {switch.default}).")
+        raise ValueError(f"{variable}={value!r}: set it to 1 or 0 (or unset it: {switch.default}).")
     if value == "":
         return switch.default
     if value not in switch.choices:
-        raise ValueError(f"{switch.name}={value!r}: set it to one of {', '.join(switch.choices)}, "
+        raise ValueError(f"{variable}={value!r}: set it to one of {', '.join(switch.choices)}, "
                          f"or leave it unset ({switch.default}).")
     return value
 
@@ -94,6 +98,8 @@ def get(name: str):
     """The switch's value now: a bool for an on/off switch, else one of its choices. A value it
     does not know raises ValueError naming the variable and what it accepts."""
     switch = _switch(name)
+    if name not in os.environ and switch.former is not None and switch.former in os.environ:
+        return _parse(switch, os.environ[switch.former], switch.former)
     return _parse(switch, os.environ.get(name, switch.default))
 
 
@@ -127,5 +133,6 @@ def table() -> str:
     rows = ["| variable | default | what it trades | read |", "|---|---|---|---|"]
     for s in SWITCHES.values():
         default = s.default if not s.choices else f"{s.default} ({' / '.join(s.choices)})"
-        rows.append(f"| `{s.name}` | {default} | {s.trades} | {s.read} |")
+        name = f"`{s.name}`" + (f" (formerly `{s.former}`)" if s.former else "")
+        rows.append(f"| {name} | {default} | {s.trades} | {s.read} |")
     return "\n".join(rows)

@@ -24,14 +24,26 @@ def test_defaults_and_values(monkeypatch):
 
 
 def test_bad_values_and_names_are_refused_with_what_is_accepted(monkeypatch):
-    monkeypatch.setenv("HF_HYBRID_LIGER", "maybe")
-    with pytest.raises(ValueError, match="HF_HYBRID_LIGER='maybe': set it to 1 or 0"):
-        options.get("HF_HYBRID_LIGER")
+    monkeypatch.setenv("HF_HYBRID_FUSED_BACKBONE", "maybe")
+    with pytest.raises(ValueError, match="HF_HYBRID_FUSED_BACKBONE='maybe': set it to 1 or 0"):
+        options.get("HF_HYBRID_FUSED_BACKBONE")
     monkeypatch.setenv("HF_HYBRID_BLOCK_ENDS", "cudnn")
     with pytest.raises(ValueError, match="auto, triton, sdpa"):
         options.get("HF_HYBRID_BLOCK_ENDS")
     with pytest.raises(KeyError, match="not a switch of hf-hybrid"):
         options.get("HF_HYBRID_FOX_HOPPER")
+
+
+def test_a_former_name_is_read_when_the_new_one_is_unset(monkeypatch):
+    monkeypatch.delenv("HF_HYBRID_FUSED_BACKBONE", raising=False)
+    monkeypatch.setenv("HF_HYBRID_LIGER", "0")
+    assert options.get("HF_HYBRID_FUSED_BACKBONE") is False
+    monkeypatch.setenv("HF_HYBRID_FUSED_BACKBONE", "1")  # the new name wins
+    assert options.get("HF_HYBRID_FUSED_BACKBONE") is True
+    monkeypatch.delenv("HF_HYBRID_FUSED_BACKBONE")
+    monkeypatch.setenv("HF_HYBRID_LIGER", "maybe")
+    with pytest.raises(ValueError, match="HF_HYBRID_LIGER='maybe'"):  # named as the user set it
+        options.get("HF_HYBRID_FUSED_BACKBONE")
 
 
 def test_override_sets_and_restores_the_environment(monkeypatch):

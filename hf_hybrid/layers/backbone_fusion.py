@@ -15,10 +15,10 @@ step's time and peak memory down by about a quarter and a half (`hf-hybrid bench
 When they apply: automatically on CUDA tensors wherever Triton imports, the loss always, the norm
 and SwiGLU from FUSED_MIN_TOKENS tokens per call (training and prefill) and inside generate()'s
 static decode step. They are off on the CPU, inside torch.compile (Inductor fuses these ops
-itself), and when switched off with the environment variable ``HF_HYBRID_LIGER=0`` (read at import;
-the name dates from Liger's kernels) or ``set_backbone_fusion(False)`` (at run time, e.g. to
-measure before / after). Our PyTorch code is the path in every other case and the reference the
-fused path is tested against.
+itself), and when switched off with the environment variable ``HF_HYBRID_FUSED_BACKBONE=0`` (read
+at import; its former name ``HF_HYBRID_LIGER`` is still read) or ``set_backbone_fusion(False)`` (at
+run time, e.g. to measure before / after). Our PyTorch code is the path in every other case and the
+reference the fused path is tested against.
 
 Numerics: the RMSNorm kernel is our RMSNorm's math (normalise and scale in float32, round once);
 SiLU(gate) * up is computed in float32 and rounded once (PyTorch rounds after the SiLU too); the
@@ -35,7 +35,7 @@ from ..kernels.output_gate import silu_gate
 from ..kernels.residual_norm import rms_norm
 from ..options import get as option
 
-_enabled = option("HF_HYBRID_LIGER")
+_enabled = option("HF_HYBRID_FUSED_BACKBONE")
 _allow_cpu = False
 # The norm and SwiGLU kernels are used from this many tokens per call. An eager decode step (a few
 # tokens) keeps the PyTorch ops: chosen when these were Liger's kernels, whose Python-side launch
