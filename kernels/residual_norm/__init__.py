@@ -28,6 +28,21 @@ def add_rms_norm_supported(x: torch.Tensor) -> bool:
     return x.dtype in _DTYPES and x.shape[-1] <= _MAX_HIDDEN
 
 
+def _runs_triton(op: str, x: torch.Tensor, weight: torch.Tensor, backend: str) -> bool:
+    """Checks the weight against x's rows; whether the Triton kernel runs (False: the reference),
+    naming the limit when backend="triton" asks for rows it does not take."""
+    n = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(f"{op}: weight must be [{n}] (x's last dim); got {tuple(weight.shape)}.")
+    if resolve_backend(backend, x.device, op) == "reference" or x.numel() == 0:
+        return False
+    if not add_rms_norm_supported(x):
+        if backend == "triton":
+            raise ValueError(f"{op}: the Triton kernel takes {_DTYPES} rows of at most {_MAX_HIDDEN}; pass backend='reference'.")
+        return False
+    return True
+
+
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,16 +50,9 @@ def add_rms_norm(
     weight [N]. No gradient on the Triton path (it raises when one is needed); backend "auto"
     (Triton on CUDA), "triton", "reference"."""
     op = "add_rms_norm"
-    n = x.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] != n:
-        raise ValueError(f"{op}: weight must be [{n}] (x's last dim); got {tuple(weight.shape)}.")
     if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
         raise ValueError(f"{op}: delta must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(delta.shape)}, {delta.dtype}.")
-    if resolve_backend(backend, x.device, op) == "reference" or x.numel() == 0:
-        return add_rms_norm_reference(x, delta, weight, eps)
-    if not add_rms_norm_supported(x):
-        if backend == "triton":
-            raise ValueError(f"{op}: the Triton kernel takes {_DTYPES} rows of at most {_MAX_HIDDEN}; pass backend='reference'.")
+    if not _runs_triton(op, x, weight, backend):
         return add_rms_norm_reference(x, delta, weight, eps)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, delta, weight)):
         raise ValueError(f"{op}: the Triton kernel has no backward; call it under torch.no_grad() or pass backend='reference'.")
@@ -63,15 +71,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
     """y = RMSNorm(x) with ``weight`` [N] over x [..., N] (float32 math, one rounding to x's dtype),
     differentiable in x and weight. backend "auto" (Triton on CUDA), "triton", "reference"."""
-    op = "rms_norm"
-    n = x.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] != n:
-        raise ValueError(f"{op}: weight must be [{n}] (x's last dim); got {tuple(weight.shape)}.")
-    if resolve_backend(backend, x.device, op) == "reference" or x.numel() == 0:
-        return rms_norm_reference(x, weight, eps)
-    if not add_rms_norm_supported(x):
-        if backend == "triton":
-            raise ValueError(f"{op}: the Triton kernel takes {_DTYPES} rows of at most {_MAX_HIDDEN}; pass backend='reference'.")
+    if not _runs_triton("rms_norm", x, weight, backend):
         return rms_norm_reference(x, weight, eps)
     return rms_norm_rows_op(x if x.stride(-1) == 1 else x.contiguous(), weight, float(eps))
 

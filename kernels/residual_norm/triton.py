@@ -3,13 +3,12 @@ writes h and y (generate()'s decode step, where the two adds of each block were 
 own, and the training norm without d); the backward of the norm without d (training)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ..._compat.triton_launch import launch_cached
+from .._common import multiprocessors
 
 # Programs of the backward per streaming multiprocessor: each loops over rows and keeps one float32
 # dW partial; their partials are summed afterwards ([programs, N] float32: 2 MiB at N = 2048 on 132 SMs).
@@ -71,11 +70,6 @@ def _rms_norm_bwd_kernel(X, W, DY, DX, DW_PARTS, sx, sdy, sdx, rows, N, eps, pro
     tl.store(DW_PARTS + pid * N + cols, dw, mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float):
     """(dx, dweight) of y = RMSNorm(x) with weight (the reference without d), the inverse RMS
     recomputed from x; dweight summed over rows in float32 and rounded to weight's dtype."""
@@ -83,10 +77,8 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, dy: torch.Te
     rows = x.reshape(-1, n)
     dys = dy.reshape(-1, n)
     dx = torch.empty_like(rows)
-    if x.is_cuda:
-        programs = max(1, min(rows.shape[0], BWD_PROGRAMS_PER_SM * _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())))
-    else:
-        programs = max(1, min(rows.shape[0], INTERPRET_BWD_PROGRAMS))
+    per_device = BWD_PROGRAMS_PER_SM * multiprocessors(x.device) if x.is_cuda else INTERPRET_BWD_PROGRAMS
+    programs = max(1, min(rows.shape[0], per_device))
     parts = torch.empty((programs, n), device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(n)
     _rms_norm_bwd_kernel[(programs,)](

@@ -33,6 +33,17 @@ def window_attention_applies(q: torch.Tensor) -> bool:
     return q.is_cuda and q.shape[-1] in TRITON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _implementation(op: str, backend: str, q: torch.Tensor) -> str:
+    """"triton" or "reference" for ``backend``: "auto" takes the kernels where
+    window_attention_applies; "triton" on a head_dim they are not built for is an error."""
+    impl = resolve_backend(backend, q.device, op)
+    if impl == "triton" and backend == "auto" and not window_attention_applies(q):
+        return "reference"
+    if impl == "triton" and q.shape[3] not in TRITON_HEAD_DIMS:
+        raise ValueError(f"{op}: the Triton kernels take head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. Pass backend='reference'.")
+    return impl
+
+
 def window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,13 +68,8 @@ def window_attention(
     if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
         raise ValueError(f"{_OP}: window_size must be an int >= 1 (tokens, self included); got {window_size!r}.")
     _check_packed(_OP, q, cu_seqlens)
-    impl = resolve_backend(backend, q.device, _OP)
-    if impl == "triton" and backend == "auto" and not window_attention_applies(q):
-        impl = "reference"
-    if impl == "reference":
+    if _implementation(_OP, backend, q) == "reference":
         return window_attention_reference(q, k, v, window_size, scale, cu_seqlens)
-    if q.shape[3] not in TRITON_HEAD_DIMS:
-        raise ValueError(f"{_OP}: the Triton kernels take head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. Pass backend='reference'.")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"{_OP}: q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}.")
     if q.shape[1] == 0:
@@ -97,13 +103,8 @@ def window_attention_decode(
         raise ValueError(f"{op}: expects one query per row (q [batch, 1, heads, head_dim]); got {q.shape[1]} queries.")
     _check_decode_length(op, length, q.shape[0], q.device)
     _check_window(op, window_size)
-    impl = resolve_backend(backend, q.device, op)
-    if impl == "triton" and backend == "auto" and not window_attention_applies(q):
-        impl = "reference"
-    if impl == "reference":
+    if _implementation(op, backend, q) == "reference":
         return window_attention_decode_reference(q, k, v, length, scale, window_size)
-    if q.shape[3] not in TRITON_HEAD_DIMS:
-        raise ValueError(f"{op}: the Triton kernel takes head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. Pass backend='reference'.")
     return window_attention_decode_op(q, k, v, length, scale, window_size)
 
 
