@@ -69,8 +69,9 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
         config = RatPlusConfig(**shape, num_key_value_heads=kv_heads, max_position_embeddings=max_positions, sparse_config=sparse)
     elif name == "rattention":
         config = RattentionConfig(**shape, num_key_value_heads=kv_heads)
-    elif name == "fox":
-        config = FoxConfig(**shape, num_key_value_heads=kv_heads, max_position_embeddings=max_positions)
+    elif name in ("fox", "fox_llama"):  # FoX's default Pro block, or its LLaMA block
+        config = FoxConfig(**shape, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                           block_type="llama" if name == "fox_llama" else "pro")
     elif name in ("se_hybrid", "se_hybrid_se"):
         from hf_hybrid.models.se_hybrid import SEHybridConfig
 
@@ -79,7 +80,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, max_positio
         mode = "se" if name == "se_hybrid_se" else "full"
         config = SEHybridConfig(**shape, num_key_value_heads=kv_heads, max_position_embeddings=max_positions, attention_mode=mode)
     else:
-        raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS}.")
+        raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS + ('fox_llama',)}.")
     config.pad_token_id, config.eos_token_id = 0, None
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

@@ -2,6 +2,7 @@
 
     python -m benchmarks.host_time rat --seq 8192
     python -m benchmarks.host_time llama_liger --seq 8192
+    python -m benchmarks.host_time rat --seq 8192 --graphs   # the layers replayed as CUDA graphs
 
 Before each timed step the GPU is given a long sleep kernel, so the host never waits for a kernel
 to finish: the forward's and the backward's wall times are then the host's own cost of issuing the
@@ -173,9 +174,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--ops", action="store_true", help="also list the host's self time per ATen op / autograd node")
     parser.add_argument("--json", default=None, help="append the report as one JSON line to this file")
+    parser.add_argument("--graphs", action="store_true", help="the decoder layers through hf_hybrid.graph_training_layers")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     model = _build(args.model, args.seq, device).train()
+    if args.graphs:
+        from hf_hybrid.training import graph_training_layers
+
+        graph_training_layers(model)
     ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
 
     def forward():
@@ -188,7 +194,7 @@ def main(argv=None) -> dict:
     for _ in range(3):  # compilation, autotuning, allocator warm-up
         backward(forward())
     report = measure(forward, backward, args.repeat, args.interval)
-    report.update(model=args.model, seq=args.seq)
+    report.update(model=args.model, seq=args.seq, graphs=args.graphs)
     print(f"{args.model} T={args.seq}: host forward {report['host_forward_ms']:.2f} ms, backward "
           f"{report['host_backward_ms']:.2f} ms; device {report['device_ms']:.2f} ms; {report['samples']} samples "
           f"(sampled steps' host time {report['sampled_host_ms']:.2f} ms)")

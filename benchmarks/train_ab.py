@@ -6,6 +6,7 @@ host moves them).
 
     python -m benchmarks.train_ab --compare window --seq 8192 --rounds 3 --json F
     python -m benchmarks.train_ab --compare backbone --seq 8192 --rounds 3 --json F
+    python -m benchmarks.train_ab --compare graphs --seq 8192 --rounds 3 --json F
 
 ``--compare window``: the sliding-window layers' attention, ``window`` (kernels/window_attention,
 the default) against ``flex``: RAT-SWA's window layers through transformers' compiled flex_attention
@@ -14,6 +15,9 @@ with a BlockMask (``window_attention_applies`` answering False), RATTENTION's lo
 ``--compare backbone``: the backbone's RMSNorm and SwiGLU product, ``ours`` (kernels/residual_norm
 and kernels/output_gate, the default) against ``liger`` (Liger's RMSNorm in its "gemma" casting
 mode, the same math, and Liger's SwiGLU).
+``--compare graphs``: the decoder layers ``eager`` (the default) against ``graphs``
+(``hf_hybrid.graph_training_layers``: each layer's forward and backward replayed as CUDA graphs);
+Liger-Llama takes both ways too, so each way has its own baseline row.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 COMPARISONS = {  # compare -> (its models, its two ways, the default first)
     "window": (("rat_swa", "rattention"), ("window", "flex")),
     "backbone": (("rat", "rat_swa", "fox", "rattention", "se_hybrid"), ("ours", "liger")),
+    "graphs": (("llama_liger", "rat", "rat_swa", "fox_llama", "fox", "rattention", "se_hybrid"), ("eager", "graphs")),
 }
 
 
@@ -50,6 +55,7 @@ def way(model, name: str):
     from hf_hybrid.layers import mlp as mlp_module
     from hf_hybrid.layers import norm as norm_module
     from hf_hybrid.layers.residual_linear_attention import RattentionLocalAttention
+    from hf_hybrid.training import graph_training_layers, ungraph_training_layers
 
     known = [w for _, ways in COMPARISONS.values() for w in ways]
     if name not in known:
@@ -62,9 +68,12 @@ def way(model, name: str):
             m._swa_backend = lambda: "flex"
     if name == "liger":
         norm_module.fused_rms_norm, mlp_module.fused_silu_mul = _liger_rms_norm, _liger_silu_mul
+    if name == "graphs":
+        graph_training_layers(model)
     try:
         yield
     finally:
+        ungraph_training_layers(model)
         attention_module.window_attention_applies, norm_module.fused_rms_norm, mlp_module.fused_silu_mul = saved
         for m in locals_:
             m.__dict__.pop("_swa_backend", None)
@@ -78,7 +87,7 @@ def run(compare: str, seq: int, rounds: int, steps: int) -> list[dict]:
     names, ways = COMPARISONS[compare]
     device = torch.device("cuda")
     rows: dict[str, list[float]] = {}
-    models = {name: _build(name, seq, device) for name in ("llama_liger", *names)}
+    models = {name: _build(name, seq, device) for name in dict.fromkeys(("llama_liger", *names))}
     ids = torch.randint(3, 32000, (1, seq), device=device)
 
     def step(model):
@@ -91,9 +100,12 @@ def run(compare: str, seq: int, rounds: int, steps: int) -> list[dict]:
                 with way(model, choice or ways[0]):
                     ms = time_fn(lambda: step(model), device, warmup=2, repeat=steps).median_ms
                 rows.setdefault(f"{name} {choice}".strip(), []).append(ms)
-    baseline = statistics.median(rows["llama_liger"])
+    def baseline(row: str) -> float:  # the way's own Liger-Llama row when the baseline takes the ways too
+        choice = row.rsplit(" ", 1)[-1]
+        return statistics.median(rows.get(f"llama_liger {choice}", rows.get("llama_liger", [float("nan")])))
+
     return [{"row": row, "ms": round(statistics.median(times), 3), "rounds_ms": [round(t, 3) for t in times],
-             "x_llama_liger": round(baseline / statistics.median(times), 3), "device": torch.cuda.get_device_name()}
+             "x_llama_liger": round(baseline(row) / statistics.median(times), 3), "device": torch.cuda.get_device_name()}
             for row, times in rows.items()]
 
 

@@ -26,12 +26,14 @@ del _arch, _name
 from . import hub as _hub  # noqa: E402
 from .peft import HyLoraConfig, register_peft_defaults  # noqa: E402
 from .sparse import AttentionPattern, SparseInferenceConfig  # noqa: E402
+from .training import graph_training_layers, ungraph_training_layers  # noqa: E402
 
 register_peft_defaults()
 _hub.register_sharing()
 
 
 __all__ = sorted(
-    ["AttentionPattern", "HyLoraConfig", "SparseInferenceConfig", "__version__"]
+    ["AttentionPattern", "HyLoraConfig", "SparseInferenceConfig", "__version__", "graph_training_layers",
+     "ungraph_training_layers"]
     + [name for arch in _ARCHITECTURES for name in arch.exported_names]
 )

@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, dict[str, tuple[str, ...]]], ...] = (
         "conversion": ("hf_hybrid.conversion",),
         "adapt": ("hf_hybrid.adapt",),
         "distributed": ("hf_hybrid.distributed",),
+        "training": ("hf_hybrid.training",),
     }),
     ("package", {"package": ("hf_hybrid",)}),  # hf_hybrid/__init__.py alone: registration and exports
     ("tools", {  # what users run

@@ -8,6 +8,8 @@ Only the token mixer differs between architectures (the MLP is SwiGLU or the pla
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -28,6 +30,26 @@ ADD_NORM_BACKEND = "auto"
 # (hf_hybrid/_compat/glibc_malloc.py): its activations are large enough
 # that freed ones would otherwise stay resident.
 LONG_CPU_STEP_TOKENS = 4096
+
+
+_EAGER_REASONS: list[str] = []  # innermost last: why training forwards now keep their layers eager
+
+
+@contextlib.contextmanager
+def layers_run_eagerly(reason: str):
+    """Within the block, decoder layers captured for training (hf_hybrid/training/layer_graphs.py)
+    run eagerly; ``reason`` is what the graphs report. For a forward whose replays the graphs cannot
+    stand for (RAT+'s joint objective)."""
+    _EAGER_REASONS.append(reason)
+    try:
+        yield
+    finally:
+        _EAGER_REASONS.pop()
+
+
+def eager_layers_reason() -> str | None:
+    """The reason of the innermost active :func:`layers_run_eagerly`, else None."""
+    return _EAGER_REASONS[-1] if _EAGER_REASONS else None
 
 
 def _plain(module: nn.Module) -> bool:
@@ -67,6 +89,12 @@ class DecoderLayer(GradientCheckpointingLayer):
             keep_large_blocks_out_of_the_heap()
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, cache_layer, **mixer_kwargs)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def training_graph_arguments(self, hidden_states, context, cache_layer=None, **mixer_kwargs) -> tuple[tuple, dict]:
+        """The call's arguments with whatever the mixer draws per forward on the host drawn now and
+        passed explicitly (hf_hybrid/training/layer_graphs.py keys its captures by them)."""
+        settle = getattr(self.self_attn, "training_graph_kwargs", None)
+        return (hidden_states, context, cache_layer), (mixer_kwargs if settle is None else settle(**mixer_kwargs))
 
     def forward_deferred_add(self, residual, delta, context: SequenceContext, cache_layer=None, **mixer_kwargs):
         """forward(residual + delta) returned as (residual', delta'), the last add left to the next

@@ -181,9 +181,22 @@ class SpanExpandedAttention(nn.Module):
                 )
             return requested
         sizes = self.settings.chunk_sizes
-        if self.training and not cached and len(sizes) > 1 and mode in ("se", "se_nomem", "se_random"):
+        if self._draws_chunk_size(requested, mode, cached):
             return sizes[int(torch.randint(len(sizes), ()).item())]  # drawn per layer and forward (Sec. 4.2)
         return self.settings.eval_chunk_size
+
+    def _draws_chunk_size(self, requested: int | None, mode: str, cached: bool) -> bool:
+        return (requested is None and self.training and not cached and len(self.settings.chunk_sizes) > 1
+                and mode in ("se", "se_nomem", "se_random"))
+
+    def training_graph_kwargs(self, attention_mode: str | None = None, se_chunk_size: int | None = None, **kwargs) -> dict:
+        """This layer's keywords with the chunk size a training forward would draw drawn now (the same
+        draw) and passed as ``se_chunk_size``: a captured training forward (hf_hybrid/training/
+        layer_graphs.py) keys by it, where a draw inside the capture would stay its draw for good."""
+        mode = self.settings.mode if attention_mode is None else attention_mode
+        if self._draws_chunk_size(se_chunk_size, mode, cached=False):
+            se_chunk_size = self._chunk_size(None, mode, cached=False)
+        return dict(kwargs, **{k: v for k, v in (("attention_mode", attention_mode), ("se_chunk_size", se_chunk_size)) if v is not None})
 
     # ------------------------------------------------------------------ whole segments
 

@@ -33,7 +33,7 @@ def _bwd_kernel(Z, Y, DO, DZ, DY, n, BLOCK: tl.constexpr, SILU: tl.constexpr):
     y = tl.load(Y + offs, mask=ok, other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=ok, other=0.0).to(tl.float32)
     s = tl.sigmoid(z)
-    # d act / dz = s * factor; the products in this order (sigmoid: the order its tests hold at fp32)
+    # d act / dz = s * factor
     if SILU:
         act, factor = z * s, 1.0 + z * (1.0 - s)
     else:

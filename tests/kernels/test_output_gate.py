@@ -14,7 +14,9 @@ GATES = {"sigmoid": (sigmoid_gate, sigmoid_gate_reference), "silu": (silu_gate, 
 
 
 @pytest.mark.parametrize("gate", sorted(GATES))
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+# float32: the project's 1e-5 against float64. The GPU's exp is approximate (a few ulp), and the
+# backward's products of values ~10 carry that to ~3e-6 on the H200.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_triton_matches_reference_forward_and_backward(gate, dtype, tol):
     fused, reference = GATES[gate]
     g = torch.Generator().manual_seed(0)
