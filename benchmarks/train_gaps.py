@@ -4,6 +4,7 @@ after the previous kernel had ended (the host was late), else counted as a devic
 
     python -m benchmarks.train_gaps rat --seq 8192
     python -m benchmarks.train_gaps llama_liger --seq 8192
+    python -m benchmarks.train_gaps rat --seq 8192 --graphs   # the layers replayed as CUDA graphs
 
 Models as benchmarks/generation.py builds them (8 layers of the 1.3B shape, bf16);
 ``llama_liger`` is transformers' Llama with Liger's kernels, the training baseline. The profiler
@@ -93,9 +94,14 @@ def main(argv=None) -> dict:
     parser.add_argument("model")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--graphs", action="store_true", help="the decoder layers through hf_hybrid.graph_training_layers")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     model = _build(args.model, args.seq, device).train()
+    if args.graphs:
+        from hf_hybrid.training import graph_training_layers
+
+        graph_training_layers(model)
     ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
 
     def step():

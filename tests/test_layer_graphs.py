@@ -200,3 +200,26 @@ def test_emulated_replays_give_the_eager_steps(name, monkeypatch):
         return
     assert report["eager_calls"] == {} and report["failed_captures"] == {}, report
     assert report["replays"] == calls
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_emulated_replays_accumulate_like_eager_whatever_zero_grad_does(set_to_none, monkeypatch):
+    """A parameter's .grad may be the capture's own buffer (autograd took it without a copy): three
+    backward passes into it, with zero_grad between steps setting None or zeroing in place, give
+    the eager model's .grad."""
+    import copy
+
+    monkeypatch.setattr(layer_graphs, "EMULATE", True)
+    torch.manual_seed(0)
+    eager = _tiny_rat().train()
+    graphed = hf_hybrid.graph_training_layers(copy.deepcopy(eager))
+    ids = torch.randint(1, SHAPE["vocab_size"], (3, 12))
+    for step in range(2):
+        for model in (eager, graphed):
+            for micro in ids.chunk(3):
+                model(input_ids=micro, labels=micro, use_cache=False).loss.backward()
+        for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
+        for model in (eager, graphed):
+            model.zero_grad(set_to_none=set_to_none)
+    assert layer_graphs.layer_graph_report(graphed)["replays"] == SHAPE["num_hidden_layers"] * 3 * 2
