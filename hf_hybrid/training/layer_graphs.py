@@ -142,10 +142,11 @@ class LayerCapture:
     params: tuple[nn.Parameter, ...]  # the trainable ones: the replay's extra inputs
     param_pointers: tuple[int, ...]
     grad_outputs: tuple[torch.Tensor | None, ...]
-    # The captured backward's results (None: no gradient), per static input (held here, so autograd
-    # adds them into the previous layer's gradient rather than writing into them) and per parameter.
+    # Per static input, then per parameter: the captured backward's results (None: no gradient).
+    # Held here, so autograd never takes one as a parameter's .grad (it copies or adds it instead).
+    # Handing the parameters' buffers over as .grad (no copy, a .grad still aliasing one copied before
+    # the next replay) was exact in the CPU emulation but gave wrong norm-weight gradients on an H200.
     grad_inputs: tuple[torch.Tensor | None, ...]
-    param_grads: tuple[torch.Tensor | None, ...]
     differentiable: tuple[bool, ...]  # per output: whether it requires grad
     pending: Callable | None = None  # weakref to the autograd node of a replay whose backward has not run
     replays: int = 0
@@ -182,17 +183,10 @@ class _Replay(torch.autograd.Function):
                     static.zero_()
                 elif static.data_ptr() != grad.data_ptr():
                     static.copy_(grad)
-        for param, buffer in zip(capture.params, capture.param_grads):
-            # A .grad that is this buffer (autograd took it as the first gradient: zero_grad's None
-            # before) would be overwritten by the replay: accumulation continues in a copy.
-            if buffer is not None and param.grad is not None and param.grad.data_ptr() == buffer.data_ptr():
-                param.grad = param.grad.clone()
         if capture.backward_graph is not None:
             capture.backward_graph.replay()
         capture.pending = None
-        # Fresh views of the parameters' buffers: autograd takes them as .grad where it has none
-        # (no copy per step) and adds them where it has one.
-        return (None, *capture.grad_inputs, *(None if g is None else g.detach() for g in capture.param_grads))
+        return (None, *capture.grad_inputs)
 
 
 @contextlib.contextmanager
@@ -264,13 +258,14 @@ def capture_layer(layer: nn.Module, forward: Callable, tensors: list[torch.Tenso
 def _layer_capture(forward_graph, backward_graph, static_inputs, flat_outputs, spec, params, grad_outputs, results,
                    differentiable):
     by_tensor = iter(results)
-    grad_inputs = tuple((next(by_tensor) if t.requires_grad else None) for t in static_inputs)
-    param_grads = tuple(next(by_tensor) for _ in params)
+    grad_inputs = tuple(
+        (next(by_tensor) if t.requires_grad else None) for t in static_inputs
+    ) + tuple(next(by_tensor) for _ in params)
     return LayerCapture(
         forward_graph=forward_graph, backward_graph=backward_graph, static_inputs=static_inputs,
         static_outputs=tuple(flat_outputs), output_spec=spec, params=params,
         param_pointers=tuple(p.data_ptr() for p in params), grad_outputs=grad_outputs,
-        grad_inputs=tuple(None if g is None else g.detach() for g in grad_inputs), param_grads=param_grads,
+        grad_inputs=tuple(None if g is None else g.detach() for g in grad_inputs),
         differentiable=tuple(differentiable),
     )
 
