@@ -21,14 +21,17 @@ of the step (embeddings, final norm, LM head and loss, the optimizer) runs as be
 
 Memory. Everything a captured layer keeps for its backward lives in the pool for as long as the
 graphs do (an eager step frees it after the backward), plus one copy of the layer's inputs and
-outputs; ``max_shapes`` bounds the signatures (shapes) captured per layer.
+outputs; ``max_shapes`` bounds the signatures (shapes) captured per layer. A layer's output (the
+hidden states ``output_hidden_states`` returns) lives in the pool: read it before the backward, since
+the backward's replays may write there (the parameters' gradients leave as copies for that reason).
 
 When a call runs eagerly (the same result; a reason that concerns a training call is warned once):
 no gradients or eval mode (evaluation, generate()), a cache, inputs off CUDA, gradient
 checkpointing or other saved-tensor hooks (offloading), torch.compile, arguments a graph cannot
 take (:func:`split_arguments`), padded rows (their masks come from the mask's data on the host),
-a forward inside ``layers_run_eagerly`` (RAT+'s joint objective of several patterns, each pass's
-backward inside the forward: its replays gave a wrong gradient on the GPU at an odd length),
+a forward inside ``layers_run_eagerly`` (RAT+'s joint objective of several patterns: it keeps one
+pass's parameter gradients while the next pass's layers replay, which gave a wrong norm-weight
+gradient on the GPU before those gradients left the replays as copies; eager until that is checked),
 more than ``max_shapes`` signatures for one layer, a second forward of a layer before the backward of its
 first (the first one's activations live in the graph's buffers), or a capture that failed.
 
@@ -46,8 +49,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from types import SimpleNamespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -143,9 +146,7 @@ class LayerCapture:
     param_pointers: tuple[int, ...]
     grad_outputs: tuple[torch.Tensor | None, ...]
     # Per static input, then per parameter: the captured backward's results (None: no gradient).
-    # Held here, so autograd never takes one as a parameter's .grad (it copies or adds it instead).
-    # Handing the parameters' buffers over as .grad (no copy, a .grad still aliasing one copied before
-    # the next replay) was exact in the CPU emulation but gave wrong norm-weight gradients on an H200.
+    # The parameters' ones leave a replay as copies (see _Replay.backward).
     grad_inputs: tuple[torch.Tensor | None, ...]
     differentiable: tuple[bool, ...]  # per output: whether it requires grad
     pending: Callable | None = None  # weakref to the autograd node of a replay whose backward has not run
@@ -186,7 +187,15 @@ class _Replay(torch.autograd.Function):
         if capture.backward_graph is not None:
             capture.backward_graph.replay()
         capture.pending = None
-        return (None, *capture.grad_inputs)
+        # A signature's layers share one pool, each captured forward then backward, while the replays
+        # run every forward, then the backwards in reverse: a buffer of layer i's backward may sit in
+        # memory that an earlier-captured layer's backward uses for temporaries, and that backward
+        # replays after it. The parameters' gradients can be read late (autograd.grad callers keep
+        # them; as .grad they would stay), so they leave as copies, which autograd takes as .grad
+        # without another. The input gradient is consumed at once (by the previous layer's replay).
+        inputs = len(capture.static_inputs)
+        params = (None if g is None else g.clone() for g in capture.grad_inputs[inputs:])
+        return (None, *capture.grad_inputs[:inputs], *params)
 
 
 @contextlib.contextmanager

@@ -192,8 +192,8 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         several = grads and len(patterns) > 1  # else there is one graph, or none
         keep_graphs = self._keeps_every_pattern_graph() if several else None
         if several and keep_graphs is None:
-            # Captured training layers (graph_training_layers) gave a wrong gradient on the GPU when
-            # the patterns' passes interleave with a backward at an odd length; they run eagerly here.
+            # Captured training layers (graph_training_layers) run eagerly here: this keeps a pass's
+            # parameter gradients while later replays run (hf_hybrid/training/layer_graphs.py).
             with layers_run_eagerly("RAT+'s joint objective (one pass and backward per pattern within the forward)"):
                 first, loss, pattern_losses = joint_loss(pattern_forward, patterns, weights, common, parameters)
         elif several and getattr(self, "context_parallel_group", None) is None:
