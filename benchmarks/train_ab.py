@@ -100,6 +100,7 @@ def run(compare: str, seq: int, rounds: int, steps: int) -> list[dict]:
                 with way(model, choice or ways[0]):
                     ms = time_fn(lambda: step(model), device, warmup=2, repeat=steps).median_ms
                 rows.setdefault(f"{name} {choice}".strip(), []).append(ms)
+
     def baseline(row: str) -> float:  # the way's own Liger-Llama row when the baseline takes the ways too
         choice = row.rsplit(" ", 1)[-1]
         return statistics.median(rows.get(f"llama_liger {choice}", rows.get("llama_liger", [float("nan")])))
