@@ -177,11 +177,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--graphs", action="store_true", help="the decoder layers through hf_hybrid.graph_training_layers")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    model = _build(args.model, args.seq, device).train()
-    if args.graphs:
-        from hf_hybrid.training import graph_training_layers
-
-        graph_training_layers(model)
+    model = _build(args.model, args.seq, device, graphs=args.graphs).train()
     ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
 
     def forward():

@@ -26,7 +26,8 @@ import torch
 _PROJECT_FRAMES = ("hf_hybrid", "kernels/", "liger", "transformers")
 
 
-def _build(name: str, seq: int, device: torch.device):
+def _build(name: str, seq: int, device: torch.device, graphs: bool = False):
+    """``graphs``: the decoder layers through hf_hybrid.graph_training_layers."""
     from .generation import build_model
 
     if name == "llama_liger":
@@ -34,8 +35,13 @@ def _build(name: str, seq: int, device: torch.device):
 
         model = build_model("llama", device, torch.bfloat16, seq + 16)
         apply_liger_kernel_to_llama(model=model)
-        return model
-    return build_model(name, device, torch.bfloat16, seq + 16)
+    else:
+        model = build_model(name, device, torch.bfloat16, seq + 16)
+    if graphs:
+        from hf_hybrid.training import graph_training_layers
+
+        graph_training_layers(model)
+    return model
 
 
 def _trace_events(step) -> list[dict]:
@@ -97,11 +103,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--graphs", action="store_true", help="the decoder layers through hf_hybrid.graph_training_layers")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    model = _build(args.model, args.seq, device).train()
-    if args.graphs:
-        from hf_hybrid.training import graph_training_layers
-
-        graph_training_layers(model)
+    model = _build(args.model, args.seq, device, graphs=args.graphs).train()
     ids = torch.randint(3, model.config.vocab_size, (1, args.seq), device=device)
 
     def step():

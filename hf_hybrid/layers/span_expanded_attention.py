@@ -180,10 +180,13 @@ class SpanExpandedAttention(nn.Module):
                     f"se_chunk_size ({requested}) must be >= 1 and a multiple of se_select_every ({self.settings.select_every})."
                 )
             return requested
-        sizes = self.settings.chunk_sizes
         if self._draws_chunk_size(requested, mode, cached):
-            return sizes[int(torch.randint(len(sizes), ()).item())]  # drawn per layer and forward (Sec. 4.2)
+            return self._drawn_chunk_size()
         return self.settings.eval_chunk_size
+
+    def _drawn_chunk_size(self) -> int:
+        sizes = self.settings.chunk_sizes
+        return sizes[int(torch.randint(len(sizes), ()).item())]  # drawn per layer and forward (Sec. 4.2)
 
     def _draws_chunk_size(self, requested: int | None, mode: str, cached: bool) -> bool:
         return (requested is None and self.training and not cached and len(self.settings.chunk_sizes) > 1
@@ -195,8 +198,12 @@ class SpanExpandedAttention(nn.Module):
         layer_graphs.py) keys by it, where a draw inside the capture would stay its draw for good."""
         mode = self.settings.mode if attention_mode is None else attention_mode
         if self._draws_chunk_size(se_chunk_size, mode, cached=False):
-            se_chunk_size = self._chunk_size(None, mode, cached=False)
-        return dict(kwargs, **{k: v for k, v in (("attention_mode", attention_mode), ("se_chunk_size", se_chunk_size)) if v is not None})
+            se_chunk_size = self._drawn_chunk_size()
+        if attention_mode is not None:
+            kwargs["attention_mode"] = attention_mode
+        if se_chunk_size is not None:
+            kwargs["se_chunk_size"] = se_chunk_size
+        return kwargs
 
     # ------------------------------------------------------------------ whole segments
 

@@ -247,9 +247,7 @@ def capture_layer(layer: nn.Module, forward: Callable, tensors: list[torch.Tenso
 
     forward_graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(forward_graph, pool=pool):
-        flat_outputs, spec = torch.utils._pytree.tree_flatten(run())
-    if not all(isinstance(o, torch.Tensor) for o in flat_outputs):
-        raise NotGraphable("a layer output that is not a tensor")
+        flat_outputs, spec = _flat_outputs(run())
     differentiable = tuple(o.requires_grad for o in flat_outputs)
     grad_outputs = tuple(torch.zeros_like(o) if d else None for o, d in zip(flat_outputs, differentiable))
     backward_graph, results = None, [None] * len(wanted)
@@ -262,6 +260,14 @@ def capture_layer(layer: nn.Module, forward: Callable, tensors: list[torch.Tenso
             )
     return _layer_capture(forward_graph, backward_graph, static_inputs, flat_outputs, spec, params, grad_outputs, results,
                           differentiable)
+
+
+def _flat_outputs(outputs) -> tuple[list[torch.Tensor], object]:
+    """(the layer's outputs as a flat list of tensors, their structure)."""
+    flat, spec = torch.utils._pytree.tree_flatten(outputs)
+    if not all(isinstance(o, torch.Tensor) for o in flat):
+        raise NotGraphable("a layer output that is not a tensor")
+    return flat, spec
 
 
 def _layer_capture(forward_graph, backward_graph, static_inputs, flat_outputs, spec, params, grad_outputs, results,
@@ -289,9 +295,7 @@ class _EmulatedGraphs:
         self.run, self.wanted, self.live = run, wanted, None
 
     def capture(self, static_inputs, params) -> LayerCapture:
-        flat_outputs, spec = torch.utils._pytree.tree_flatten(self.run())
-        if not all(isinstance(o, torch.Tensor) for o in flat_outputs):
-            raise NotGraphable("a layer output that is not a tensor")
+        flat_outputs, spec = _flat_outputs(self.run())
         self.differentiable = [o.requires_grad for o in flat_outputs]
         self.static_outputs = [o.detach().clone() for o in flat_outputs]
         self.grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in flat_outputs)
@@ -397,8 +401,9 @@ class LayerGraphs:
             return ""
         if torch.compiler.is_compiling():
             return "inside torch.compile (it captures its own graphs)"
-        if eager_layers_reason() is not None:
-            return eager_layers_reason()
+        reason = eager_layers_reason()
+        if reason is not None:
+            return reason
         hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if hidden is None or (hidden.device.type != "cuda" and not EMULATE):
             return "the hidden states are not a CUDA tensor"
