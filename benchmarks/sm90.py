@@ -33,38 +33,56 @@ def _resources():
 
 
 def rla_report(variants=None) -> list[dict]:
-    """Compile every RLA kernel for sm_90 ahead of time (no GPU needed) and report
-    registers, local-memory stack (spills) and shared memory per thread block. bf16, head_dim
-    128, 16 query / 4 key-value heads, the bench's kernel variants."""
+    """Compile every RLA kernel for sm_90 ahead of time (no GPU needed) and report registers,
+    local-memory stack (spills) and shared memory per thread block. bf16, head_dim 128, 16 query /
+    4 key-value heads, T = 8192, each pass's kernels with the tiling the kernel's plan gives for
+    the bench's option variants ({}: the CUDA defaults)."""
+    from types import SimpleNamespace
+
+    import torch
+
     from hf_hybrid.bench.rattention import HEAD_DIM, HEADS, KV_HEADS, RLA_VARIANTS
     from hf_hybrid.kernels.residual_linear_attention import triton as rla_triton
 
     compile_for_sm90 = _resources().compile_for_sm90
 
     bf, f32 = "*bf16", "*fp32"
-    specs = {  # kernel -> (pointer dtypes, extra constexprs, takes NH, used when fused)
-        "_state_pass_kernel": (dict(K=bf, V=bf, S0=f32, STATES=f32), dict(HAS_S0=False), True, None),
-        "_fwd_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=f32, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), True, False),
-        "_fwd_fused_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=bf, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), False, True),
-        "_dq_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), True, False),
-        "_dq_fused_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), False, True),
-        "_adjoint_pass_kernel": (dict(Q=bf, DO=bf, DSF=f32, GSTATES=f32), dict(HAS_DSF=False), True, None),
-        "_dkv_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, G_IN=f32, DK=f32, DV=f32, DS0=f32), dict(G_IN_MODE=2, STORE_DS0=False), True, None),
+    # kernel -> (pointer dtypes, extra constexprs, the pass whose tiling it runs, fused kernel or None for both)
+    specs = {
+        "_state_pass_kernel": (dict(K=bf, V=bf, S0=f32, STATES=f32), dict(HAS_S0=False), "backward", None),
+        "_fwd_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=f32, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), "forward", False),
+        "_fwd_fused_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=bf, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), "forward", True),
+        "_dq_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), "backward", False),
+        "_dq_fused_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), "backward", True),
+        "_adjoint_pass_kernel": (dict(Q=bf, DO=bf, DSF=f32, GSTATES=f32), dict(HAS_DSF=False), "backward", None),
+        "_dkv_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, G_IN=f32, DK=f32, DV=f32, DS0=f32), dict(G_IN_MODE=2, STORE_DS0=False), "backward", None),
     }
+    q = SimpleNamespace(shape=(1, 8192, HEADS, HEAD_DIM), is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda"))
+    k = SimpleNamespace(shape=(1, 8192, KV_HEADS, HEAD_DIM))
+    interpreting = rla_triton.triton_interpreting
+    rla_triton.triton_interpreting = lambda: False  # the plan a GPU run makes
+    try:
+        plans = [(opts, rla_triton._Plan(q, k, "softmax", 512, opts.get("chunk_size"), opts.get("block_v"),
+                                         opts.get("state_every"), opts.get("num_warps"), opts.get("fuse_halves"),
+                                         opts.get("heads_per_tile")))
+                 for opts in (variants if variants is not None else RLA_VARIANTS)]
+    finally:
+        rla_triton.triton_interpreting = interpreting
     rows = []
-    for chunk, block_v, _, fuse in variants or RLA_VARIANTS:
-        warps = 4 if block_v * HEAD_DIM * (2 if fuse else 1) < 64 * 128 else 8
-        for name, (ptrs, extra, takes_nh, fused_only) in specs.items():
-            if fused_only is not None and fused_only != bool(fuse):
+    for opts, plan in plans:
+        for name, (ptrs, extra, pass_name, fused) in specs.items():
+            tiling = getattr(plan, pass_name)
+            if fused is not None and fused != tiling.fuse:
                 continue
-            consts = dict(extra, D=HEAD_DIM, BV=block_v, C=chunk, FEATURE=0, DOT_PREC="tf32")
+            consts = dict(extra, **plan.common(tiling, halves=fused is not True, queries=name != "_state_pass_kernel"))
+            warps = consts.pop("num_warps")
+            consts.pop("num_stages")
             fn = getattr(rla_triton, name)
             if "H" in fn.arg_names:
                 consts["H"] = HEADS
             consts["HKV"] = KV_HEADS
-            if takes_nh:
-                consts["NH"] = 2
-            row = {"variant": f"C={chunk} BV={block_v} fuse={bool(fuse)} warps={warps}", "kernel": name}
+            variant = f"C={plan.chunk} BV={tiling.block_v} fuse={tiling.fuse} HG={tiling.heads_per_tile} warps={warps}"
+            row = {"options": opts, "variant": variant, "kernel": name}
             try:
                 row.update(compile_for_sm90(fn, ptrs, consts, warps))
             except Exception as exc:

@@ -7,6 +7,7 @@ host moves them).
     python -m benchmarks.train_ab --compare window --seq 8192 --rounds 3 --json F
     python -m benchmarks.train_ab --compare backbone --seq 8192 --rounds 3 --json F
     python -m benchmarks.train_ab --compare graphs --seq 8192 --rounds 3 --json F
+    python -m benchmarks.train_ab --compare rla --seq 8192 --rounds 3 --json F
 
 ``--compare window``: the sliding-window layers' attention, ``window`` (kernels/window_attention,
 the default) against ``flex``: RAT-SWA's window layers through transformers' compiled flex_attention
@@ -18,6 +19,10 @@ mode, the same math, and Liger's SwiGLU).
 ``--compare graphs``: the decoder layers ``eager`` (the default) against ``graphs``
 (``hf_hybrid.graph_training_layers``: each layer's forward and backward replayed as CUDA graphs);
 Liger-Llama takes both ways too, so each way has its own baseline row.
+``--compare rla``: RATTENTION's residual linear attention kernels with their default tiling,
+``stacked`` (a fused forward, the query heads of a group stacked into each tile), against ``split``
+(both passes with the feature halves apart over whole value rows, one query head per tile: the
+former default at 8K).
 """
 from __future__ import annotations
 
@@ -33,7 +38,9 @@ COMPARISONS = {  # compare -> (its models, its two ways, the default first)
     "window": (("rat_swa", "rattention"), ("window", "flex")),
     "backbone": (("rat", "rat_swa", "fox", "rattention", "se_hybrid"), ("ours", "liger")),
     "graphs": (("llama_liger", "rat", "rat_swa", "fox_llama", "fox", "rattention", "se_hybrid"), ("eager", "graphs")),
+    "rla": (("rattention",), ("stacked", "split")),
 }
+SPLIT_RLA = {"fuse_halves": False, "block_v": 128, "heads_per_tile": 1}
 
 
 def _liger_rms_norm(x, weight, eps):
@@ -54,6 +61,7 @@ def way(model, name: str):
     from hf_hybrid.layers import attention as attention_module
     from hf_hybrid.layers import mlp as mlp_module
     from hf_hybrid.layers import norm as norm_module
+    from hf_hybrid.bench.rattention import rla_options
     from hf_hybrid.layers.residual_linear_attention import RattentionLocalAttention
     from hf_hybrid.training import graph_training_layers, ungraph_training_layers
 
@@ -71,7 +79,8 @@ def way(model, name: str):
     if name == "graphs":
         graph_training_layers(model)
     try:
-        yield
+        with rla_options(SPLIT_RLA if name == "split" else {}):
+            yield
     finally:
         ungraph_training_layers(model)
         attention_module.window_attention_applies, norm_module.fused_rms_norm, mlp_module.fused_silu_mul = saved

@@ -47,3 +47,27 @@ def test_liger_puts_the_backbone_norm_and_swiglu_on_ligers_functions_and_is_undo
     assert (norm_module.fused_rms_norm, mlp_module.fused_silu_mul) == ours
     with train_ab.way(torch.nn.Module(), "ours"):
         assert (norm_module.fused_rms_norm, mlp_module.fused_silu_mul) == ours
+
+
+def test_split_runs_the_local_layers_rla_with_the_former_tiling_and_is_undone():
+    from hf_hybrid.layers import residual_linear_attention as rla_layer_module
+
+    default = rla_layer_module.residual_linear_attention
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return default(*args, **{k: v for k, v in kwargs.items() if k not in train_ab.SPLIT_RLA})
+
+    rla_layer_module.residual_linear_attention = spy
+    try:
+        with train_ab.way(torch.nn.Module(), "split"):
+            rla_layer_module.residual_linear_attention(*(torch.zeros(1, 4, 2, 16) for _ in range(3)), 1, backend="chunked")
+        assert {k: seen[k] for k in train_ab.SPLIT_RLA} == train_ab.SPLIT_RLA
+        assert rla_layer_module.residual_linear_attention is spy
+        seen.clear()
+        with train_ab.way(torch.nn.Module(), "stacked"):
+            rla_layer_module.residual_linear_attention(*(torch.zeros(1, 4, 2, 16) for _ in range(3)), 1, backend="chunked")
+        assert not set(seen) & set(train_ab.SPLIT_RLA)
+    finally:
+        rla_layer_module.residual_linear_attention = default

@@ -40,10 +40,20 @@ from ..models.rattention.cache_rattention import RattentionLocalLayerCache
 from .timing import free_memory, time_cuda_graph, time_fn
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 4, 128
-# (chunk_size, block_v, state_every, fuse_halves); state_every None = the kernel's default (8
-# chunks per segment on CUDA), 0 = one sequential segment. The first row is the kernel's default.
-RLA_VARIANTS = [(32, 64, None, False), (32, 128, None, False), (32, 128, 4, False), (32, 128, 16, False),
-                (64, 128, None, False), (32, 64, None, True)]
+# RLA kernel options (residual_linear_attention's triton_options) to time; {} = the kernel's defaults
+# (kernels/residual_linear_attention/triton.py, _Plan), which apply per pass where an option is not
+# given. The second row is the former default at 8K (both passes split over whole value rows, one
+# query head per tile).
+RLA_VARIANTS = [
+    {},
+    {"fuse_halves": False, "block_v": 128, "heads_per_tile": 1},
+    {"fuse_halves": False, "block_v": 128, "heads_per_tile": 2},
+    {"fuse_halves": False, "block_v": 128, "heads_per_tile": 4},
+    {"chunk_size": 16, "fuse_halves": False, "block_v": 128, "heads_per_tile": 4},
+    {"fuse_halves": True, "block_v": 64, "heads_per_tile": 4},
+    {"state_every": 8},
+    {"chunk_size": 16},
+]
 
 
 def build_layers(device, dtype):
@@ -81,8 +91,7 @@ def rla_sweep(seq, batch, device, dtype, repeat):
     v = torch.randn(batch, seq, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g).requires_grad_()
     do = torch.randn(batch, seq, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
     rows, best = [], None
-    for chunk, block_v, every, fuse in RLA_VARIANTS:
-        opts = dict(chunk_size=chunk, block_v=block_v, state_every=every, fuse_halves=fuse)
+    for opts in RLA_VARIANTS:
         try:
             def fwd():
                 with torch.no_grad():
@@ -107,16 +116,26 @@ def rla_sweep(seq, batch, device, dtype, repeat):
 
 
 def _swa_op_time(q, k, v, do, device, repeat):
+    """The local layers' window (w = 512) alone, forward and backward, per backend: the Triton
+    kernels the layers run (kernels/window_attention) and flex_attention."""
     from ..kernels.residual_linear_attention import sliding_window_attention
 
-    try:
-        def fwd_bwd():
-            o = sliding_window_attention(q, k, v, 512, backend="flex")
-            torch.autograd.grad(o, (q, k, v), do)
+    rows = {}
+    for backend in ("triton", "flex"):
+        try:
+            def fwd():
+                with torch.no_grad():
+                    sliding_window_attention(q, k, v, 512, backend=backend)
 
-        return {"fwd_bwd_ms": time_fn(fwd_bwd, device, warmup=3, repeat=repeat).median_ms}
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            def fwd_bwd():
+                o = sliding_window_attention(q, k, v, 512, backend=backend)
+                torch.autograd.grad(o, (q, k, v), do)
+
+            rows[backend] = {"fwd_ms": time_fn(fwd, device, warmup=3, repeat=repeat).median_ms,
+                             "fwd_bwd_ms": time_fn(fwd_bwd, device, warmup=3, repeat=repeat).median_ms}
+        except Exception as exc:
+            rows[backend] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return rows
 
 
 def layer_times(layers, seq, batch, device, dtype, repeat, options):

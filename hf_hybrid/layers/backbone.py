@@ -8,8 +8,6 @@ Only the token mixer differs between architectures (the MLP is SwiGLU or the pla
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -30,26 +28,6 @@ ADD_NORM_BACKEND = "auto"
 # (hf_hybrid/_compat/glibc_malloc.py): its activations are large enough
 # that freed ones would otherwise stay resident.
 LONG_CPU_STEP_TOKENS = 4096
-
-
-_EAGER_REASONS: list[str] = []  # innermost last: why training forwards now keep their layers eager
-
-
-@contextlib.contextmanager
-def layers_run_eagerly(reason: str):
-    """Within the block, decoder layers captured for training (hf_hybrid/training/layer_graphs.py)
-    run eagerly; ``reason`` is what the graphs report. For a forward whose replays the graphs cannot
-    stand for (RAT+'s joint objective)."""
-    _EAGER_REASONS.append(reason)
-    try:
-        yield
-    finally:
-        _EAGER_REASONS.pop()
-
-
-def eager_layers_reason() -> str | None:
-    """The reason of the innermost active :func:`layers_run_eagerly`, else None."""
-    return _EAGER_REASONS[-1] if _EAGER_REASONS else None
 
 
 def _plain(module: nn.Module) -> bool:

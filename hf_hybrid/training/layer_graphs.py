@@ -23,15 +23,14 @@ Memory. Everything a captured layer keeps for its backward lives in the pool for
 graphs do (an eager step frees it after the backward), plus one copy of the layer's inputs and
 outputs; ``max_shapes`` bounds the signatures (shapes) captured per layer. A layer's output (the
 hidden states ``output_hidden_states`` returns) lives in the pool: read it before the backward, since
-the backward's replays may write there (the parameters' gradients leave as copies for that reason).
+the backward's replays may write there. The parameters' gradients leave as copies for that reason:
+a caller may keep them while other layers replay (RAT+'s joint objective keeps one pass's gradients
+through the next pass).
 
 When a call runs eagerly (the same result; a reason that concerns a training call is warned once):
 no gradients or eval mode (evaluation, generate()), a cache, inputs off CUDA, gradient
 checkpointing or other saved-tensor hooks (offloading), torch.compile, arguments a graph cannot
 take (:func:`split_arguments`), padded rows (their masks come from the mask's data on the host),
-a forward inside ``layers_run_eagerly`` (RAT+'s joint objective of several patterns: it keeps one
-pass's parameter gradients while the next pass's layers replay, which gave a wrong norm-weight
-gradient on the GPU before those gradients left the replays as copies; eager until that is checked),
 more than ``max_shapes`` signatures for one layer, a second forward of a layer before the backward of its
 first (the first one's activations live in the graph's buffers), or a capture that failed.
 
@@ -58,7 +57,6 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
-from ..layers.backbone import eager_layers_reason
 from ..layers.context import SequenceContext
 
 logger = logging.get_logger(__name__)
@@ -401,9 +399,6 @@ class LayerGraphs:
             return ""
         if torch.compiler.is_compiling():
             return "inside torch.compile (it captures its own graphs)"
-        reason = eager_layers_reason()
-        if reason is not None:
-            return reason
         hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if hidden is None or (hidden.device.type != "cuda" and not EMULATE):
             return "the hidden states are not a CUDA tensor"

@@ -45,7 +45,7 @@ __all__ = [
 
 _OP = "residual_linear_attention"
 _TRITON_HEAD_DIMS = (16, 32, 64, 128)
-_TRITON_OPTIONS = ("chunk_size", "block_v", "state_every", "num_warps", "fuse_halves")
+_TRITON_OPTIONS = ("chunk_size", "block_v", "state_every", "num_warps", "fuse_halves", "heads_per_tile")
 
 
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -98,7 +98,7 @@ def residual_linear_attention(
     folding every key j <= T - 1 - (w + 1): what a decode step for token T starts from.
     backend: "auto" (Triton on CUDA, the chunked PyTorch form elsewhere), "triton", "chunked",
     "reference" (explicit lagged mask, O(T^2)). ``triton_options`` (chunk_size, block_v,
-    state_every, num_warps, fuse_halves) tune the kernel without changing the result.
+    state_every, num_warps, fuse_halves, heads_per_tile) tune the kernel without changing the result.
     """
     _check_qkv(_OP, q, k, v)
     _check_window(_OP, window_size, -1)
@@ -240,10 +240,10 @@ def sliding_window_attention(
 # ---------------------------------------------------------------- custom ops (see .._custom_ops)
 
 
-def _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves):
+def _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile):
     from .triton import _check_tiling, _Plan
 
-    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
     _check_tiling(plan)
     return plan
 
@@ -252,12 +252,12 @@ def _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, 
 def residual_linear_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None, window_size: int,
     feature_map: str, chunk_size: int | None, block_v: int | None, state_every: int | None,
-    num_warps: int | None, fuse_halves: bool | None,
+    num_warps: int | None, fuse_halves: bool | None, heads_per_tile: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, final_state, the states stored every few chunks for the backward, or a placeholder)."""
     from .triton import _ResidualLinearAttention
 
-    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
     ctx = KernelContext()
     o, final = _ResidualLinearAttention.forward(ctx, q, k, v, initial_state, plan)
     states = ctx.saved_tensors[4]
@@ -265,8 +265,9 @@ def residual_linear_attention_fwd(
 
 
 @residual_linear_attention_fwd.register_fake
-def _(q, k, v, initial_state, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves):
-    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves)
+def _(q, k, v, initial_state, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves,
+      heads_per_tile):
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
     state_shape = (q.shape[0], k.shape[2], plan.features, q.shape[3])
     final = q.new_empty(state_shape, dtype=torch.float32)
     states = q.new_empty((plan.nseg, *state_shape), dtype=torch.float32) if plan.nseg > 1 else placeholder(final)
@@ -277,13 +278,14 @@ def _(q, k, v, initial_state, window_size, feature_map, chunk_size, block_v, sta
 def residual_linear_attention_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None, states: torch.Tensor,
     do: torch.Tensor, dfinal: torch.Tensor | None, window_size: int, feature_map: str, chunk_size: int | None,
-    block_v: int | None, state_every: int | None, num_warps: int | None, fuse_halves: bool | None, need_ds0: bool,
+    block_v: int | None, state_every: int | None, num_warps: int | None, fuse_halves: bool | None,
+    heads_per_tile: int | None, need_ds0: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d initial_state or a placeholder); ``states``: the forward's third output."""
     from .triton import _ResidualLinearAttention
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
     saved = (q, k, v, initial_state, states if plan.nseg > 1 else None)
     ctx = KernelContext(saved, needs_input_grad=(True, True, True, need_ds0), plan=plan, has_s0=initial_state is not None)
     dq, dk, dv, ds0, _ = _ResidualLinearAttention.backward(ctx, do, dfinal)
@@ -292,7 +294,7 @@ def residual_linear_attention_bwd(
 
 @residual_linear_attention_bwd.register_fake
 def _(q, k, v, initial_state, states, do, dfinal, window_size, feature_map, chunk_size, block_v, state_every,
-      num_warps, fuse_halves, need_ds0):
+      num_warps, fuse_halves, heads_per_tile, need_ds0):
     dq, dk, dv, ds0 = fake_like(q, k, v, initial_state)
     return dq, dk, dv, ds0 if need_ds0 and initial_state is not None else placeholder(q)
 

@@ -20,7 +20,8 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
   rounding depend on the order. ``fuse_halves=True`` instead keeps both halves' states in one
   program for the forward and dq kernels: the intra-chunk score matrix sum_f phi_f(q) phi_f(k)^T
   is formed once and no output partials exist, at the price of two [D, BV] float32 states in
-  registers (it spills more on sm_90, so it is off by default).
+  registers. On CUDA the forward runs fused by default (over BV = 64: no partial outputs to
+  zero, add and convert) and the dq kernel split (its fused form spills more on sm_90).
 * Interleaved state saving (Sec. 3.2, Fig. 2): the sequence is cut into segments of m chunks.
   A light state pass (phi(k) and one product per chunk, one program per segment) sums each
   segment's phi(K')^T V'; a float32 prefix sum over the segments on the host (torch.cumsum,
@@ -34,13 +35,18 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
   segments lengthen the dq kernel's sequential part; `python -m hf_hybrid.bench.rattention`
   times the variants).
 * GQA: k, v have H_kv heads; query head h reads head h // (H / H_kv). phi(k) v^T does not depend
-  on the query head, so programs run per key/value head and loop over the query heads of the
-  group: the state is updated once per chunk, kept per key/value head ([B, H_kv, F, D]), and the
-  backward's adjoint state is the sum over the group (dk, dv need only that sum).
+  on the query head, so programs run per key/value head and serve the query heads of the group:
+  the state is updated once per chunk, kept per key/value head ([B, H_kv, F, D]), and the
+  backward's adjoint state is the sum over the group (dk, dv need only that sum). The group's
+  heads are stacked into the rows of one query tile, HG at a time (``heads_per_tile``): row r of a
+  chunk's tile is token r // HG at head r % HG, contiguous in [B, T, H, D], so a chunk takes one
+  [C x HG, D] product per operand instead of HG products of C rows (tensor-core tiles of 64+ rows
+  where C = 32), and the causal masks compare token r // HG with the key.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -152,6 +158,23 @@ def _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV: tl.constexpr, D: tl.constexp
     return j, k_ok, k, v
 
 
+@triton.jit
+def _query_rows(b, T, c, hk, s, H: tl.constexpr, GROUP: tl.constexpr, HG: tl.constexpr, C: tl.constexpr,
+                D: tl.constexpr):
+    """Rows of one query tile: chunk c's C tokens, each with HG query heads of key/value head hk's
+    group (slice s of it), token-major. The group's heads of a token sit side by side in
+    [B, T, H, D], so a tile is C x HG rows of contiguous memory and one product serves HG heads.
+    Returns (p: positions [C * HG], head [C * HG], ok: inside the sequence and the group, off:
+    element offsets of the rows)."""
+    r = tl.arange(0, C * HG)
+    g = s * HG + r % HG
+    p = c * C + r // HG
+    ok = (p < T) & (g < GROUP)
+    head = hk * GROUP + g
+    off = ((b * T + p).to(tl.int64) * H + head) * D
+    return p, head, ok, off
+
+
 @launch_cached
 @triton.jit
 def _state_pass_kernel(
@@ -188,7 +211,7 @@ def _state_pass_kernel(
 def _fwd_kernel(
     Q, K, V, S_IN, O, S_OUT,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, STORE_FINAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -203,26 +226,25 @@ def _fwd_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
+    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
-    causal = offs_c[:, None] >= offs_c[None, :]
+    causal = (tl.arange(0, C * HG) // HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
-        q_ok = p < T
-        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
         kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
         s_op = S.to(v.dtype)
-        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
-            h = hk * GROUP + g
-            q_off = ((b * T + p).to(tl.int64) * H + h) * D
-            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+        for s in range(SLICES):  # a loop, not unrolled: one slice of HG heads lives at a time
+            pq, head, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
             qf = _phi(q.to(tl.float32), sign, FEATURE).to(v.dtype)
-            o = _mm(qf, s_op, tl.zeros([C, BV], dtype=tl.float32), DOT_PREC)
-            a = _mm(qf, tl.trans(kf), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            o = _mm(qf, s_op, tl.zeros([C * HG, BV], dtype=tl.float32), DOT_PREC)
+            a = _mm(qf, tl.trans(kf), tl.zeros([C * HG, C], dtype=tl.float32), DOT_PREC)
             a = tl.where(causal, a, 0.0).to(v.dtype)
             o = _mm(a, v, o, DOT_PREC)
-            _write_partial(O, half, B, T, b, p, h, offs_v, o, q_ok[:, None], H, D, NH)
+            _write_partial(O, half, B, T, b, pq, head, offs_v, o, ok[:, None], H, D, NH)
         S = _mm(tl.trans(kf), v, S, DOT_PREC)
     if STORE_FINAL:
         tl.store(_state_slot(S_OUT, 0, B, pid_bk, rows, HKV, F, D), S)
@@ -233,7 +255,7 @@ def _fwd_kernel(
 def _fwd_fused_kernel(
     Q, K, V, S_IN, O, S_OUT,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
     FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """``_fwd_kernel`` with both feature halves (states S1 = rows [0, D), S2 = rows [D, 2D)) in one
@@ -251,30 +273,29 @@ def _fwd_fused_kernel(
     rows2 = rows1 + D * D
     S1 = _segment_state(S_IN, seg, B, pid_bk, rows1, HKV, F, D, BV, S_IN_MODE)
     S2 = _segment_state(S_IN, seg, B, pid_bk, rows2, HKV, F, D, BV, S_IN_MODE)
-    causal = offs_c[:, None] >= offs_c[None, :]
+    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
+    causal = (tl.arange(0, C * HG) // HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
-        q_ok = p < T
-        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
         k = k.to(tl.float32)
         kf1 = tl.where(k_ok[:, None], _phi(k, 1.0, FEATURE), 0.0).to(v.dtype)
         kf2 = tl.where(k_ok[:, None], _phi(k, -1.0, FEATURE), 0.0).to(v.dtype)
         s1 = S1.to(v.dtype)
         s2 = S2.to(v.dtype)
-        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
-            h = hk * GROUP + g
-            q_off = ((b * T + p).to(tl.int64) * H + h) * D
-            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
+        for s in range(SLICES):  # a loop, not unrolled: one slice of HG heads lives at a time
+            pq, head, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             qf1 = _phi(q, 1.0, FEATURE).to(v.dtype)
             qf2 = _phi(q, -1.0, FEATURE).to(v.dtype)
-            o = _mm(qf1, s1, tl.zeros([C, BV], dtype=tl.float32), DOT_PREC)
+            o = _mm(qf1, s1, tl.zeros([C * HG, BV], dtype=tl.float32), DOT_PREC)
             o = _mm(qf2, s2, o, DOT_PREC)
-            a = _mm(qf1, tl.trans(kf1), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            a = _mm(qf1, tl.trans(kf1), tl.zeros([C * HG, C], dtype=tl.float32), DOT_PREC)
             a = _mm(qf2, tl.trans(kf2), a, DOT_PREC)
             a = tl.where(causal, a, 0.0).to(v.dtype)
             o = _mm(a, v, o, DOT_PREC)
-            tl.store(O + q_off[:, None] + offs_v[None, :], o.to(O.dtype.element_ty), mask=q_ok[:, None])
+            tl.store(O + q_off[:, None] + offs_v[None, :], o.to(O.dtype.element_ty), mask=ok[:, None])
         S1 = _mm(tl.trans(kf1), v, S1, DOT_PREC)
         S2 = _mm(tl.trans(kf2), v, S2, DOT_PREC)
     if STORE_FINAL:
@@ -287,7 +308,7 @@ def _fwd_fused_kernel(
 def _dq_fused_kernel(
     Q, K, V, DO, S_IN, DQ,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
     FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """``_dq_kernel`` with both feature halves in one program: dO v^T is formed once and dq is
@@ -305,31 +326,30 @@ def _dq_fused_kernel(
     rows2 = rows1 + D * D
     S1 = _segment_state(S_IN, seg, B, pid_bk, rows1, HKV, F, D, BV, S_IN_MODE)
     S2 = _segment_state(S_IN, seg, B, pid_bk, rows2, HKV, F, D, BV, S_IN_MODE)
-    causal = offs_c[:, None] >= offs_c[None, :]
+    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
+    causal = (tl.arange(0, C * HG) // HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
-        q_ok = p < T
-        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
         k = k.to(tl.float32)
         kf1 = tl.where(k_ok[:, None], _phi(k, 1.0, FEATURE), 0.0).to(v.dtype)
         kf2 = tl.where(k_ok[:, None], _phi(k, -1.0, FEATURE), 0.0).to(v.dtype)
         s1_t = tl.trans(S1.to(v.dtype))
         s2_t = tl.trans(S2.to(v.dtype))
-        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
-            h = hk * GROUP + g
-            q_off = ((b * T + p).to(tl.int64) * H + h) * D
-            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
-            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(v.dtype)
-            da = _mm(do, tl.trans(v), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+        for s in range(SLICES):  # a loop, not unrolled: one slice of HG heads lives at a time
+            pq, head, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
+            da = _mm(do, tl.trans(v), tl.zeros([C * HG, C], dtype=tl.float32), DOT_PREC)
             da = tl.where(causal, da, 0.0).to(v.dtype)
-            dqf = _mm(do, s1_t, tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
+            dqf = _mm(do, s1_t, tl.zeros([C * HG, D], dtype=tl.float32), DOT_PREC)
             dqf = _mm(da, kf1, dqf, DOT_PREC)
             dq = _phi_bwd(q, _phi(q, 1.0, FEATURE), dqf, 1.0, FEATURE)
-            dqf = _mm(do, s2_t, tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
+            dqf = _mm(do, s2_t, tl.zeros([C * HG, D], dtype=tl.float32), DOT_PREC)
             dqf = _mm(da, kf2, dqf, DOT_PREC)
             dq += _phi_bwd(q, _phi(q, -1.0, FEATURE), dqf, -1.0, FEATURE)
-            _write_partial(DQ, vb, B, T, b, p, h, offs_d, dq, q_ok[:, None], H, D, D // BV)
+            _write_partial(DQ, vb, B, T, b, pq, head, offs_d, dq, ok[:, None], H, D, D // BV)
         S1 = _mm(tl.trans(kf1), v, S1, DOT_PREC)
         S2 = _mm(tl.trans(kf2), v, S2, DOT_PREC)
 
@@ -344,7 +364,7 @@ def _dq_fused_kernel(
 def _dq_kernel(
     Q, K, V, DO, S_IN, DQ,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dq of one segment: dphi(q)_i = dO_i S_i^T + sum_{j in chunk, causal} (dO_i . v'_j) phi(k'_j),
@@ -353,28 +373,27 @@ def _dq_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
+    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
-    causal = offs_c[:, None] >= offs_c[None, :]
+    causal = (tl.arange(0, C * HG) // HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
-        q_ok = p < T
-        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_v)
+        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
         kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
         s_t = tl.trans(S.to(v.dtype))
-        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
-            h = hk * GROUP + g
-            q_off = ((b * T + p).to(tl.int64) * H + h) * D
-            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
-            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(v.dtype)
+        for s in range(SLICES):  # a loop, not unrolled: one slice of HG heads lives at a time
+            pq, head, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
             qf = _phi(q, sign, FEATURE)
-            dqf = _mm(do, s_t, tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
-            da = _mm(do, tl.trans(v), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            dqf = _mm(do, s_t, tl.zeros([C * HG, D], dtype=tl.float32), DOT_PREC)
+            da = _mm(do, tl.trans(v), tl.zeros([C * HG, C], dtype=tl.float32), DOT_PREC)
             da = tl.where(causal, da, 0.0).to(v.dtype)
             dqf = _mm(da, kf, dqf, DOT_PREC)
             dq = _phi_bwd(q, qf, dqf, sign, FEATURE)
-            _write_partial(DQ, pid_fv, B, T, b, p, h, offs_d, dq, q_ok[:, None], H, D, NH * NV)
+            _write_partial(DQ, pid_fv, B, T, b, pq, head, offs_d, dq, ok[:, None], H, D, NH * NV)
         S = _mm(tl.trans(kf), v, S, DOT_PREC)
 
 
@@ -383,7 +402,7 @@ def _dq_kernel(
 def _adjoint_pass_kernel(
     Q, DO, DSF, GSTATES,
     B, T, SEG_CHUNKS, NUM_CHUNKS, NSEG,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, HAS_DSF: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Per (half, value block, batch x kv head, segment 1 .. NSEG - 1): the segment's sum over its
@@ -395,19 +414,18 @@ def _adjoint_pass_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
+    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, grid_seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     seg = grid_seg + 1
     G = tl.zeros([D, BV], dtype=tl.float32)
     c_start = seg * SEG_CHUNKS
     c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
     for c in range(c_start, c_stop):
-        p = c * C + offs_c
-        q_ok = p < T
-        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
-            q_off = ((b * T + p).to(tl.int64) * H + hk * GROUP + g) * D
-            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
-            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(q.dtype)
-            qf = tl.where(q_ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(q.dtype)
+        for s in range(SLICES):  # a loop, not unrolled: one slice of HG heads lives at a time
+            _, _, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            qf = tl.where(ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(q.dtype)
             G = _mm(tl.trans(qf), do, G, DOT_PREC)
     tl.store(_state_slot(GSTATES, NSEG - seg, B, pid_bk, rows, HKV, F, D), G)
     if seg == NSEG - 1:
@@ -423,7 +441,7 @@ def _adjoint_pass_kernel(
 def _dkv_kernel(
     Q, K, V, DO, G_IN, DK, DV, DS0,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, G_IN_MODE: tl.constexpr, STORE_DS0: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -440,9 +458,10 @@ def _dkv_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
+    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     G = _segment_state(G_IN, NSEG - 1 - seg, B, pid_bk, rows, HKV, F, D, BV, G_IN_MODE)
-    later = offs_c[:, None] <= offs_c[None, :]  # [key row, query column]
+    later = offs_c[:, None] <= (tl.arange(0, C * HG) // HG)[None, :]  # [key, query row]
     c_start = seg * SEG_CHUNKS
     c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
     for cc in range(c_start, c_stop):
@@ -454,15 +473,15 @@ def _dkv_kernel(
         g_op = G.to(v.dtype)
         dv = _mm(kf, g_op, tl.zeros([C, BV], dtype=tl.float32), DOT_PREC)
         dkf = _mm(v, tl.trans(g_op), tl.zeros([C, D], dtype=tl.float32), DOT_PREC)
-        for g in range(GROUP):  # a loop, not unrolled: one head's tiles live at a time
-            q_off = ((b * T + p).to(tl.int64) * H + hk * GROUP + g) * D
-            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
-            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=q_ok[:, None], other=0.0).to(v.dtype)
-            qf = tl.where(q_ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
-            at = _mm(kf, tl.trans(qf), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+        for s in range(SLICES):  # a loop, not unrolled: one slice of HG heads lives at a time
+            _, _, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
+            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0).to(v.dtype)
+            qf = tl.where(ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
+            at = _mm(kf, tl.trans(qf), tl.zeros([C, C * HG], dtype=tl.float32), DOT_PREC)
             at = tl.where(later, at, 0.0).to(v.dtype)
             dv = _mm(at, do, dv, DOT_PREC)
-            dat = _mm(v, tl.trans(do), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)
+            dat = _mm(v, tl.trans(do), tl.zeros([C, C * HG], dtype=tl.float32), DOT_PREC)
             dat = tl.where(later, dat, 0.0).to(v.dtype)
             dkf = _mm(dat, qf, dkf, DOT_PREC)
             G = _mm(tl.trans(qf), do, G, DOT_PREC)  # after this chunk's keys have read the old G
@@ -481,23 +500,33 @@ def _dkv_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _default_tiling(dim: int) -> tuple[int, int]:
-    """(chunk size C, value block BV). Interpreter: tiny chunks so short test sequences span
-    several chunks, and BV = D / 2 so the value-block partial sums are exercised."""
-    if triton_interpreting():
-        return 16, max(16, dim // 2)
-    # BV = 128 (whole value rows, two feature-half partials) is the fastest fwd+bwd at head_dim 128
-    # (`python -m hf_hybrid.bench.rattention`), despite a few spilled registers in the forward / dq kernels.
-    return 32, min(dim, 128)
+@dataclass(frozen=True)
+class _Tiling:
+    """How one pass's kernels cut the work: value columns per program (block_v), query heads per
+    tile (heads_per_tile), both feature halves in one program (fuse: the forward kernel, or the dq
+    kernel of the backward) and warps."""
+
+    block_v: int
+    heads_per_tile: int
+    fuse: bool
+    num_warps: int
 
 
 # Chunks per stored state on CUDA when state_every is None (the fastest, module docstring).
 DEFAULT_STATE_EVERY = 16
 
-# From this many tokens per sequence the CUDA default keeps both feature halves in one program
-# (fuse_halves): faster forward + backward at 32K, slower at 8K
-# (`hf-hybrid bench --suites models --only "train T=32K" --variants RATTENTION`).
-FUSE_HALVES_MIN_TOKENS = 16384
+# CUDA defaults at head_dim 128, chunk 32, 16 query / 4 key-value heads (`python -m hf_hybrid.bench.rattention`
+# times the variants; docs/benchmarks/rattention.md): the forward keeps both feature halves in one
+# program (no partial outputs to zero, add and convert) over 64 value columns and stacks 128 query
+# rows per tile; the backward splits the halves over whole value rows and stacks 64 query rows (its
+# dk / dv kernel holds more live tiles, and spills more at 128 rows).
+FORWARD_ROWS, BACKWARD_ROWS = 128, 64
+
+
+def _heads_per_tile(group: int, chunk: int, rows: int) -> int:
+    """Query heads of a group stacked into one tile (module docstring): as many as fit ``rows``
+    rows with the chunk's tokens, at most the group (rounded up to a power of two)."""
+    return max(1, min(triton.next_power_of_2(group), rows // chunk))
 
 
 def _num_segments(num_chunks: int, state_every: int | None, device: torch.device) -> int:
@@ -509,38 +538,57 @@ def _num_segments(num_chunks: int, state_every: int | None, device: torch.device
 
 
 class _Plan:
-    """Shapes, tiling and segmentation shared by forward and backward."""
+    """Shapes and segmentation shared by forward and backward, and each pass's tiling.
 
-    def __init__(self, q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves):
+    Options left None take the defaults: on CUDA chunk 32, a fused forward over 64 value columns
+    and a split backward over whole value rows (FORWARD_ROWS / BACKWARD_ROWS query rows per tile);
+    in the interpreter chunk 16, halves apart and half value rows, so short test sequences span
+    several chunks and every partial sum is exercised. An option given applies to both passes."""
+
+    def __init__(self, q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves,
+                 heads_per_tile=None):
         self.batch, self.seq, self.heads, self.dim = q.shape
         self.kv_heads = k.shape[2]
         self.feature = FEATURE_IDS[feature_map]
         self.halves = 1 if feature_map == "identity" else 2
-        if fuse_halves is None:  # CUDA default: fused halves for long sequences (FUSE_HALVES_MIN_TOKENS)
-            fuse_halves = q.is_cuda and self.seq >= FUSE_HALVES_MIN_TOKENS
-        self.fuse = self.halves == 2 and bool(fuse_halves)
         self.features = self.halves * self.dim
-        default_c, default_bv = _default_tiling(self.dim)
-        self.chunk = chunk_size or default_c
-        self.block_v = block_v or default_bv
+        interpreted = triton_interpreting()
+        self.chunk = chunk_size or (16 if interpreted else 32)
         self.lag = window_size + 1
         self.num_chunks = max(1, math.ceil(self.seq / self.chunk))
-        self.nv = self.dim // self.block_v
         self.nseg = _num_segments(self.num_chunks, state_every, q.device)
         self.seg_chunks = math.ceil(self.num_chunks / self.nseg)
         self.nseg = math.ceil(self.num_chunks / self.seg_chunks)
         self.dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        state_floats = self.block_v * self.dim * (2 if self.fuse else 1)
-        self.num_warps = num_warps or (4 if state_floats < 64 * 128 else 8)
+        group = self.heads // self.kv_heads
 
-    def common(self, halves: bool = True):
-        """Compile-time arguments shared by the kernels (the fused ones take no NH)."""
+        def tiling(fuse_default: bool, rows: int) -> _Tiling:
+            fuse = self.halves == 2 and bool(fuse_default if fuse_halves is None else fuse_halves)
+            if block_v:
+                bv = block_v
+            elif interpreted:
+                bv = max(16, self.dim // 2)
+            else:
+                bv = min(self.dim, 64 if fuse else 128)
+            hg = heads_per_tile or _heads_per_tile(group, self.chunk, rows)
+            state_floats = bv * self.dim * (2 if fuse else 1)
+            warps = num_warps or (4 if state_floats < 64 * 128 else 8)
+            return _Tiling(bv, hg, fuse, warps)
+
+        self.forward = tiling(not interpreted, FORWARD_ROWS)
+        self.backward = tiling(False, BACKWARD_ROWS)
+
+    def common(self, tiling: _Tiling, halves: bool = True, queries: bool = True):
+        """Compile-time arguments of a kernel run with ``tiling`` (the fused ones take no NH, the
+        state pass, which reads no query, no HG)."""
         args = dict(
-            D=self.dim, BV=self.block_v, C=self.chunk, FEATURE=self.feature,
-            DOT_PREC=self.dot_prec, num_warps=self.num_warps, num_stages=2,
+            D=self.dim, BV=tiling.block_v, C=self.chunk, FEATURE=self.feature,
+            DOT_PREC=self.dot_prec, num_warps=tiling.num_warps, num_stages=2,
         )
         if halves:
             args["NH"] = self.halves
+        if queries:
+            args["HG"] = tiling.heads_per_tile
         return args
 
     def runtime(self):
@@ -550,10 +598,19 @@ class _Plan:
 def _check_tiling(plan: _Plan) -> None:
     if plan.dim not in HEAD_DIMS:
         raise ValueError(f"residual_linear_attention: the Triton kernel supports head_dim in {HEAD_DIMS}; got {plan.dim}.")
-    if plan.block_v not in (16, 32, 64, 128) or plan.dim % plan.block_v:
-        raise ValueError(f"residual_linear_attention: block_v must be a power of two >= 16 dividing head_dim; got {plan.block_v}.")
     if plan.chunk not in (16, 32, 64, 128):
         raise ValueError(f"residual_linear_attention: chunk_size must be 16, 32, 64 or 128; got {plan.chunk}.")
+    group = plan.heads // plan.kv_heads
+    for tiling in (plan.forward, plan.backward):
+        if tiling.block_v not in (16, 32, 64, 128) or plan.dim % tiling.block_v:
+            raise ValueError(
+                f"residual_linear_attention: block_v must be a power of two >= 16 dividing head_dim; got {tiling.block_v}."
+            )
+        if tiling.heads_per_tile not in (1, 2, 4, 8, 16) or tiling.heads_per_tile > triton.next_power_of_2(group):
+            raise ValueError(
+                "residual_linear_attention: heads_per_tile must be a power of two up to the query heads per key/value "
+                f"head ({group}) rounded up to one; got {tiling.heads_per_tile}."
+            )
 
 
 def _partials_buffer(parts: int, shape, dtype, device, unwritten_rows: int = 0) -> torch.Tensor:
@@ -586,6 +643,8 @@ def segment_grid(blocks: int, rows: int, segments: int) -> tuple[int, int]:
 def _forward(q, k, v, initial_state, plan: _Plan):
     B, T, H, D = q.shape
     HKV, F = plan.kv_heads, plan.features
+    tiling = plan.forward
+    nv = D // tiling.block_v
     dev = q.device
     s0 = initial_state.float().contiguous() if initial_state is not None else None
     states = None
@@ -593,9 +652,11 @@ def _forward(q, k, v, initial_state, plan: _Plan):
         # Slot 0: S_0, slot s + 1: segment s's sum; the float32 prefix sum over the slots leaves the
         # state at the start of segment s in slot s and the final state in slot NSEG.
         slots = torch.empty((plan.nseg + 1, B, HKV, F, D), device=dev, dtype=torch.float32)
-        _state_pass_kernel[segment_grid(plan.halves * plan.nv, B * HKV, plan.nseg)](
+        # The state pass takes the backward's tiling (the split one: a fused state pass does not exist).
+        bwd_nv = D // plan.backward.block_v
+        _state_pass_kernel[segment_grid(plan.halves * bwd_nv, B * HKV, plan.nseg)](
             k, v, s0 if s0 is not None else slots, slots, *plan.runtime(),
-            HKV=HKV, HAS_S0=s0 is not None, **plan.common(),
+            HKV=HKV, HAS_S0=s0 is not None, **plan.common(plan.backward, queries=False),
         )
         slots.cumsum_(0)
         states = slots[: plan.nseg]
@@ -604,18 +665,18 @@ def _forward(q, k, v, initial_state, plan: _Plan):
     else:
         final = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32)
         mode, s_in, store_final = (1, s0, True) if s0 is not None else (0, final, True)
-    if plan.fuse:
+    if tiling.fuse:
         out = torch.empty_like(q)
-        _fwd_fused_kernel[segment_grid(plan.nv, B * HKV, plan.nseg)](
+        _fwd_fused_kernel[segment_grid(nv, B * HKV, plan.nseg)](
             q, k, v, s_in, out, final, *plan.runtime(),
-            H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(halves=False),
+            H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(tiling, halves=False),
         )
         return out, final, states
     # One partial output per feature half.
     o_buf = _partials_buffer(plan.halves, q.shape, q.dtype, dev)
-    _fwd_kernel[segment_grid(plan.halves * plan.nv, B * HKV, plan.nseg)](
+    _fwd_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg)](
         q, k, v, s_in, o_buf, final, *plan.runtime(),
-        H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(),
+        H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(tiling),
     )
     return _sum_partials(o_buf, plan.halves, q.dtype), final, states
 
@@ -623,11 +684,13 @@ def _forward(q, k, v, initial_state, plan: _Plan):
 def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0: bool):
     B, T, H, D = q.shape
     HKV, F = plan.kv_heads, plan.features
+    tiling = plan.backward
+    nv = D // tiling.block_v
     dev = q.device
     do = do.contiguous()
-    grid = segment_grid(plan.halves * plan.nv, B * HKV, plan.nseg)
-    nq = plan.halves * plan.nv
-    nq_dq = plan.nv if plan.fuse else nq
+    grid = segment_grid(plan.halves * nv, B * HKV, plan.nseg)
+    nq = plan.halves * nv
+    nq_dq = nv if tiling.fuse else nq
     dq_buf = _partials_buffer(nq_dq, q.shape, q.dtype, dev)
     # Keys j > T - 1 - lag never leave the window: the kernel writes no row for them.
     unread = min(plan.lag, T)
@@ -641,23 +704,24 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
         s_mode, s_in = 2, states
     else:
         s_mode, s_in = (1, s0) if s0 is not None else (0, dq_buf)
-    if plan.fuse:
-        _dq_fused_kernel[segment_grid(plan.nv, B * HKV, plan.nseg)](
-            q, k, v, do, s_in, dq_buf, *plan.runtime(), H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(halves=False),
+    if tiling.fuse:
+        _dq_fused_kernel[segment_grid(nv, B * HKV, plan.nseg)](
+            q, k, v, do, s_in, dq_buf, *plan.runtime(), H=H, HKV=HKV, S_IN_MODE=s_mode,
+            **plan.common(tiling, halves=False),
         )
     else:
         _dq_kernel[grid](
             q, k, v, do, s_in, dq_buf, *plan.runtime(),
-            H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(),
+            H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(tiling),
         )
     if plan.nseg > 1:
         # Slot 0: dS_final, slot NSEG - s: segment s's sum (s >= 1); the float32 prefix sum over the
         # slots leaves the adjoint at the end of segment s in slot NSEG - 1 - s.
         gstates = torch.empty((plan.nseg, B, HKV, F, D), device=dev, dtype=torch.float32)
-        _adjoint_pass_kernel[segment_grid(plan.halves * plan.nv, B * HKV, plan.nseg - 1)](
+        _adjoint_pass_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg - 1)](
             q, do, dsf if dsf is not None else gstates, gstates,
             B, T, plan.seg_chunks, plan.num_chunks, plan.nseg,
-            H=H, HKV=HKV, HAS_DSF=dsf is not None, **plan.common(),
+            H=H, HKV=HKV, HAS_DSF=dsf is not None, **plan.common(tiling),
         )
         gstates.cumsum_(0)
         g_mode, g_in = 2, gstates
@@ -665,7 +729,7 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
         g_mode, g_in = (1, dsf) if dsf is not None else (0, dk_buf)
     _dkv_kernel[grid](
         q, k, v, do, g_in, dk_buf, dv_buf, ds0, *plan.runtime(), plan.nseg,
-        H=H, HKV=HKV, G_IN_MODE=g_mode, STORE_DS0=need_ds0, **plan.common(),
+        H=H, HKV=HKV, G_IN_MODE=g_mode, STORE_DS0=need_ds0, **plan.common(tiling),
     )
     dq = _sum_partials(dq_buf, nq_dq, q.dtype)
     dk = _sum_partials(dk_buf, nq, k.dtype)
@@ -706,15 +770,17 @@ def residual_linear_attention_triton(
     state_every: int | None = None,
     num_warps: int | None = None,
     fuse_halves: bool | None = None,
+    heads_per_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked Triton RLA, differentiable in q, k, v and initial_state (and through final_state).
 
-    chunk_size C (16-128; 32 on GPU), block_v BV (value columns per program; 64 on GPU),
-    state_every m (chunks per stored state; None = DEFAULT_STATE_EVERY on CUDA and one segment
-    elsewhere, 0 = one sequential segment, nothing stored), num_warps, fuse_halves (both feature halves in
-    one forward / dq program; off by default): tuning knobs, same result.
+    chunk_size C (16-128; 32 on GPU), block_v BV (value columns per program), state_every m (chunks
+    per stored state; None = DEFAULT_STATE_EVERY on CUDA and one segment elsewhere, 0 = one
+    sequential segment, nothing stored), num_warps, fuse_halves (both feature halves in one forward
+    / dq program), heads_per_tile (query heads of a group per tile): tuning knobs, same result.
+    None takes the defaults of ``_Plan``; a value given applies to the forward and the backward.
     """
-    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves)
+    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
     _check_tiling(plan)
     return _ResidualLinearAttention.apply(q, k, v, initial_state, plan)
 

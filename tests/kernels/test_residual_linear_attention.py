@@ -185,6 +185,36 @@ def test_triton_two_partials_and_segment_prefix_sums(feature_map, block_v, state
         assert rel(a, b) < tol, name
 
 
+@needs_triton
+@pytest.mark.parametrize("heads_per_tile,fuse", [(1, False), (2, False), (4, True), (2, True)])
+def test_triton_stacked_query_heads_of_a_group_of_three(heads_per_tile, fuse):
+    """Six query heads on two key/value heads (groups of three) stacked one, two or four per tile:
+    two slices with a padding head in the last, or one slice with one; float32 forward and
+    gradients against the reference, several segments and an initial state."""
+    torch.manual_seed(12)
+    q, k, v, s0 = inputs(2, 45, 6, 2, 16, device=DEVICE, state=True)
+
+    def triton_fn(q, k, v, s0):
+        return residual_linear_attention(
+            q, k, v, 4, "softmax", s0, backend="triton", state_every=1, fuse_halves=fuse, heads_per_tile=heads_per_tile
+        )
+
+    o, f, g = grads(triton_fn, q, k, v, s0)
+    o2, f2, g2 = grads(lambda *a: residual_linear_attention_reference(*a[:3], 4, "softmax", a[3]), q, k, v, s0)
+    assert rel(o, o2) < 1e-5 and rel(f, f2) < 1e-5
+    for name, a, b in zip("q k v s0".split(), g, g2):
+        assert rel(a, b) < 1e-5, name
+
+
+@needs_triton
+def test_heads_per_tile_must_fit_the_group():
+    q, k, v, _ = inputs(1, 8, 4, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="heads_per_tile"):
+        residual_linear_attention(q, k, v, 2, backend="triton", heads_per_tile=4)
+    with pytest.raises(ValueError, match="heads_per_tile"):
+        residual_linear_attention(q, k, v, 2, backend="triton", heads_per_tile=3)
+
+
 def test_default_segments_on_cuda_and_one_segment_elsewhere():
     from hf_hybrid.kernels.residual_linear_attention.triton import DEFAULT_STATE_EVERY, _num_segments
 
@@ -318,7 +348,8 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="backend"):
         residual_linear_attention(q, k, v, 2, backend="cuda")
     with pytest.raises(ValueError, match="head_dim"):
-        residual_linear_attention(torch.randn(1, 8, 2, 24), torch.randn(1, 8, 2, 24), torch.randn(1, 8, 2, 24), 2, backend="triton")
+        odd = [torch.randn(1, 8, 2, 24, device=DEVICE) for _ in range(3)]  # where backend="triton" runs
+        residual_linear_attention(*odd, 2, backend="triton")
     with pytest.raises(ValueError, match="state"):
         residual_linear_attention_decode(torch.randn(2, 4, 16), torch.zeros(2, 3, 32, 16))
 
@@ -385,23 +416,30 @@ def test_gpu_flex_sliding_window_fwd_bwd(seq, w):
         assert rel(a, b) < 2e-2
 
 
-def test_cuda_default_fuses_the_feature_halves_of_long_sequences():
-    """fuse_halves=None: both halves in one program from FUSE_HALVES_MIN_TOKENS tokens per sequence on
-    CUDA (the faster there), split below it and off CUDA; an explicit value always wins."""
+def test_cuda_defaults_fuse_the_forward_and_split_the_backward(monkeypatch):
+    """Compiled (not interpreted): the forward keeps both feature halves in one program over 64
+    value columns and stacks FORWARD_ROWS query rows per tile, the backward splits the halves over
+    whole value rows with BACKWARD_ROWS; the interpreter splits both; a value given applies to both."""
     from types import SimpleNamespace
 
     from hf_hybrid.kernels.residual_linear_attention import triton as rla_triton
 
-    def plan(seq, fuse=None, device="cuda"):
-        q = SimpleNamespace(shape=(1, seq, 4, 64), is_cuda=device == "cuda", dtype=torch.bfloat16, device=torch.device(device))
-        k = SimpleNamespace(shape=(1, seq, 4, 64))
-        return rla_triton._Plan(q, k, "softmax", 512, None, None, None, None, fuse).fuse
+    def plan(fuse=None, heads_per_tile=None, interpreted=False):
+        monkeypatch.setattr(rla_triton, "triton_interpreting", lambda: interpreted)
+        q = SimpleNamespace(shape=(1, 8192, 16, 128), is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda"))
+        k = SimpleNamespace(shape=(1, 8192, 4, 128))
+        return rla_triton._Plan(q, k, "softmax", 512, None, None, None, None, fuse, heads_per_tile)
 
-    threshold = rla_triton.FUSE_HALVES_MIN_TOKENS
-    assert plan(threshold) and plan(2 * threshold)
-    assert not plan(threshold - 1)
-    assert not plan(2 * threshold, fuse=False) and plan(16, fuse=True)
-    assert not plan(2 * threshold, device="cpu")
+    p = plan()
+    assert (p.chunk, p.forward.fuse, p.forward.block_v, p.forward.heads_per_tile) == (32, True, 64, 4)
+    assert (p.backward.fuse, p.backward.block_v, p.backward.heads_per_tile) == (False, 128, 2)
+    assert rla_triton.FORWARD_ROWS == 32 * 4 and rla_triton.BACKWARD_ROWS == 32 * 2
+    p = plan(fuse=False, heads_per_tile=1)
+    assert not p.forward.fuse and not p.backward.fuse and p.forward.block_v == 128
+    assert p.forward.heads_per_tile == p.backward.heads_per_tile == 1
+    assert plan(fuse=True).backward.fuse
+    p = plan(interpreted=True)
+    assert p.chunk == 16 and not p.forward.fuse and p.forward.block_v == 64 and p.forward.heads_per_tile == 4
 
 
 def test_block_masks_of_short_bands_are_built_without_compiling_the_builder(monkeypatch):

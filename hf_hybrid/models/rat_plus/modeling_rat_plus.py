@@ -47,7 +47,6 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
-from ...layers.backbone import layers_run_eagerly
 from ...layers.rat_plus_attention import RatPlusAttention
 from ...sparse import RowPatterns, SparseInferenceConfig
 from ..common import HybridForCausalLM, HybridModel, HybridPreTrainedModel, check_input_shapes
@@ -192,10 +191,7 @@ class RatPlusForCausalLM(RatPlusPreTrainedModel, HybridForCausalLM):
         several = grads and len(patterns) > 1  # else there is one graph, or none
         keep_graphs = self._keeps_every_pattern_graph() if several else None
         if several and keep_graphs is None:
-            # Captured training layers (graph_training_layers) run eagerly here: this keeps a pass's
-            # parameter gradients while later replays run (hf_hybrid/training/layer_graphs.py).
-            with layers_run_eagerly("RAT+'s joint objective (one pass and backward per pattern within the forward)"):
-                first, loss, pattern_losses = joint_loss(pattern_forward, patterns, weights, common, parameters)
+            first, loss, pattern_losses = joint_loss(pattern_forward, patterns, weights, common, parameters)
         elif several and getattr(self, "context_parallel_group", None) is None:
             # Every pattern's activations are kept anyway: one forward over the patterns' rows stacked.
             if not torch.compiler.is_compiling():
