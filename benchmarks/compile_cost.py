@@ -430,7 +430,7 @@ def run(arch: str | None = None, kernel: str | None = None) -> list[dict]:
 
 
 def _rla_rows():
-    """RATTENTION's RLA kernels with the default tiles on CUDA (a fused forward, a split backward)."""
+    """RATTENTION's RLA kernels with the default tiles on CUDA at 8K tokens (split halves, stacked heads)."""
     from .sm90 import rla_report
 
     return rla_report([{}])

@@ -20,9 +20,9 @@ mode, the same math, and Liger's SwiGLU).
 (``hf_hybrid.graph_training_layers``: each layer's forward and backward replayed as CUDA graphs);
 Liger-Llama takes both ways too, so each way has its own baseline row.
 ``--compare rla``: RATTENTION's residual linear attention kernels with their default tiling,
-``stacked`` (a fused forward, the query heads of a group stacked into each tile), against ``split``
-(both passes with the feature halves apart over whole value rows, one query head per tile: the
-former default at 8K).
+``stacked`` (the query heads of a group stacked into each tile), against ``split`` (one query head
+per tile, the feature halves apart over whole value rows in both passes: the former default below
+16K tokens).
 """
 from __future__ import annotations
 

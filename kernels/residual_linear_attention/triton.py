@@ -20,8 +20,9 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
   rounding depend on the order. ``fuse_halves=True`` instead keeps both halves' states in one
   program for the forward and dq kernels: the intra-chunk score matrix sum_f phi_f(q) phi_f(k)^T
   is formed once and no output partials exist, at the price of two [D, BV] float32 states in
-  registers. On CUDA the forward runs fused by default (over BV = 64: no partial outputs to
-  zero, add and convert) and the dq kernel split (its fused form spills more on sm_90).
+  registers. On CUDA the forward runs fused from FUSE_HALVES_MIN_TOKENS tokens (over BV = 64: no
+  partial outputs to zero, add and convert) and the dq kernel always split (its fused form spills
+  more on sm_90).
 * Interleaved state saving (Sec. 3.2, Fig. 2): the sequence is cut into segments of m chunks.
   A light state pass (phi(k) and one product per chunk, one program per segment) sums each
   segment's phi(K')^T V'; a float32 prefix sum over the segments on the host (torch.cumsum,
@@ -516,11 +517,14 @@ class _Tiling:
 DEFAULT_STATE_EVERY = 16
 
 # CUDA defaults at head_dim 128, chunk 32, 16 query / 4 key-value heads (`python -m hf_hybrid.bench.rattention`
-# times the variants; docs/benchmarks/rattention.md): the forward keeps both feature halves in one
-# program (no partial outputs to zero, add and convert) over 64 value columns and stacks 128 query
-# rows per tile; the backward splits the halves over whole value rows and stacks 64 query rows (its
-# dk / dv kernel holds more live tiles, and spills more at 128 rows).
-FORWARD_ROWS, BACKWARD_ROWS = 128, 64
+# times the variants; docs/benchmarks/rattention.md). Split programs (one feature half each, whole
+# value rows) stack SPLIT_ROWS query rows per tile: the fastest forward + backward at 8K, where
+# 128 rows spill more (the dk / dv kernel holds the most live tiles). From FUSE_HALVES_MIN_TOKENS
+# tokens per sequence the forward keeps both halves in one program over 64 value columns with
+# FUSED_ROWS rows (no partial outputs to zero, add and convert; 40% faster at 32K); the backward
+# stays split.
+SPLIT_ROWS, FUSED_ROWS = 64, 128
+FUSE_HALVES_MIN_TOKENS = 16384
 
 
 def _heads_per_tile(group: int, chunk: int, rows: int) -> int:
@@ -540,10 +544,11 @@ def _num_segments(num_chunks: int, state_every: int | None, device: torch.device
 class _Plan:
     """Shapes and segmentation shared by forward and backward, and each pass's tiling.
 
-    Options left None take the defaults: on CUDA chunk 32, a fused forward over 64 value columns
-    and a split backward over whole value rows (FORWARD_ROWS / BACKWARD_ROWS query rows per tile);
-    in the interpreter chunk 16, halves apart and half value rows, so short test sequences span
-    several chunks and every partial sum is exercised. An option given applies to both passes."""
+    Options left None take the defaults: on CUDA chunk 32 and split programs over whole value rows
+    (SPLIT_ROWS query rows per tile), the forward fused over 64 value columns (FUSED_ROWS) from
+    FUSE_HALVES_MIN_TOKENS tokens; in the interpreter chunk 16, halves apart and half value rows,
+    so short test sequences span several chunks and every partial sum is exercised. An option given
+    applies to both passes."""
 
     def __init__(self, q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves,
                  heads_per_tile=None):
@@ -562,7 +567,7 @@ class _Plan:
         self.dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
         group = self.heads // self.kv_heads
 
-        def tiling(fuse_default: bool, rows: int) -> _Tiling:
+        def tiling(fuse_default: bool) -> _Tiling:
             fuse = self.halves == 2 and bool(fuse_default if fuse_halves is None else fuse_halves)
             if block_v:
                 bv = block_v
@@ -570,13 +575,13 @@ class _Plan:
                 bv = max(16, self.dim // 2)
             else:
                 bv = min(self.dim, 64 if fuse else 128)
-            hg = heads_per_tile or _heads_per_tile(group, self.chunk, rows)
+            hg = heads_per_tile or _heads_per_tile(group, self.chunk, FUSED_ROWS if fuse else SPLIT_ROWS)
             state_floats = bv * self.dim * (2 if fuse else 1)
             warps = num_warps or (4 if state_floats < 64 * 128 else 8)
             return _Tiling(bv, hg, fuse, warps)
 
-        self.forward = tiling(not interpreted, FORWARD_ROWS)
-        self.backward = tiling(False, BACKWARD_ROWS)
+        self.forward = tiling(not interpreted and self.seq >= FUSE_HALVES_MIN_TOKENS)
+        self.backward = tiling(False)
 
     def common(self, tiling: _Tiling, halves: bool = True, queries: bool = True):
         """Compile-time arguments of a kernel run with ``tiling`` (the fused ones take no NH, the

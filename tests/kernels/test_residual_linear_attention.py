@@ -416,25 +416,29 @@ def test_gpu_flex_sliding_window_fwd_bwd(seq, w):
         assert rel(a, b) < 2e-2
 
 
-def test_cuda_defaults_fuse_the_forward_and_split_the_backward(monkeypatch):
-    """Compiled (not interpreted): the forward keeps both feature halves in one program over 64
-    value columns and stacks FORWARD_ROWS query rows per tile, the backward splits the halves over
-    whole value rows with BACKWARD_ROWS; the interpreter splits both; a value given applies to both."""
+def test_cuda_defaults_split_the_halves_and_fuse_long_forwards(monkeypatch):
+    """Compiled (not interpreted): split programs over whole value rows stacking SPLIT_ROWS query
+    rows per tile, and from FUSE_HALVES_MIN_TOKENS tokens a forward that keeps both feature halves
+    in one program over 64 value columns with FUSED_ROWS; the interpreter splits both passes; a
+    value given applies to both."""
     from types import SimpleNamespace
 
     from hf_hybrid.kernels.residual_linear_attention import triton as rla_triton
 
-    def plan(fuse=None, heads_per_tile=None, interpreted=False):
+    def plan(seq=8192, fuse=None, heads_per_tile=None, interpreted=False):
         monkeypatch.setattr(rla_triton, "triton_interpreting", lambda: interpreted)
-        q = SimpleNamespace(shape=(1, 8192, 16, 128), is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda"))
-        k = SimpleNamespace(shape=(1, 8192, 4, 128))
+        q = SimpleNamespace(shape=(1, seq, 16, 128), is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda"))
+        k = SimpleNamespace(shape=(1, seq, 4, 128))
         return rla_triton._Plan(q, k, "softmax", 512, None, None, None, None, fuse, heads_per_tile)
 
+    assert rla_triton.SPLIT_ROWS == 32 * 2 and rla_triton.FUSED_ROWS == 32 * 4
     p = plan()
-    assert (p.chunk, p.forward.fuse, p.forward.block_v, p.forward.heads_per_tile) == (32, True, 64, 4)
+    assert p.chunk == 32 and p.forward == p.backward
     assert (p.backward.fuse, p.backward.block_v, p.backward.heads_per_tile) == (False, 128, 2)
-    assert rla_triton.FORWARD_ROWS == 32 * 4 and rla_triton.BACKWARD_ROWS == 32 * 2
-    p = plan(fuse=False, heads_per_tile=1)
+    long = plan(seq=rla_triton.FUSE_HALVES_MIN_TOKENS)
+    assert (long.forward.fuse, long.forward.block_v, long.forward.heads_per_tile) == (True, 64, 4)
+    assert long.backward == p.backward and not plan(seq=rla_triton.FUSE_HALVES_MIN_TOKENS - 1).forward.fuse
+    p = plan(seq=2 * rla_triton.FUSE_HALVES_MIN_TOKENS, fuse=False, heads_per_tile=1)
     assert not p.forward.fuse and not p.backward.fuse and p.forward.block_v == 128
     assert p.forward.heads_per_tile == p.backward.heads_per_tile == 1
     assert plan(fuse=True).backward.fuse
