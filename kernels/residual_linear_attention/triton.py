@@ -565,7 +565,9 @@ class _Plan:
         self.seg_chunks = math.ceil(self.num_chunks / self.nseg)
         self.nseg = math.ceil(self.num_chunks / self.seg_chunks)
         self.dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        group = self.heads // self.kv_heads
+        # A plain int: under torch.compile's dynamic shapes the head counts may be symbolic (this
+        # specialises on them, as the kernels' compile-time H and HKV do anyway).
+        self.group = int(self.heads // self.kv_heads)
 
         def tiling(fuse_default: bool) -> _Tiling:
             fuse = self.halves == 2 and bool(fuse_default if fuse_halves is None else fuse_halves)
@@ -575,7 +577,7 @@ class _Plan:
                 bv = max(16, self.dim // 2)
             else:
                 bv = min(self.dim, 64 if fuse else 128)
-            hg = heads_per_tile or _heads_per_tile(group, self.chunk, FUSED_ROWS if fuse else SPLIT_ROWS)
+            hg = heads_per_tile or _heads_per_tile(self.group, self.chunk, FUSED_ROWS if fuse else SPLIT_ROWS)
             state_floats = bv * self.dim * (2 if fuse else 1)
             warps = num_warps or (4 if state_floats < 64 * 128 else 8)
             return _Tiling(bv, hg, fuse, warps)
@@ -605,7 +607,7 @@ def _check_tiling(plan: _Plan) -> None:
         raise ValueError(f"residual_linear_attention: the Triton kernel supports head_dim in {HEAD_DIMS}; got {plan.dim}.")
     if plan.chunk not in (16, 32, 64, 128):
         raise ValueError(f"residual_linear_attention: chunk_size must be 16, 32, 64 or 128; got {plan.chunk}.")
-    group = plan.heads // plan.kv_heads
+    group = plan.group
     for tiling in (plan.forward, plan.backward):
         if tiling.block_v not in (16, 32, 64, 128) or plan.dim % tiling.block_v:
             raise ValueError(
