@@ -160,6 +160,12 @@ def _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
+def _row_tokens(C: tl.constexpr, HG: tl.constexpr):
+    """The chunk-local token of each row of a query tile of C tokens x HG heads (token-major)."""
+    return tl.arange(0, C * HG) // HG
+
+
+@triton.jit
 def _query_rows(b, T, c, hk, s, H: tl.constexpr, GROUP: tl.constexpr, HG: tl.constexpr, C: tl.constexpr,
                 D: tl.constexpr):
     """Rows of one query tile: chunk c's C tokens, each with HG query heads of key/value head hk's
@@ -169,7 +175,7 @@ def _query_rows(b, T, c, hk, s, H: tl.constexpr, GROUP: tl.constexpr, HG: tl.con
     element offsets of the rows)."""
     r = tl.arange(0, C * HG)
     g = s * HG + r % HG
-    p = c * C + r // HG
+    p = c * C + _row_tokens(C, HG)
     ok = (p < T) & (g < GROUP)
     head = hk * GROUP + g
     off = ((b * T + p).to(tl.int64) * H + head) * D
@@ -230,7 +236,7 @@ def _fwd_kernel(
     SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
-    causal = (tl.arange(0, C * HG) // HG)[:, None] >= offs_c[None, :]  # [query row, key]
+    causal = _row_tokens(C, HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
@@ -275,7 +281,7 @@ def _fwd_fused_kernel(
     S1 = _segment_state(S_IN, seg, B, pid_bk, rows1, HKV, F, D, BV, S_IN_MODE)
     S2 = _segment_state(S_IN, seg, B, pid_bk, rows2, HKV, F, D, BV, S_IN_MODE)
     SLICES: tl.constexpr = (GROUP + HG - 1) // HG
-    causal = (tl.arange(0, C * HG) // HG)[:, None] >= offs_c[None, :]  # [query row, key]
+    causal = _row_tokens(C, HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
@@ -328,7 +334,7 @@ def _dq_fused_kernel(
     S1 = _segment_state(S_IN, seg, B, pid_bk, rows1, HKV, F, D, BV, S_IN_MODE)
     S2 = _segment_state(S_IN, seg, B, pid_bk, rows2, HKV, F, D, BV, S_IN_MODE)
     SLICES: tl.constexpr = (GROUP + HG - 1) // HG
-    causal = (tl.arange(0, C * HG) // HG)[:, None] >= offs_c[None, :]  # [query row, key]
+    causal = _row_tokens(C, HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
@@ -377,7 +383,7 @@ def _dq_kernel(
     SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
-    causal = (tl.arange(0, C * HG) // HG)[:, None] >= offs_c[None, :]  # [query row, key]
+    causal = _row_tokens(C, HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         p = c * C + offs_c
@@ -462,7 +468,7 @@ def _dkv_kernel(
     SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     G = _segment_state(G_IN, NSEG - 1 - seg, B, pid_bk, rows, HKV, F, D, BV, G_IN_MODE)
-    later = offs_c[:, None] <= (tl.arange(0, C * HG) // HG)[None, :]  # [key, query row]
+    later = offs_c[:, None] <= _row_tokens(C, HG)[None, :]  # [key, query row]
     c_start = seg * SEG_CHUNKS
     c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
     for cc in range(c_start, c_stop):
@@ -551,7 +557,7 @@ class _Plan:
     applies to both passes."""
 
     def __init__(self, q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves,
-                 heads_per_tile=None):
+                 heads_per_tile):
         self.batch, self.seq, self.heads, self.dim = q.shape
         self.kv_heads = k.shape[2]
         self.feature = FEATURE_IDS[feature_map]
