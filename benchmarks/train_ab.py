@@ -96,7 +96,8 @@ def run(compare: str, seq: int, rounds: int, steps: int) -> list[dict]:
     names, ways = COMPARISONS[compare]
     device = torch.device("cuda")
     rows: dict[str, list[float]] = {}
-    models = {name: _build(name, seq, device) for name in dict.fromkeys(("llama_liger", *names))}
+    # train(): the fused loss, Liger's fused linear cross-entropy and the recomputed saves are training paths.
+    models = {name: _build(name, seq, device).train() for name in dict.fromkeys(("llama_liger", *names))}
     ids = torch.randint(3, 32000, (1, seq), device=device)
 
     def step(model):

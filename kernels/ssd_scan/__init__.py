@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .._custom_ops import KernelContext, fake_like, kernel_op, optional, placeholder
+from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad, optional, placeholder
 from ..causal_conv1d import causal_conv1d_step
 from .reference import DEFAULT_CHUNK_SIZE, discretize_dt, ssd_scan_reference, ssd_step_reference
 
@@ -116,8 +116,15 @@ def ssd_scan(
     dt = discretize_dt(dt, dt_bias, dt_softplus, tuple(dt_limit))
     if _pick(op, backend, x, B) == "reference" or x.shape[1] == 0:
         return ssd_scan_reference(x, dt, A, B, C, D, initial_state, chunk_size, return_final_state)
-    y, final_state = ssd_scan_fwd(x, dt, A, B, C, D, initial_state)
+    y, final_state, _ = ssd_scan_fwd(x, dt, A, B, C, D, initial_state, _keeps_states(x, dt, A, B, C, D, initial_state))
     return (y, final_state) if return_final_state else y
+
+
+def _keeps_states(x, *others) -> bool:
+    """Whether the forward keeps its chunk states for a backward that will follow (keeps_states)."""
+    from .triton import keeps_states
+
+    return needs_grad(x, *others) and keeps_states(x, others[2])
 
 
 def ssd_step(
@@ -211,49 +218,58 @@ def mamba2_decode_step(
 @kernel_op("ssd_scan_fwd")
 def ssd_scan_fwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, final state) of the Triton SSD scan; dt already discretised."""
+    initial_state: torch.Tensor | None, keep_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, final state, the chunk states kept for the backward or an empty tensor) of the Triton
+    SSD scan; dt already discretised."""
     from .triton import _SSDScan
 
-    return _SSDScan.forward(KernelContext(), x, dt, A, B, C, D, initial_state)
+    return _SSDScan.forward(KernelContext(), x, dt, A, B, C, D, initial_state, keep_states)
 
 
 @ssd_scan_fwd.register_fake
-def _(x, dt, A, B, C, D, initial_state):
-    batch, _, heads, head_dim = x.shape
+def _(x, dt, A, B, C, D, initial_state, keep_states):
+    batch, seq, heads, head_dim = x.shape
     final = torch.empty(batch, heads, head_dim, B.shape[-1], dtype=torch.float32, device=x.device)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), final
+    kept = x.new_empty(0)
+    if keep_states:
+        from .triton import _sizes
+
+        chunks = -(-seq // _sizes()[0])
+        kept = x.new_empty(batch, chunks + 1, heads, head_dim, B.shape[-1])
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), final, kept
 
 
 @kernel_op("ssd_scan_bwd")
 def ssd_scan_bwd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
-    initial_state: torch.Tensor | None, dy: torch.Tensor, dfinal: torch.Tensor | None,
+    initial_state: torch.Tensor | None, kept: torch.Tensor, dy: torch.Tensor, dfinal: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, ddt float32, dA, dB, dC, dD or a placeholder, d initial_state or a placeholder)."""
+    """(dx, ddt float32, dA, dB, dC, dD or a placeholder, d initial_state or a placeholder); ``kept``:
+    the forward's chunk states, or an empty tensor (recomputed here)."""
     from .triton import _SSDScan, _last_dim_contiguous
 
     x, B, C = (_last_dim_contiguous(t) for t in (x, B, C))
-    ctx = KernelContext((x, dt.float().contiguous(), A, B, C, D, initial_state))
-    dx, ddt, dA, dB, dC, dD, dinit = _SSDScan.backward(ctx, dy, dfinal)
+    ctx = KernelContext((x, dt.float().contiguous(), A, B, C, D, initial_state, kept))
+    dx, ddt, dA, dB, dC, dD, dinit, _ = _SSDScan.backward(ctx, dy, dfinal)
     return dx, ddt, dA, dB, dC, placeholder(x) if dD is None else dD, placeholder(x) if dinit is None else dinit
 
 
 @ssd_scan_bwd.register_fake
-def _(x, dt, A, B, C, D, initial_state, dy, dfinal):
+def _(x, dt, A, B, C, D, initial_state, kept, dy, dfinal):
     dx, ddt, dA, dB, dC, dD, dinit = fake_like(x, dt, A, B, C, D, initial_state)
     return dx, ddt.float(), dA, dB, dC, dD, dinit
 
 
 def _ssd_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:7], output[2])
 
 
-def _ssd_backward(ctx, dy, dfinal):
-    x, dt, A, B, C, D, initial_state = ctx.saved_tensors
-    dx, ddt, dA, dB, dC, dD, dinit = ssd_scan_bwd(x, dt, A, B, C, D, initial_state, dy, dfinal)
-    return dx, ddt.to(dt.dtype), dA, dB, dC, optional(dD, D is not None), optional(dinit, initial_state is not None)
+def _ssd_backward(ctx, dy, dfinal, dkept):
+    x, dt, A, B, C, D, initial_state, kept = ctx.saved_tensors
+    dx, ddt, dA, dB, dC, dD, dinit = ssd_scan_bwd(x, dt, A, B, C, D, initial_state, kept, dy, dfinal)
+    return (dx, ddt.to(dt.dtype), dA, dB, dC, optional(dD, D is not None), optional(dinit, initial_state is not None),
+            None)
 
 
 ssd_scan_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup)

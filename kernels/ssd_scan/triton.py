@@ -56,6 +56,9 @@ WARPS = {"states": 4, "output": 4, "dstates": 4, "chunk_bwd": 4}
 # on Hopper; the same products, float32 accumulation); False: every dot in float32 / TF32.
 NATIVE_16BIT_DOTS = True
 HEADS_PER_LAUNCH = 16  # _chunk_bwd's slice of heads (the per-head dB / dC parts exist for one slice)
+# A training forward keeps the chunk states for the backward up to this size (one layer: 134 MB at
+# 8K tokens of the SE hybrid's 1.3B mixer), saving their recomputation; longer sequences recompute.
+KEEP_STATES_MAX_BYTES = 256 * 2**20
 INTERPRET_CHUNK = 16  # tl.dot needs >= 16; small chunks give the interpreter tests several chunks
 INTERPRET_BLOCK_PN = 16
 
@@ -109,10 +112,10 @@ def _decay_matrix(g, L: tl.constexpr):
 @launch_cached
 @triton.jit
 def _states_fwd(
-    X, DT, G, Bm, S, INIT, T, H, P, N, heads_per_group, NT,
+    X, DT, G, Bm, S, S_COPY, INIT, T, H, P, N, heads_per_group, NT,
     sxb, sxt, sxh, sbb, sbt, sbg,
-    L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr,
-    NATIVE16: tl.constexpr,
+    L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_INIT: tl.constexpr, HAS_COPY: tl.constexpr,
+    PREC: tl.constexpr, NATIVE16: tl.constexpr,
 ):
     pid_p, bh = split_program_id(tl.cdiv(P, BP))
     pid_n = tl.program_id(1)
@@ -129,12 +132,16 @@ def _states_fwd(
         state = tl.zeros((BP, BN), dtype=tl.float32)
     for c in range(NT):
         tl.store(S + ((b * (NT + 1) + c) * H + h) * P * N + pn, state.to(S.dtype.element_ty), mask=pn_ok)
+        if HAS_COPY:  # the backward's copy, in its dtype: what _chunk_states(dtype=...) would recompute
+            tl.store(S_COPY + ((b * (NT + 1) + c) * H + h) * P * N + pn, state.to(S_COPY.dtype.element_ty), mask=pn_ok)
         rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
         x = _tile(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
         Br = _tile_raw(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
         v = x * (dt * tl.exp(g_last - g))[:, None]
         state = state * tl.exp(g_last) + _dot_rounded(tl.trans(v), Br, Br, NATIVE16, PREC)
     tl.store(S + ((b * (NT + 1) + NT) * H + h) * P * N + pn, state.to(S.dtype.element_ty), mask=pn_ok)
+    if HAS_COPY:
+        tl.store(S_COPY + ((b * (NT + 1) + NT) * H + h) * P * N + pn, state.to(S_COPY.dtype.element_ty), mask=pn_ok)
 
 
 @launch_cached
@@ -322,26 +329,37 @@ def output_grid(batch: int, heads: int, head_dim: int, n_chunks: int, block: int
     return folded(triton.cdiv(head_dim, block), n_chunks * batch * heads)
 
 
-def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32):
-    """Every chunk's entering state (and the final one), carried in float32, stored as ``dtype``."""
+def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32, copy_dtype=None):
+    """Every chunk's entering state (and the final one), carried in float32, stored as ``dtype``;
+    with ``copy_dtype``, (states, a second copy stored as copy_dtype)."""
     batch, seq, heads, head_dim = x.shape
     state_size = B.shape[-1]
     n_chunks = g.shape[1] // chunk
-    states = torch.empty((batch, n_chunks + 1, heads, head_dim, state_size), dtype=dtype, device=x.device)
+    shape = (batch, n_chunks + 1, heads, head_dim, state_size)
+    states = torch.empty(shape, dtype=dtype, device=x.device)
+    copy = torch.empty(shape, dtype=copy_dtype, device=x.device) if copy_dtype is not None else None
     init = initial_state.float().contiguous() if initial_state is not None else states
     grid = state_grid(batch, heads, head_dim, state_size, block)
     _states_fwd[grid](
-        x, dt, g, B, states, init, seq, heads, head_dim, state_size, heads // B.shape[2], n_chunks,
-        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        L=chunk, BP=block, BN=block, HAS_INIT=initial_state is not None, PREC=_precision(x, B), NATIVE16=_native16(x, B),
-        num_warps=WARPS["states"],
+        x, dt, g, B, states, copy if copy is not None else states, init, seq, heads, head_dim, state_size,
+        heads // B.shape[2], n_chunks, x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        L=chunk, BP=block, BN=block, HAS_INIT=initial_state is not None, HAS_COPY=copy is not None,
+        PREC=_precision(x, B), NATIVE16=_native16(x, B), num_warps=WARPS["states"],
     )
-    return states
+    return states if copy is None else (states, copy)
+
+
+def keeps_states(x: torch.Tensor, B: torch.Tensor) -> bool:
+    """Whether a forward that the backward will follow keeps the chunk states for it (in x's dtype)
+    instead of the backward recomputing them: when they take at most KEEP_STATES_MAX_BYTES."""
+    batch, seq, heads, head_dim = x.shape
+    n_chunks = triton.cdiv(seq, _sizes()[0])
+    return batch * (n_chunks + 1) * heads * head_dim * B.shape[-1] * x.element_size() <= KEEP_STATES_MAX_BYTES
 
 
 class _SSDScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, initial_state):
+    def forward(ctx, x, dt, A, B, C, D, initial_state, keep_states=False):
         chunk, block = _sizes()
         x, B, C = (_last_dim_contiguous(t) for t in (x, B, C))
         dt = dt.float().contiguous()
@@ -349,7 +367,11 @@ class _SSDScan(torch.autograd.Function):
         state_size = B.shape[-1]
         g = _chunk_log_decay(dt, A, chunk)
         n_chunks = g.shape[1] // chunk
-        states = _chunk_states(x, dt, g, B, initial_state, chunk, block)
+        kept = x.new_empty(0)
+        if keep_states:
+            states, kept = _chunk_states(x, dt, g, B, initial_state, chunk, block, copy_dtype=x.dtype)
+        else:
+            states = _chunk_states(x, dt, g, B, initial_state, chunk, block)
         y = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
         grid = output_grid(batch, heads, head_dim, n_chunks, block)
         _output_fwd[grid](
@@ -360,22 +382,22 @@ class _SSDScan(torch.autograd.Function):
             L=chunk, BP=block, BN=block, HAS_D=D is not None, PREC=_precision(x, B, C), NATIVE16=_native16(x, B, C),
             num_warps=WARPS["output"],
         )
-        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, kept)
         final_state = states[:, -1].clone()
-        return y, final_state
+        return y, final_state, kept
 
     @staticmethod
-    def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+    def backward(ctx, dy, dfinal, dkept=None):
+        x, dt, A, B, C, D, initial_state, kept = ctx.saved_tensors
         chunk, block = _sizes()
         dy = _last_dim_contiguous(dy)
         batch, seq, heads, head_dim = x.shape
         groups, state_size = B.shape[-2:]
         g = _chunk_log_decay(dt, A, chunk)
         n_chunks = g.shape[1] // chunk
-        # Recomputed, not kept; stored in the inputs' dtype (float32 at T = 32K: 1 GiB), read by
-        # _chunk_bwd only.
-        states = _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=x.dtype)
+        # Kept by the forward (keeps_states; never empty then), or recomputed; in the inputs' dtype (float32 at T = 32K:
+        # 1 GiB), read by _chunk_bwd only.
+        states = kept if kept.numel() else _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=x.dtype)
         prec = _precision(x, B, C)
         f32 = dict(dtype=torch.float32, device=x.device)
         # The gradients of the chunk states, stored in the inputs' dtype (carried in float32 inside
@@ -424,11 +446,11 @@ class _SSDScan(torch.autograd.Function):
         dB, dC = dB.to(B.dtype), dC.to(C.dtype)
         dD = dD_parts.sum((0, 1)).to(D.dtype) if D is not None else None
         dinit = dinit.to(initial_state.dtype) if initial_state is not None else None
-        return dx, ddt, dA, dB, dC, dD, dinit
+        return dx, ddt, dA, dB, dC, dD, dinit, None
 
 
 def ssd_scan_triton(x, dt, A, B, C, D, initial_state, return_final_state):
-    y, final_state = _SSDScan.apply(x, dt, A, B, C, D, initial_state)
+    y, final_state, _ = _SSDScan.apply(x, dt, A, B, C, D, initial_state, torch.is_grad_enabled() and keeps_states(x, B))
     return (y, final_state) if return_final_state else y
 
 

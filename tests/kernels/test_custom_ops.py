@@ -110,8 +110,9 @@ def _cases():
     sx, sdt = leaf(B, 21, 4, 8), (0.1 + torch.rand(B, 21, 4, device=DEVICE)).requires_grad_()
     sA = (-torch.rand(4, device=DEVICE) - 0.2).requires_grad_()
     sB, sC = leaf(B, 21, 2, 6), leaf(B, 21, 2, 6)
-    yield "ssd_scan", ssd.ssd_scan_fwd, (sx, sdt, sA, sB, sC, None, None)
-    yield "ssd_scan_D_state", ssd.ssd_scan_fwd, (sx, sdt, sA, sB, sC, leaf(4), leaf(B, 4, 8, 6))
+    yield "ssd_scan", ssd.ssd_scan_fwd, (sx, sdt, sA, sB, sC, None, None, False)
+    yield "ssd_scan_kept_states", ssd.ssd_scan_fwd, (sx, sdt, sA, sB, sC, None, None, True)
+    yield "ssd_scan_D_state", ssd.ssd_scan_fwd, (sx, sdt, sA, sB, sC, leaf(4), leaf(B, 4, 8, 6), False)
     # decode steps (no gradient): the RLA step out of place and in place, RAT's whole step in place
     dq, state = torch.randn(B, 4, D, device=DEVICE), torch.randn(B, 2, 2 * D, D, device=DEVICE)
     leaving = torch.randn(B, 2, D, device=DEVICE), torch.randn(B, 2, D, device=DEVICE)

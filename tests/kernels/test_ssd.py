@@ -151,6 +151,37 @@ def test_triton_backward_in_slices_of_heads_is_the_whole_one(heads_per_launch, m
         torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backward_from_kept_states_is_the_recomputed_one(dtype, monkeypatch):
+    """A training forward keeps the chunk states (in x's dtype) up to KEEP_STATES_MAX_BYTES; the
+    backward from them equals the backward that recomputes them, bit for bit; a no-grad forward keeps none."""
+    from hf_hybrid.kernels.ssd_scan import ssd_scan_fwd
+    from hf_hybrid.kernels.ssd_scan import triton as ssd_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+    t = {k: v.to(device) for k, v in inputs(seq=37, heads=4, head_dim=8, groups=2, state=6, dtype=dtype).items()}
+    results = []
+    for limit in (2**40, 0):
+        monkeypatch.setattr(ssd_triton, "KEEP_STATES_MAX_BYTES", limit)
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items() if v is not None}
+        y, final = ssd_scan(**leaves, dt_softplus=True, return_final_state=True, backend="triton")
+        loss = y.float().square().sum() + final.square().sum()
+        results.append((y, final, *torch.autograd.grad(loss, list(leaves.values()))))
+    assert ssd_triton.keeps_states(t["x"], t["B"]) is False  # limit 0
+    for kept, recomputed in zip(*results):
+        assert torch.equal(kept, recomputed)
+    monkeypatch.setattr(ssd_triton, "KEEP_STATES_MAX_BYTES", 2**40)
+    dt = discretize_dt(t["dt"], t["dt_bias"], True)
+    *_, kept = ssd_scan_fwd(t["x"], dt, t["A"], t["B"], t["C"], t["D"], t["initial_state"], True)
+    assert kept.dtype == dtype and kept.shape[:3] == (2, 37 // ssd_triton._sizes()[0] + 2, 4)
+    from hf_hybrid.kernels.ssd_scan import _keeps_states
+
+    x = t["x"].clone().requires_grad_()
+    assert _keeps_states(x, dt, t["A"], t["B"], t["C"], t["D"], None)
+    with torch.no_grad():
+        assert not _keeps_states(x, dt, t["A"], t["B"], t["C"], t["D"], None)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_triton_step_matches_reference(dtype, tol):
     t = inputs(seq=1, dtype=dtype)
