@@ -5,9 +5,15 @@ matters, ``<op>/triton.py`` (Triton itself is imported only when a Triton backen
 """
 from __future__ import annotations
 
-# Python can find this folder as a top-level `kernels` when run from a checkout's root, where
-# transformers probes for Hugging Face's own `kernels` package: stay an empty shell then.
-if __name__ != "kernels":
+# Python finds this folder as a top-level `kernels` when run from a checkout's root (`python -m
+# benchmarks.X`, PYTHONPATH=$PWD). That name is Hugging Face's kernel-hub package, which transformers
+# imports where it is installed (a dependency of newer releases): hand the name over to it then, and
+# otherwise stay an empty shell.
+if __name__ == "kernels":
+    from ._top_level_name import hand_over_to_the_hub_package
+
+    hand_over_to_the_hub_package(__file__)
+else:
     from .causal_conv1d import causal_conv1d, causal_conv1d_step
     from .chunk_attention import block_end_attention, chunk_end_attention
     from .forgetting_attention import forgetting_attention, forgetting_attention_with_cache

@@ -30,3 +30,27 @@ def test_the_package_never_imports_the_uninstalled_benchmarks():
             assert not pattern.search(path.read_text()), f"{path.relative_to(ROOT)} imports benchmarks/"
     found = find_packages(str(ROOT), include=["hf_hybrid", "hf_hybrid.*"])
     assert not [name for name in found if "benchmarks" in name.split(".")]
+
+
+def test_a_checkout_root_on_sys_path_leaves_the_name_kernels_to_the_hub_package():
+    """From a checkout's root (`python -m benchmarks.X`), ``import kernels`` finds this repository's
+    kernels/ first. Where Hugging Face's kernel-hub package is installed (transformers imports it),
+    the name must be the hub's; elsewhere it is an empty shell. transformers and hf_hybrid import."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    try:
+        importlib.metadata.version("kernels")
+        hub = True
+    except importlib.metadata.PackageNotFoundError:
+        hub = False
+    probe = (
+        "import kernels, transformers.modeling_utils, hf_hybrid.kernels as ours; "
+        "print(kernels.__file__); print(hasattr(kernels, 'causal_conv1d')); print(hasattr(ours, 'causal_conv1d'))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    location, shell_has_ops, ours_has_ops = done.stdout.split()
+    assert shell_has_ops == "False" and ours_has_ops == "True"
+    assert (Path(location).resolve().parent == ROOT / "kernels") is not hub
