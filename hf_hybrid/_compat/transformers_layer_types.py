@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from . import within
 
-TRANSFORMERS_VERSIONS = ((5, 17), (5, 24))  # first and last (major, minor) checked, inclusive
+TRANSFORMERS_VERSIONS = ((5, 17), (5, 25))  # first and last (major, minor) checked, inclusive
 _KINDS: dict[str, tuple[str, ...]] = {}  # model_type -> the layer kinds of that architecture
 
 

@@ -62,6 +62,13 @@ def tokens_to_keep(max_length: int, seq_length: int) -> int:
     return keep
 
 
+def widen_crop_window(layer, tokens: int | None) -> None:
+    """transformers >= 5.25 passes ``activate_past_recording(recurrent_states_to_keep=n)``: the most
+    tokens its next crop may remove (the draft length). A layer keeps at least that many."""
+    if tokens is not None and int(tokens) > getattr(layer, "crop_window", 0):
+        layer.crop_window = int(tokens)
+
+
 def crop_limit_error(layer, removed: int, removable: int) -> ValueError:
     """The error of a crop of ``removed`` tokens where ``layer`` can only remove ``removable``."""
     if not getattr(layer, "record_past", False):
@@ -162,8 +169,9 @@ class StateHistoryMixin:
     record_past = False
     crop_window = DEFAULT_CROP_WINDOW
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **_) -> None:
         self.record_past = True
+        widen_crop_window(self, recurrent_states_to_keep)
 
     @property
     def state_history(self) -> TokenHistory:

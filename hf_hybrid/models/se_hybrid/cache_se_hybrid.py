@@ -34,6 +34,7 @@ from ..cache_layer import (
     TokenHistory,
     crop_limit_error,
     tokens_to_keep,
+    widen_crop_window,
 )
 from .configuration_se_hybrid import canonical_layer_type
 
@@ -44,6 +45,12 @@ class SEMambaLayerCache(LinearAttentionLayer):
     def __init__(self, parent: Cache | None = None, **kwargs):
         super().__init__(**kwargs)
         self.parent = parent
+
+    def get_seq_length(self) -> int:
+        """The stack's length (a host int; SEHybridCache.get_seq_length)."""
+        if self.parent is not None:
+            return self.parent.get_seq_length()
+        return int(super().get_seq_length()) if hasattr(super(), "get_seq_length") else 0
 
     # Static decode protocol (hf_hybrid/generation/graph_decode.py): the conv and SSM states already
     # have fixed shapes and the fused decode step updates them in place, so nothing moves per token.
@@ -67,8 +74,11 @@ class SEMambaLayerCache(LinearAttentionLayer):
     def is_croppable(self) -> bool:
         return True
 
-    def activate_past_recording(self) -> None:
-        super().activate_past_recording()
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        if recurrent_states_to_keep is not None:  # transformers >= 5.25
+            kwargs["recurrent_states_to_keep"] = recurrent_states_to_keep
+        super().activate_past_recording(**kwargs)
+        widen_crop_window(self, recurrent_states_to_keep)
         self._start_scan_record()
 
     def _start_scan_record(self) -> None:
@@ -132,7 +142,7 @@ class SEMambaLayerCache(LinearAttentionLayer):
         if conv.shape[-1] < width:
             # fewer inputs than the crop and the kernel span: the sequence starts there (zeros before it)
             self.conv_states[0] = torch.cat([conv.new_zeros(*conv.shape[:-1], width - conv.shape[-1]), conv], dim=-1)
-        super().crop(tokens_to_remove)
+        self._crop_conv_state(removed)
         if removed:
             kept = len(history) - removed
             state = self._scan(self._scan_base, *(t[:, :kept] for t in history.tensors))
@@ -141,6 +151,16 @@ class SEMambaLayerCache(LinearAttentionLayer):
             else:
                 self.recurrent_states[0].copy_(state)
         self._start_scan_record()
+
+    def _crop_conv_state(self, removed: int) -> None:
+        """The conv inputs back to the kernel's span before the last ``removed`` tokens (what
+        transformers' own crop did to them before 5.25, which also rewinds a recurrent-state history
+        this layer does not keep)."""
+        kernel = self.conv_kernel_size[0]
+        conv = self.conv_states[0]
+        self.conv_states[0] = conv[..., -removed - kernel : -removed] if removed else conv[..., -kernel:]
+        if removed and hasattr(self, "cumulative_length_linear"):  # transformers >= 5.25 counts tokens here
+            self.cumulative_length_linear.sub_(removed)
 
     def reset(self) -> None:
         super().reset()
@@ -318,9 +338,10 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
     # since (the last crop_window; older ones are advanced into the checkpoint). A crop advances
     # the checkpoint over the kept queries with the layer's own row-state step (handed over with
     # the queries), so the retrieval state is exactly what the kept tokens alone would give.
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **_) -> None:
         self._leave_static_decode()
         self.record_past = True
+        widen_crop_window(self, recurrent_states_to_keep)
         self._start_query_record()
 
     def _start_query_record(self) -> None:
@@ -397,6 +418,19 @@ class SEHybridCache(CroppableCacheMixin, Cache):
         kinds = [canonical_layer_type(t) for t in config.layer_types]
         layers = [SEMambaLayerCache(parent=self) if kind == "mamba" else SEAttentionLayerCache() for kind in kinds]
         super().__init__(layers=layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached, as an attention layer counts them: a Mamba layer's index answers for the
+        first attention layer (transformers < 5.25 did the same; from 5.25 a Mamba layer counts only
+        the tokens that pass its update methods, and the decode step writes its states in place)."""
+        if layer_idx >= len(self.layers):
+            return 0
+        if isinstance(self.layers[layer_idx], SEMambaLayerCache):
+            attention = [layer for layer in self.layers if isinstance(layer, SEAttentionLayerCache)]
+            if not attention:
+                raise ValueError("get_seq_length needs an attention layer: this SE hybrid cache holds Mamba layers only.")
+            return attention[0].get_seq_length()
+        return self.layers[layer_idx].get_seq_length()
 
     def nbytes_per_layer(self) -> list[int]:
         """Bytes each layer's cache holds now (K/V + summaries, or conv + SSM states)."""
