@@ -268,8 +268,8 @@ def _window_launches():
 
 
 def _se_hybrid_launches():
-    """The SE hybrid's Mamba-2 layers: causal conv1d, the SSD scan (states, output; backward: the
-    states again stored in bf16, their gradients, the chunk backward), the gated RMSNorm; generate():
+    """The SE hybrid's Mamba-2 layers: causal conv1d, the SSD scan (states, kept in bf16 by the
+    training forward; output; backward: the states' gradients, the chunk backward), the gated RMSNorm; generate():
     the forward kernels, then the decode step's conv step and SSM step. Its SE attention layer in
     the 1.3B stack's mode (``full``) is one causal SDPA call (cuDNN / FlashAttention: no Triton) and
     RoPE is PyTorch's."""
@@ -277,14 +277,17 @@ def _se_hybrid_launches():
     from hf_hybrid.kernels.gated_rms_norm import triton as grn
     from hf_hybrid.kernels.ssd_scan import triton as ssd
 
-    conv_common = dict(K=MAMBA_CONV, HAS_BIAS=True, HAS_STATE=False, SILU=True, BT=conv.BLOCK_T, BC=conv.BLOCK_C)
-    conv_fwd = Launch("causal_conv1d.triton:_conv_fwd", _types("X", "W", "BIAS", "STATE", "OUT"), conv_common)
+    fwd_t, fwd_c, fwd_warps = conv.FORWARD_TILE
+    bwd_t, bwd_c, bwd_warps = conv.BACKWARD_TILE
+    conv_common = dict(K=MAMBA_CONV, HAS_BIAS=True, HAS_STATE=False, SILU=True)
+    conv_fwd = Launch("causal_conv1d.triton:_conv_fwd", _types("X", "W", "BIAS", "STATE", "OUT"),
+                      dict(conv_common, BT=fwd_t, BC=fwd_c), fwd_warps)
     ssd_common = dict(L=ssd.CHUNK, BP=ssd.BLOCK_PN, BN=ssd.BLOCK_PN, PREC="tf32", NATIVE16=True)
     ssd_in = dict(_types("X", "Bm", "Cm", "Dv"), DT=F32, G=F32)
 
-    def states(dtype, note):
-        return Launch("ssd_scan.triton:_states_fwd", dict(ssd_in, S=dtype, INIT=dtype), dict(ssd_common, HAS_INIT=False),
-                      ssd.WARPS["states"], note=note)
+    def states(keep: bool, note):  # keep: the training forward also stores the states in bf16 for the backward
+        return Launch("ssd_scan.triton:_states_fwd", dict(ssd_in, S=F32, S_COPY=BF if keep else F32, INIT=F32),
+                      dict(ssd_common, HAS_INIT=False, HAS_COPY=keep), ssd.WARPS["states"], note=note)
 
     output = Launch("ssd_scan.triton:_output_fwd", dict(ssd_in, S=F32, Y=BF), dict(ssd_common, HAS_D=True),
                     ssd.WARPS["output"])
@@ -293,23 +296,23 @@ def _se_hybrid_launches():
     norm_fwd = Launch("gated_rms_norm.triton:_fwd_kernel", _types("Y", "Z", "W", "OUT"), norm,
                       grn._forward_warps(block_d * block_t))
     train = [
-        conv_fwd, states(F32, "chunk states"), output, norm_fwd,
+        conv_fwd, states(True, "chunk states, kept in bf16 for the backward"), output, norm_fwd,
         Launch("gated_rms_norm.triton:_bwd_kernel", dict(_types("Y", "Z", "W", "DOUT", "DY", "DZ"), DW_PART=F32), norm,
                grn._backward_warps(block_d * block_t)),
-        states(BF, "backward: chunk states again, stored in bf16"),
         Launch("ssd_scan.triton:_dstates_bwd", dict(ssd_in, DY=BF, DS=BF, DFINAL=F32, DINIT=F32),
                dict(ssd_common, HAS_DFINAL=False), ssd.WARPS["dstates"]),
         Launch("ssd_scan.triton:_chunk_bwd", dict(ssd_in, **_types("S", "DS", "DY", "DX", "DBH", "DCH"), DDT=F32, DG=F32,
                                                   DDP=F32),
                dict(ssd_common, BP=max(16, triton.next_power_of_2(MAMBA_HEAD_DIM)), HAS_D=True), ssd.WARPS["chunk_bwd"]),
-        Launch("causal_conv1d.triton:_conv_bwd_pre", dict(_types("X", "W", "BIAS", "STATE", "DOUT"), DPRE=F32,
-                                                          DW_PART=F32, DB_PART=F32), conv_common),
-        Launch("causal_conv1d.triton:_conv_bwd_dx", dict(DPRE=F32, W=BF, DX=BF),
-               dict(K=MAMBA_CONV, BT=conv.BLOCK_T, BC=conv.BLOCK_C)),
+        Launch("causal_conv1d.triton:_conv_bwd_pre", dict(_types("X", "W", "BIAS", "STATE", "DOUT", "DPRE"),
+                                                          DW_PART=F32, DB_PART=F32),
+               dict(conv_common, BT=bwd_t, BC=bwd_c), bwd_warps),
+        Launch("causal_conv1d.triton:_conv_bwd_dx", _types("DPRE", "W", "DX"), dict(K=MAMBA_CONV, BT=bwd_t, BC=bwd_c),
+               bwd_warps),
     ]
     block_n = max(16, triton.next_power_of_2(MAMBA_STATE))
     generate = [
-        conv_fwd, states(F32, "prefill"), output, norm_fwd,
+        conv_fwd, states(False, "prefill"), output, norm_fwd,
         Launch("causal_conv1d.triton:_conv_step", _types("X", "STATE", "W", "BIAS", "OUT"),
                dict(K=MAMBA_CONV, HAS_BIAS=True, SILU=True, BC=256), note="decode step"),
         Launch("ssd_scan.triton:_step", dict(_types("X", "DT", "Bm", "Cm", "Dv", "DT_BIAS", "Y"), STATE=F32, A=F32),

@@ -5,7 +5,7 @@ of the tile is contiguous). The K taps are unrolled: out[t] = act(bias + sum_k w
 where inputs before the sequence start come from the carried state (or are zero).
 
 Backward in two passes, no atomics:
-  1. dpre = dout * act'(pre) (pre recomputed from x), stored in float32; per program a partial
+  1. dpre = dout * act'(pre) (pre recomputed from x), stored in x's dtype; per program a float32 partial
      sum of dweight[c, k] = sum_t dpre[t] x[t - K + 1 + k] and dbias[c] = sum_t dpre[t] (torch adds
      the few partials per channel afterwards: deterministic);
   2. dx[s] = sum_k w[k] dpre[s + K - 1 - k] (the transposed convolution).
@@ -21,14 +21,17 @@ from ..._compat.triton_launch import launch_cached
 from .._backend import triton_interpreting
 from .._grid import folded, split_program_id
 
-BLOCK_T = 64
-BLOCK_C = 64
-INTERPRET_BLOCK_T = 8  # the CPU interpreter runs tiny shapes: several token blocks per test
-INTERPRET_BLOCK_C = 32
+# (tokens, channels, warps) of a tile, each direction its own: the fastest of a sweep at the SE
+# hybrid's shape (docs/benchmarks/se_hybrid.md). Larger backward tiles at 2 warps spill registers.
+FORWARD_TILE = (32, 128, 4)
+BACKWARD_TILE = (64, 64, 2)
+INTERPRET_TILE = (8, 32, 4)  # the CPU interpreter runs tiny shapes: several token blocks per test
 
 
-def _blocks() -> tuple[int, int]:
-    return (INTERPRET_BLOCK_T, INTERPRET_BLOCK_C) if triton_interpreting() else (BLOCK_T, BLOCK_C)
+def _tile(backward: bool) -> tuple[int, int, int]:
+    if triton_interpreting():
+        return INTERPRET_TILE
+    return BACKWARD_TILE if backward else FORWARD_TILE
 
 
 @triton.jit
@@ -173,12 +176,13 @@ class _CausalConv1d(torch.autograd.Function):
         width = weight.shape[1]
         out = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
         state, ssb, ssc = _state_arg(initial_state, x)
-        bt, bc = _blocks()
+        bt, bc, warps = _tile(backward=False)
         grid = conv_grid(batch, seq, channels, bt, bc)
         _conv_fwd[grid](
             x, weight, bias if bias is not None else weight, state, out, seq, channels,
             x.stride(0), x.stride(1), ssb, ssc, out.stride(0), out.stride(1),
             K=width, HAS_BIAS=bias is not None, HAS_STATE=initial_state is not None, SILU=silu, BT=bt, BC=bc,
+            num_warps=warps,
         )
         ctx.save_for_backward(x, weight, bias, initial_state)
         ctx.silu = silu
@@ -190,9 +194,12 @@ class _CausalConv1d(torch.autograd.Function):
         dout = _rows_contiguous(dout)
         batch, seq, channels = x.shape
         width = weight.shape[1]
-        bt, bc = _blocks()
+        bt, bc, warps = _tile(backward=True)
         grid = conv_grid(batch, seq, channels, bt, bc)
-        dpre = torch.empty((batch, seq, channels), dtype=torch.float32, device=x.device)
+        # The gradient before the activation, stored in x's dtype for dx (computed and reduced into
+        # dweight / dbias in float32 inside the first kernel): in float32 it cost the two kernels
+        # about 40% more time at the SE hybrid's shape.
+        dpre = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
         dw_part = torch.empty((grid[0], channels, width), dtype=torch.float32, device=x.device)
         db_part = torch.empty((grid[0], channels), dtype=torch.float32, device=x.device)
         state, ssb, ssc = _state_arg(initial_state, x)
@@ -200,11 +207,14 @@ class _CausalConv1d(torch.autograd.Function):
             x, weight, bias if bias is not None else weight, state, dout, dpre, dw_part, db_part, seq, channels,
             x.stride(0), x.stride(1), ssb, ssc, dout.stride(0), dout.stride(1),
             K=width, HAS_BIAS=bias is not None, HAS_STATE=initial_state is not None, SILU=ctx.silu, BT=bt, BC=bc,
+            num_warps=warps,
         )
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
-            _conv_bwd_dx[grid](dpre, weight, dx, seq, channels, dx.stride(0), dx.stride(1), K=width, BT=bt, BC=bc)
+            _conv_bwd_dx[grid](
+                dpre, weight, dx, seq, channels, dx.stride(0), dx.stride(1), K=width, BT=bt, BC=bc, num_warps=warps,
+            )
         dweight = dw_part.sum(0).to(weight.dtype)
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
         dstate = None
@@ -215,7 +225,7 @@ class _CausalConv1d(torch.autograd.Function):
                 for k in range(width):
                     t = j - 1 - k
                     if 0 <= t < seq:
-                        dstate[:, :, j] += weight[:, k].float() * dpre[:, t, :]
+                        dstate[:, :, j] += weight[:, k].float() * dpre[:, t, :].float()
             dstate = dstate.to(initial_state.dtype)
         return dx, dweight, dbias, dstate, None
 
@@ -237,7 +247,7 @@ def causal_conv1d_step_triton(x, conv_state, weight, bias, activation, out):
     if out is None:
         out = torch.empty_like(x)
     weight = weight if weight.is_contiguous() else weight.contiguous()
-    bc = INTERPRET_BLOCK_C if triton_interpreting() else 256
+    bc = INTERPRET_TILE[1] if triton_interpreting() else 256
     _conv_step[(batch, triton.cdiv(channels, bc))](
         x, conv_state, weight, bias if bias is not None else weight, out, channels,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),

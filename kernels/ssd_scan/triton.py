@@ -55,7 +55,9 @@ WARPS = {"states": 4, "output": 4, "dstates": 4, "chunk_bwd": 4}
 # Dots whose operands hold 16-bit values exactly run on 16-bit tensor cores (twice TF32's rate
 # on Hopper; the same products, float32 accumulation); False: every dot in float32 / TF32.
 NATIVE_16BIT_DOTS = True
-HEADS_PER_LAUNCH = 16  # _chunk_bwd's slice of heads (the per-head dB / dC parts exist for one slice)
+# _chunk_bwd's slice of heads: the per-head dB / dC parts exist for one slice at a time and take at
+# most this many bytes (all 64 heads of the SE hybrid up to 8K tokens, 16 at 32K).
+CHUNK_BWD_PARTS_MAX_BYTES = 256 * 2**20
 # A training forward keeps the chunk states for the backward up to this size (one layer: 134 MB at
 # 8K tokens of the SE hybrid's 1.3B mixer), saving their recomputation; longer sequences recompute.
 KEEP_STATES_MAX_BYTES = 256 * 2**20
@@ -283,9 +285,10 @@ def _chunk_bwd(
     tl.store(DG + (b * NT * L + c * L + tl.arange(0, L)) * H + h, dg)
 
 
-def _heads_per_launch(heads: int, per_group: int) -> int:
-    """Heads per _chunk_bwd launch: at most HEADS_PER_LAUNCH, dividing a group or made of whole groups."""
-    target = HEADS_PER_LAUNCH
+def _heads_per_launch(heads: int, per_group: int, bytes_per_head: int) -> int:
+    """Heads per _chunk_bwd launch: as many as CHUNK_BWD_PARTS_MAX_BYTES holds (at least one),
+    dividing a group or made of whole groups."""
+    target = max(1, CHUNK_BWD_PARTS_MAX_BYTES // max(1, bytes_per_head))
     if per_group >= target:
         return max(d for d in range(1, target + 1) if per_group % d == 0)
     whole = max(1, target // per_group)
@@ -415,13 +418,16 @@ class _SSDScan(torch.autograd.Function):
         ddt = torch.empty((batch, seq, heads), **f32)
         dg = torch.empty((batch, n_chunks * chunk, heads), **f32)
         dD_parts = torch.empty((batch, n_chunks, heads), **f32) if D is not None else ddt
-        # Per-head parts of dB / dC, one slice of heads per launch, summed over each group's heads
-        # into float32 accumulators: for all 64 heads at T = 32K they were 1 GiB (in bf16), alive at
-        # the backward's peak.
+        # Per-head parts of dB / dC, summed over each group's heads in float32: all heads in one
+        # launch where they fit CHUNK_BWD_PARTS_MAX_BYTES, else one slice of heads per launch into
+        # float32 accumulators (for all 64 heads at T = 32K they were 1 GiB in bf16, alive at the
+        # backward's peak).
         per_group = heads // groups
-        slice_heads = _heads_per_launch(heads, per_group)
-        dB = torch.zeros((batch, seq, groups, state_size), **f32)
-        dC = torch.zeros((batch, seq, groups, state_size), **f32)
+        slice_heads = _heads_per_launch(heads, per_group, 2 * batch * seq * state_size * B.element_size())
+        whole = slice_heads == heads  # one launch: its parts reduce straight into dB / dC
+        if not whole:
+            dB = torch.zeros((batch, seq, groups, state_size), **f32)
+            dC = torch.zeros((batch, seq, groups, state_size), **f32)
         dBh = torch.empty((batch, seq, slice_heads, state_size), dtype=B.dtype, device=x.device)
         dCh = torch.empty_like(dBh)
         for h0 in range(0, heads, slice_heads):
@@ -434,6 +440,10 @@ class _SSDScan(torch.autograd.Function):
                 NATIVE16=_native16(x, B, C, dy),
                 num_warps=WARPS["chunk_bwd"],
             )
+            if whole:
+                dB = dBh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32)
+                dC = dCh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32)
+                break
             g0, g1 = h0 // per_group, (h0 + slice_heads - 1) // per_group + 1
             in_group = min(slice_heads, per_group)
             dB[:, :, g0:g1] += dBh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)

@@ -135,18 +135,20 @@ def test_triton_matches_reference_forward_and_backward(dtype, tol, seq, heads, h
 
 @pytest.mark.parametrize("heads_per_launch", [1, 2])
 def test_triton_backward_in_slices_of_heads_is_the_whole_one(heads_per_launch, monkeypatch):
-    """_chunk_bwd runs one slice of heads per launch (slices inside a group and of whole groups)."""
+    """_chunk_bwd runs one slice of heads per launch (slices inside a group and of whole groups) when
+    all heads' dB / dC parts would take more than CHUNK_BWD_PARTS_MAX_BYTES."""
     from hf_hybrid.kernels.ssd_scan import triton as ssd_triton
 
     t = inputs(seq=21, heads=4, head_dim=8, groups=2, state=6, dtype=torch.float32, initial=True)
+    per_head = 2 * 2 * 21 * 6 * 4  # dB and dC parts of one head: batch x seq x state float32
     grads = []
-    for target in (16, heads_per_launch):
-        monkeypatch.setattr(ssd_triton, "HEADS_PER_LAUNCH", target)
+    for target in (4, heads_per_launch):
+        monkeypatch.setattr(ssd_triton, "CHUNK_BWD_PARTS_MAX_BYTES", target * per_head + per_head // 2)
         leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items() if v is not None}
         y, final = ssd_scan(**leaves, dt_softplus=True, return_final_state=True, chunk_size=8, backend="triton")
         loss = y.square().sum() + final.square().sum()
         grads.append(torch.autograd.grad(loss, list(leaves.values())))
-    assert ssd_triton._heads_per_launch(4, 2) == heads_per_launch
+    assert ssd_triton._heads_per_launch(4, 2, per_head) == heads_per_launch
     for whole, sliced in zip(*grads):
         torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
 
