@@ -197,8 +197,8 @@ class _CausalConv1d(torch.autograd.Function):
         bt, bc, warps = _tile(backward=True)
         grid = conv_grid(batch, seq, channels, bt, bc)
         # The gradient before the activation, stored in x's dtype for dx (computed and reduced into
-        # dweight / dbias in float32 inside the first kernel): in float32 it cost the two kernels
-        # about 40% more time at the SE hybrid's shape.
+        # dweight / dbias in float32 inside the first kernel): half the bytes of float32 for both
+        # kernels (`python -m benchmarks.conv_sweep`, docs/benchmarks/se_hybrid.md).
         dpre = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
         dw_part = torch.empty((grid[0], channels, width), dtype=torch.float32, device=x.device)
         db_part = torch.empty((grid[0], channels), dtype=torch.float32, device=x.device)
