@@ -213,10 +213,40 @@ def test_crop_by_a_tensor_count_keeps_host_lengths(name):
     check_crop_then_refeed(name, 6, 7, 3, "cpu", atol=1e-5, crop_by=torch.tensor)
 
 
-def check_crop_then_refeed(name, prefill, segment, removed, device, atol, crop_by=int):
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_draft_length_given_to_past_recording_widens_a_narrower_crop_window(name):
+    """transformers >= 5.25 starts past recording with its draft length
+    (``activate_past_recording(recurrent_states_to_keep=n)``): a crop of n tokens then works where
+    the crop window was narrower, and is refused without it."""
+    check_crop_then_refeed(name, 4, 6, 5, "cpu", atol=1e-5, window=(2, 5))
+    with pytest.raises(ValueError, match="crop"):
+        check_crop_then_refeed(name, 4, 6, 5, "cpu", atol=1e-5, window=(2, None))
+
+
+def test_se_mamba_layers_drop_transformers_state_copies_at_a_crop():
+    """transformers >= 5.25's linear-attention layer keeps a copy of the SSM state per update while
+    recording, for its own crop; the SE hybrid's Mamba layers rebuild the state by a scan, so a crop
+    drops the copies (they would otherwise grow with every verified draft)."""
+    from hf_hybrid.models.se_hybrid.cache_se_hybrid import SEMambaLayerCache
+
+    model = build("se_hybrid_full", 0)
+    cache = model.model.cache_class(model.config)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        _forward(model, prompt(6, seed=3), cache, {})
+    mamba = [layer for layer in cache.layers if isinstance(layer, SEMambaLayerCache)]
+    for layer in mamba:
+        layer.recurrent_states_history = {0: [layer.recurrent_states[0].clone()]}
+    cache.crop(-1)
+    assert mamba and all(layer.recurrent_states_history == {0: []} for layer in mamba)
+    assert cache.get_seq_length() == 5 and all(layer.get_seq_length() == 5 for layer in mamba)
+
+
+def check_crop_then_refeed(name, prefill, segment, removed, device, atol, crop_by=int, window=None):
     """Prefill, one more segment (several tokens or a decode step), crop ``removed`` tokens, feed
     them again, then decode two more tokens: the logits equal the uncropped run throughout.
-    ``crop_by`` makes the crop's argument (int, or torch.tensor as transformers passes it)."""
+    ``crop_by`` makes the crop's argument (int, or torch.tensor as transformers passes it);
+    ``window``: (the cache's crop window, the draft length past recording starts with)."""
     model = build(name, 0, device)
     extra = spec(name)[1]
     ids = prompt(prefill + segment + 2, seed=3, device=device)
@@ -224,7 +254,11 @@ def check_crop_then_refeed(name, prefill, segment, removed, device, atol, crop_b
     with torch.no_grad():
         reference = model(ids, use_cache=False, **extra).logits
         cache = cache_class(model.config)
-        cache.activate_past_recording()
+        if window is None:
+            cache.activate_past_recording()
+        else:
+            cache.set_crop_window(window[0])
+            cache.activate_past_recording(**({} if window[1] is None else {"recurrent_states_to_keep": window[1]}))
         _forward(model, ids[:, :prefill], cache, extra)
         _forward(model, ids[:, prefill : prefill + segment], cache, extra)  # segment 1: a decode step
         total = prefill + segment

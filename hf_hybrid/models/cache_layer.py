@@ -6,6 +6,8 @@ Below: what the croppable layers share (assisted decoding crops rejected draft t
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -60,6 +62,15 @@ def tokens_to_keep(max_length: int, seq_length: int) -> int:
     if keep < 0:
         raise ValueError(f"crop({max_length}) removes more tokens than the {seq_length} the cache holds.")
     return keep
+
+
+def call_with_accepted(method, **kwargs):
+    """``method(**kwargs)`` without the keywords it does not take (transformers' cache methods gain
+    keywords between releases: ``activate_past_recording(recurrent_states_to_keep=)`` from 5.25)."""
+    parameters = inspect.signature(method).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        kwargs = {name: value for name, value in kwargs.items() if name in parameters}
+    return method(**kwargs)
 
 
 def widen_crop_window(layer, tokens: int | None) -> None:
@@ -143,6 +154,14 @@ class CroppableCacheMixin:
         for layer in self.layers:
             if hasattr(layer, "crop_window"):
                 layer.crop_window = tokens
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """Every layer records its past for a later crop. ``recurrent_states_to_keep=n`` (what
+        transformers >= 5.25 passes: its draft length) makes each of our layers keep at least n
+        tokens to crop; any transformers release takes the call."""
+        for layer in self.layers:
+            if hasattr(layer, "activate_past_recording"):
+                call_with_accepted(layer.activate_past_recording, **kwargs)
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (negative: remove ``-max_length`` from the end).

@@ -32,6 +32,7 @@ from ..cache_layer import (
     ReservedColumnsMixin,
     StaticColumns,
     TokenHistory,
+    call_with_accepted,
     crop_limit_error,
     tokens_to_keep,
     widen_crop_window,
@@ -75,9 +76,8 @@ class SEMambaLayerCache(LinearAttentionLayer):
         return True
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
-        if recurrent_states_to_keep is not None:  # transformers >= 5.25
-            kwargs["recurrent_states_to_keep"] = recurrent_states_to_keep
-        super().activate_past_recording(**kwargs)
+        # transformers' layer takes the draft length from 5.25 (generate() reads it back)
+        call_with_accepted(super().activate_past_recording, recurrent_states_to_keep=recurrent_states_to_keep, **kwargs)
         widen_crop_window(self, recurrent_states_to_keep)
         self._start_scan_record()
 
@@ -142,7 +142,7 @@ class SEMambaLayerCache(LinearAttentionLayer):
         if conv.shape[-1] < width:
             # fewer inputs than the crop and the kernel span: the sequence starts there (zeros before it)
             self.conv_states[0] = torch.cat([conv.new_zeros(*conv.shape[:-1], width - conv.shape[-1]), conv], dim=-1)
-        self._crop_conv_state(removed)
+        self._crop_transformers_state(removed)
         if removed:
             kept = len(history) - removed
             state = self._scan(self._scan_base, *(t[:, :kept] for t in history.tensors))
@@ -152,15 +152,19 @@ class SEMambaLayerCache(LinearAttentionLayer):
                 self.recurrent_states[0].copy_(state)
         self._start_scan_record()
 
-    def _crop_conv_state(self, removed: int) -> None:
-        """The conv inputs back to the kernel's span before the last ``removed`` tokens (what
-        transformers' own crop did to them before 5.25, which also rewinds a recurrent-state history
-        this layer does not keep)."""
+    def _crop_transformers_state(self, removed: int) -> None:
+        """What transformers' own crop does, but the SSM state: the conv inputs back to the kernel's
+        span before the last ``removed`` tokens, and (from 5.25) its token count. Its 5.25 crop also
+        restores the SSM state from copies it keeps per update; here the scan rebuilds it."""
         kernel = self.conv_kernel_size[0]
         conv = self.conv_states[0]
         self.conv_states[0] = conv[..., -removed - kernel : -removed] if removed else conv[..., -kernel:]
         if removed and hasattr(self, "cumulative_length_linear"):  # transformers >= 5.25 counts tokens here
             self.cumulative_length_linear.sub_(removed)
+        # transformers >= 5.25 also keeps a copy of the state per update while recording, for its own crop:
+        # the scan rebuilds the state here, so the copies are dropped at each crop.
+        for key in getattr(self, "recurrent_states_history", None) or {}:
+            self.recurrent_states_history[key] = []
 
     def reset(self) -> None:
         super().reset()
