@@ -334,13 +334,14 @@ def output_grid(batch: int, heads: int, head_dim: int, n_chunks: int, block: int
 
 def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32, copy_dtype=None):
     """Every chunk's entering state (and the final one), carried in float32, stored as ``dtype``;
-    with ``copy_dtype``, (states, a second copy stored as copy_dtype)."""
+    with ``copy_dtype``, (states, a second copy stored as copy_dtype: the states themselves when
+    the dtypes agree)."""
     batch, seq, heads, head_dim = x.shape
     state_size = B.shape[-1]
     n_chunks = g.shape[1] // chunk
     shape = (batch, n_chunks + 1, heads, head_dim, state_size)
     states = torch.empty(shape, dtype=dtype, device=x.device)
-    copy = torch.empty(shape, dtype=copy_dtype, device=x.device) if copy_dtype is not None else None
+    copy = torch.empty(shape, dtype=copy_dtype, device=x.device) if copy_dtype not in (None, dtype) else None
     init = initial_state.float().contiguous() if initial_state is not None else states
     grid = state_grid(batch, heads, head_dim, state_size, block)
     _states_fwd[grid](
@@ -349,7 +350,9 @@ def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32,
         L=chunk, BP=block, BN=block, HAS_INIT=initial_state is not None, HAS_COPY=copy is not None,
         PREC=_precision(x, B), NATIVE16=_native16(x, B), num_warps=WARPS["states"],
     )
-    return states if copy is None else (states, copy)
+    if copy_dtype is None:
+        return states
+    return states, (states if copy is None else copy)
 
 
 def keeps_states(x: torch.Tensor, B: torch.Tensor) -> bool:
