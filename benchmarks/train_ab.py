@@ -91,24 +91,19 @@ def way(model, name: str):
 def run(compare: str, seq: int, rounds: int, steps: int) -> list[dict]:
     from hf_hybrid.bench.timing import time_fn
 
-    from .train_gaps import _build
+    from .train_step import training_models, training_step
 
     names, ways = COMPARISONS[compare]
     device = torch.device("cuda")
     rows: dict[str, list[float]] = {}
-    # train(): the fused loss, Liger's fused linear cross-entropy and the recomputed saves are training paths.
-    models = {name: _build(name, seq, device).train() for name in dict.fromkeys(("llama_liger", *names))}
+    models = training_models(names, seq, device)
     ids = torch.randint(3, 32000, (1, seq), device=device)
-
-    def step(model):
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        model.zero_grad(set_to_none=True)
 
     for _ in range(rounds):
         for name, model in models.items():
             for choice in (ways if name in names else ("",)):
                 with way(model, choice or ways[0]):
-                    ms = time_fn(lambda: step(model), device, warmup=2, repeat=steps).median_ms
+                    ms = time_fn(lambda: training_step(model, ids), device, warmup=2, repeat=steps).median_ms
                 rows.setdefault(f"{name} {choice}".strip(), []).append(ms)
 
     def baseline(row: str) -> float:  # the way's own Liger-Llama row when the baseline takes the ways too

@@ -13,23 +13,29 @@ import statistics
 import torch
 
 
+def training_models(names, seq: int, device: torch.device) -> dict:
+    """Liger-Llama and the named models, in training mode (the fused losses are training paths)."""
+    from .train_gaps import _build
+
+    return {name: _build(name, seq, device).train() for name in dict.fromkeys(("llama_liger", *names))}
+
+
+def training_step(model, ids: torch.Tensor) -> None:
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 def run(names: list[str], seq: int, rounds: int, steps: int) -> list[dict]:
     from hf_hybrid.bench.timing import time_fn
 
-    from .train_gaps import _build
-
     device = torch.device("cuda")
-    models = {name: _build(name, seq, device).train() for name in dict.fromkeys(("llama_liger", *names))}
+    models = training_models(names, seq, device)
     ids = torch.randint(3, 32000, (1, seq), device=device)
-
-    def step(model):
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        model.zero_grad(set_to_none=True)
 
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, model in models.items():
-            times.setdefault(name, []).append(time_fn(lambda: step(model), device, warmup=2, repeat=steps).median_ms)
+            times.setdefault(name, []).append(time_fn(lambda: training_step(model, ids), device, warmup=2, repeat=steps).median_ms)
     baseline = statistics.median(times["llama_liger"])
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return [{"model": name, "ms": round(statistics.median(t), 2), "rounds_ms": [round(x, 2) for x in t],

@@ -75,8 +75,8 @@ def call_with_accepted(method, **kwargs):
 
 def widen_crop_window(layer, tokens: int | None) -> None:
     """transformers >= 5.25 passes ``activate_past_recording(recurrent_states_to_keep=n)``: the most
-    tokens its next crop may remove (the draft length). A layer keeps at least that many."""
-    if tokens is not None and int(tokens) > getattr(layer, "crop_window", 0):
+    tokens its next crop may remove (the draft length). A layer with a crop window keeps at least that many."""
+    if tokens is not None and hasattr(layer, "crop_window") and int(tokens) > layer.crop_window:
         layer.crop_window = int(tokens)
 
 
@@ -160,6 +160,7 @@ class CroppableCacheMixin:
         transformers >= 5.25 passes: its draft length) makes each of our layers keep at least n
         tokens to crop; any transformers release takes the call."""
         for layer in self.layers:
+            widen_crop_window(layer, kwargs.get("recurrent_states_to_keep"))
             if hasattr(layer, "activate_past_recording"):
                 call_with_accepted(layer.activate_past_recording, **kwargs)
 
@@ -188,9 +189,8 @@ class StateHistoryMixin:
     record_past = False
     crop_window = DEFAULT_CROP_WINDOW
 
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **_) -> None:
+    def activate_past_recording(self) -> None:
         self.record_past = True
-        widen_crop_window(self, recurrent_states_to_keep)
 
     @property
     def state_history(self) -> TokenHistory:

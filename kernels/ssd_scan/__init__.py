@@ -116,15 +116,16 @@ def ssd_scan(
     dt = discretize_dt(dt, dt_bias, dt_softplus, tuple(dt_limit))
     if _pick(op, backend, x, B) == "reference" or x.shape[1] == 0:
         return ssd_scan_reference(x, dt, A, B, C, D, initial_state, chunk_size, return_final_state)
-    y, final_state, _ = ssd_scan_fwd(x, dt, A, B, C, D, initial_state, _keeps_states(x, dt, A, B, C, D, initial_state))
+    keep = _keeps_states(x, dt, A, B, C, D, initial_state)
+    y, final_state, _ = ssd_scan_fwd(x, dt, A, B, C, D, initial_state, keep)
     return (y, final_state) if return_final_state else y
 
 
-def _keeps_states(x, *others) -> bool:
-    """Whether the forward keeps its chunk states for a backward that will follow (keeps_states)."""
+def _keeps_states(x, dt, A, B, C, D, initial_state) -> bool:
+    """Whether the forward keeps its chunk states: a backward will follow and they fit (triton.keeps_states)."""
     from .triton import keeps_states
 
-    return needs_grad(x, *others) and keeps_states(x, others[2])
+    return needs_grad(x, dt, A, B, C, D, initial_state) and keeps_states(x, B)
 
 
 def ssd_step(

@@ -36,7 +36,6 @@ from ..cache_layer import (
     TokenHistory,
     crop_limit_error,
     tokens_to_keep,
-    widen_crop_window,
 )
 
 _TENSORS = ("keys", "values", "raw_keys", "state")
@@ -198,9 +197,8 @@ class RattentionLocalLayerCache(TensorMapLayer):
     # them; older ones are folded into the checkpoint). A crop to p rebuilds the window of p from
     # those tokens and the current window, and S by folding the tokens before that window into the
     # checkpoint: memory stays constant in the sequence length.
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **_) -> None:
+    def activate_past_recording(self) -> None:
         self.record_past = True
-        widen_crop_window(self, recurrent_states_to_keep)
         self._start_crop_record()
 
     def _start_crop_record(self) -> None:

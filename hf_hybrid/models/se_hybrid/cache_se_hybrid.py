@@ -35,7 +35,6 @@ from ..cache_layer import (
     call_with_accepted,
     crop_limit_error,
     tokens_to_keep,
-    widen_crop_window,
 )
 from .configuration_se_hybrid import canonical_layer_type
 
@@ -75,10 +74,9 @@ class SEMambaLayerCache(LinearAttentionLayer):
     def is_croppable(self) -> bool:
         return True
 
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         # transformers' layer takes the draft length from 5.25 (generate() reads it back)
-        call_with_accepted(super().activate_past_recording, recurrent_states_to_keep=recurrent_states_to_keep, **kwargs)
-        widen_crop_window(self, recurrent_states_to_keep)
+        call_with_accepted(super().activate_past_recording, **kwargs)
         self._start_scan_record()
 
     def _start_scan_record(self) -> None:
@@ -342,10 +340,9 @@ class SEAttentionLayerCache(ReservedColumnsMixin, CacheLayerMixin):
     # since (the last crop_window; older ones are advanced into the checkpoint). A crop advances
     # the checkpoint over the kept queries with the layer's own row-state step (handed over with
     # the queries), so the retrieval state is exactly what the kept tokens alone would give.
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **_) -> None:
+    def activate_past_recording(self) -> None:
         self._leave_static_decode()
         self.record_past = True
-        widen_crop_window(self, recurrent_states_to_keep)
         self._start_query_record()
 
     def _start_query_record(self) -> None:
