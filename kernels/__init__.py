@@ -19,6 +19,7 @@ else:
     from .forgetting_attention import forgetting_attention, forgetting_attention_with_cache
     from .gated_recurrence import gated_recurrence
     from .linear_cross_entropy import linear_cross_entropy
+    from .mamba2_mixer import mamba2_mixer
     from .residual_linear_attention import residual_linear_attention, residual_linear_attention_decode, sliding_window_attention
     from .span_expanded_attention import span_expanded_attention
     from .ssd_scan import mamba2_decode_step, ssd_scan, ssd_step
@@ -35,6 +36,7 @@ __all__ = [
     "gated_recurrence",
     "linear_cross_entropy",
     "mamba2_decode_step",
+    "mamba2_mixer",
     "residual_linear_attention",
     "residual_linear_attention_decode",
     "sliding_window_attention",

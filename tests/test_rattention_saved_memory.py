@@ -99,11 +99,11 @@ def test_mixers_keep_less_by_the_rebuilt_tensors(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype, use_cache", [
     pytest.param(torch.float32, False, marks=[_NOT_ON_CUDA, pytest.mark.slow]), (torch.bfloat16, False),
-    pytest.param(torch.float32, None, marks=_NOT_ON_CUDA),
+    pytest.param(torch.float32, True, marks=_NOT_ON_CUDA),
 ])
 def test_gradients_are_bit_equal_with_and_without_the_rebuilding(monkeypatch, dtype, use_cache):
-    """use_cache=False: the bench's training step; None: the config's default (a cache is filled, as in
-    a Trainer's step), where the local cache copies what it keeps and the global one holds k itself."""
+    """use_cache=False: a training step (what a training forward does unless asked for a cache);
+    True: a cache is filled, where the local cache copies what it keeps and the global one holds k itself."""
     model, ids = _model(dtype), _ids()
     calls = []
     original = rattention_module.norm_rotary

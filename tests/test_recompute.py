@@ -3,6 +3,8 @@ gradients, the registered tensors not kept, in-place changes refused, and no eff
 saved-tensor hooks or torch.compile manage memory."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -88,10 +90,12 @@ def test_steps_aside_for_other_hooks_no_grad_and_compile():
 
 
 @pytest.mark.slow  # ~40 s interpreted; the RAT and RATTENTION rebuild tests cover the mechanism in CI
-def test_se_mixer_rebuilds_its_conv_and_norm_outputs_exactly(monkeypatch):
-    """A tiny SE hybrid's Mamba-2 layers on the Triton path (interpreter on CPU), left padding and
-    an in_proj bias: the same loss and gradients with the rebuilding on and off, and the conv run
-    again in the backward."""
+@pytest.mark.parametrize("proj_bias", [True, False])
+def test_se_mixer_rebuilds_its_conv_and_norm_outputs_exactly(monkeypatch, proj_bias):
+    """A tiny SE hybrid's Mamba-2 layers on the Triton path (interpreter on CPU), left padding: the
+    same loss and gradients with the rebuilding on and off. With an in_proj bias the mixer runs op
+    by op and its conv and norm run again in the backward; without, it runs as one op
+    (kernels/mamba2_mixer, which rebuilds its conv itself) and the norm runs again."""
     from hf_hybrid.kernels._backend import triton_interpreting
 
     if not (torch.cuda.is_available() or triton_interpreting()):
@@ -104,7 +108,7 @@ def test_se_mixer_rebuilds_its_conv_and_norm_outputs_exactly(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = SEHybridConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        layer_types=["mamba", "attention"], mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8, mamba_proj_bias=True,
+        layer_types=["mamba", "attention"], mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8, mamba_proj_bias=proj_bias,
         se_chunk_sizes=[16], se_block_size=4, se_top_k=2, se_select_every=8, pad_token_id=0,
     )
     torch.manual_seed(0)
@@ -113,11 +117,15 @@ def test_se_mixer_rebuilds_its_conv_and_norm_outputs_exactly(monkeypatch):
     ids = torch.randint(1, 64, (2, 19), generator=torch.Generator().manual_seed(2)).to(device)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
-    convs, norms = [], []
+    convs, norms, wholes, norm_ops = [], [], [], []
     original_conv, original_norm = SEMambaMixer._conv, SEMambaMixer._gated_norm
     monkeypatch.setattr(SEMambaMixer, "_conv", lambda self, *a: convs.append(torch.is_grad_enabled()) or original_conv(self, *a))
     monkeypatch.setattr(
         SEMambaMixer, "_gated_norm", lambda self, *a: norms.append(torch.is_grad_enabled()) or original_norm(self, *a))
+    modeling = "hf_hybrid.models.se_hybrid.modeling_se_hybrid"
+    original_whole, original_rms = importlib.import_module(modeling).mamba2_mixer, importlib.import_module(modeling).gated_rms_norm
+    monkeypatch.setattr(f"{modeling}.mamba2_mixer", lambda *a, **k: wholes.append(True) or original_whole(*a, **k))
+    monkeypatch.setattr(f"{modeling}.gated_rms_norm", lambda *a, **k: norm_ops.append(torch.is_grad_enabled()) or original_rms(*a, **k))
 
     def loss_and_grads():
         model.zero_grad(set_to_none=True)
@@ -125,8 +133,10 @@ def test_se_mixer_rebuilds_its_conv_and_norm_outputs_exactly(monkeypatch):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     rebuilt = loss_and_grads()
-    # the forward's conv and gated norm, then their rebuilds in the backward (no grad)
-    assert convs == [True, False] and norms == [True, False]
+    if proj_bias:  # the forward's conv and gated norm, then their rebuilds in the backward (no grad)
+        assert convs == [True, False] and norms == [True, False] and not wholes
+    else:  # the whole mixer in the forward, the norm's rebuild in the backward
+        assert wholes == [True] and norm_ops == [False] and not convs and not norms
     monkeypatch.setattr(recompute_module, "recompute_applies", lambda: False)
     monkeypatch.setattr("hf_hybrid.models.se_hybrid.modeling_se_hybrid.recompute_applies", lambda: False)
     kept = loss_and_grads()

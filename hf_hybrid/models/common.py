@@ -222,6 +222,10 @@ class HybridModel(HybridPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False  # recomputation would write the cache twice
+        elif explicit_use_cache is None and self.training and torch.is_grad_enabled():
+            # A training step (Trainer's, TRL's) continues no sequence: the cache would only cost
+            # time and memory (the Mamba-2 and RAT layers would record states). use_cache=True keeps it.
+            use_cache = False
         batch, seq = inputs_embeds.shape[:2]
         mixer_kwargs = {name: kwargs[name] for name in self.mixer_forward_kwargs if kwargs.get(name) is not None}
         packed = find_packed_documents(batch, seq, position_ids, attention_mask, kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"))

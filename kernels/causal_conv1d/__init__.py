@@ -137,11 +137,11 @@ def causal_conv1d_bwd(
     dout: torch.Tensor, silu: bool, need_dstate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias or a placeholder, d initial_state or a placeholder)."""
-    from .triton import _CausalConv1d, _rows_contiguous
+    from .triton import _rows_contiguous, causal_conv1d_backward
 
-    saved = (_rows_contiguous(x), weight.contiguous(), bias, initial_state)
-    ctx = KernelContext(saved, needs_input_grad=(True, True, bias is not None, need_dstate, False), silu=silu)
-    dx, dweight, dbias, dstate, _ = _CausalConv1d.backward(ctx, dout)
+    dx, dweight, dbias, dstate = causal_conv1d_backward(
+        _rows_contiguous(x), weight.contiguous(), bias, initial_state, dout, silu, need_dstate=need_dstate,
+    )
     return dx, dweight, placeholder(x) if dbias is None else dbias, placeholder(x) if dstate is None else dstate
 
 

@@ -191,43 +191,55 @@ class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias, initial_state = ctx.saved_tensors
-        dout = _rows_contiguous(dout)
-        batch, seq, channels = x.shape
-        width = weight.shape[1]
-        bt, bc, warps = _tile(backward=True)
-        grid = conv_grid(batch, seq, channels, bt, bc)
-        # The gradient before the activation, stored in x's dtype for dx (computed and reduced into
-        # dweight / dbias in float32 inside the first kernel): half the bytes of float32 for both
-        # kernels (`python -m benchmarks.conv_sweep`, docs/benchmarks/se_hybrid.md).
-        dpre = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
-        dw_part = torch.empty((grid[0], channels, width), dtype=torch.float32, device=x.device)
-        db_part = torch.empty((grid[0], channels), dtype=torch.float32, device=x.device)
-        state, ssb, ssc = _state_arg(initial_state, x)
-        _conv_bwd_pre[grid](
-            x, weight, bias if bias is not None else weight, state, dout, dpre, dw_part, db_part, seq, channels,
-            x.stride(0), x.stride(1), ssb, ssc, dout.stride(0), dout.stride(1),
-            K=width, HAS_BIAS=bias is not None, HAS_STATE=initial_state is not None, SILU=ctx.silu, BT=bt, BC=bc,
-            num_warps=warps,
-        )
-        dx = None
-        if ctx.needs_input_grad[0]:
+        need_dstate = initial_state is not None and ctx.needs_input_grad[3]
+        return (*causal_conv1d_backward(x, weight, bias, initial_state, dout, ctx.silu, ctx.needs_input_grad[0], need_dstate), None)
+
+
+def causal_conv1d_backward(x, weight, bias, initial_state, dout, silu, need_dx=True, need_dstate=False, dx=None):
+    """(dx or None, dweight, dbias or None, d initial_state or None) of the Triton conv. ``dx``: a
+    [batch, seq, channels] buffer (row-strided, channels contiguous: a slice of the input
+    projection's gradient) to write dx into, else a new one."""
+    dout = _rows_contiguous(dout)
+    batch, seq, channels = x.shape
+    width = weight.shape[1]
+    bt, bc, warps = _tile(backward=True)
+    grid = conv_grid(batch, seq, channels, bt, bc)
+    # The gradient before the activation, stored in x's dtype for dx (computed and reduced into
+    # dweight / dbias in float32 inside the first kernel): half the bytes of float32 for both
+    # kernels (`python -m benchmarks.conv_sweep`, docs/benchmarks/se_hybrid.md).
+    dpre = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
+    dw_part = torch.empty((grid[0], channels, width), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((grid[0], channels), dtype=torch.float32, device=x.device)
+    state, ssb, ssc = _state_arg(initial_state, x)
+    _conv_bwd_pre[grid](
+        x, weight, bias if bias is not None else weight, state, dout, dpre, dw_part, db_part, seq, channels,
+        x.stride(0), x.stride(1), ssb, ssc, dout.stride(0), dout.stride(1),
+        K=width, HAS_BIAS=bias is not None, HAS_STATE=initial_state is not None, SILU=silu, BT=bt, BC=bc,
+        num_warps=warps,
+    )
+    if need_dx:
+        if dx is None:
             dx = torch.empty((batch, seq, channels), dtype=x.dtype, device=x.device)
-            _conv_bwd_dx[grid](
-                dpre, weight, dx, seq, channels, dx.stride(0), dx.stride(1), K=width, BT=bt, BC=bc, num_warps=warps,
-            )
-        dweight = dw_part.sum(0).to(weight.dtype)
-        dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
-        dstate = None
-        if initial_state is not None and ctx.needs_input_grad[3]:
-            # State column j (j >= 1) is x at position j - K: it feeds outputs t = j - K + K - 1 - k = j - 1 - k.
-            dstate = torch.zeros_like(initial_state, dtype=torch.float32)
-            for j in range(1, width):
-                for k in range(width):
-                    t = j - 1 - k
-                    if 0 <= t < seq:
-                        dstate[:, :, j] += weight[:, k].float() * dpre[:, t, :].float()
-            dstate = dstate.to(initial_state.dtype)
-        return dx, dweight, dbias, dstate, None
+        elif dx.shape != x.shape or dx.dtype != x.dtype or dx.stride(-1) != 1:
+            raise ValueError(f"causal_conv1d_backward: dx must be {tuple(x.shape)} {x.dtype} with contiguous channels.")
+        _conv_bwd_dx[grid](
+            dpre, weight, dx, seq, channels, dx.stride(0), dx.stride(1), K=width, BT=bt, BC=bc, num_warps=warps,
+        )
+    else:
+        dx = None
+    dweight = dw_part.sum(0).to(weight.dtype)
+    dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dstate = None
+    if need_dstate:
+        # State column j (j >= 1) is x at position j - K: it feeds outputs t = j - K + K - 1 - k = j - 1 - k.
+        dstate = torch.zeros_like(initial_state, dtype=torch.float32)
+        for j in range(1, width):
+            for k in range(width):
+                t = j - 1 - k
+                if 0 <= t < seq:
+                    dstate[:, :, j] += weight[:, k].float() * dpre[:, t, :].float()
+        dstate = dstate.to(initial_state.dtype)
+    return dx, dweight, dbias, dstate
 
 
 def causal_conv1d_triton(x, weight, bias, initial_state, activation, return_final_state):

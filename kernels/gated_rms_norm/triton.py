@@ -45,11 +45,16 @@ INTERPRET_PROGRAMS_PER_GROUP = 2
 
 
 @triton.jit
+def _row_offsets(tokens, T, stride_b, stride_t, features):
+    """Offsets of a [BLOCK_T, BLOCK_D] tile of a [outer, T, D_total] view at the given features."""
+    tok = tokens.to(tl.int64)
+    return ((tok // T) * stride_b + (tok % T) * stride_t)[:, None] + features[None, :]
+
+
+@triton.jit
 def _load_rows(ptr, tokens, T, stride_b, stride_t, features, mask):
     """float32 [BLOCK_T, BLOCK_D] tile of a [outer, T, D_total] view at the given features."""
-    tok = tokens.to(tl.int64)
-    rows = (tok // T) * stride_b + (tok % T) * stride_t
-    return tl.load(ptr + rows[:, None] + features[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptr + _row_offsets(tokens, T, stride_b, stride_t, features), mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -107,7 +112,7 @@ def _fwd_kernel(
 def _bwd_kernel(
     Y, Z, W, DOUT, DY, DZ, DW_PART,
     n_tokens, T, eps, tokens_per_program,
-    sy_b, sy_t, sz_b, sz_t, sd_b, sd_t,
+    sy_b, sy_t, sz_b, sz_t, sd_b, sd_t, sdz_b, sdz_t,
     GROUP: tl.constexpr, D_TOTAL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     part = tl.program_id(1)
@@ -133,9 +138,8 @@ def _bwd_kernel(
         dw += dout * nh
         g = dout * tl.load(W + features, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dh = r * (g - nh * (tl.sum(g * nh, 1) / GROUP)[:, None])
-        offsets = _output_offsets(tokens, features, D_TOTAL)
-        tl.store(DY + offsets, (dh * s).to(DY.dtype.element_ty), mask=mask)
-        tl.store(DZ + offsets, (dh * dz_scale).to(DZ.dtype.element_ty), mask=mask)
+        tl.store(DY + _output_offsets(tokens, features, D_TOTAL), (dh * s).to(DY.dtype.element_ty), mask=mask)
+        tl.store(DZ + _row_offsets(tokens, T, sdz_b, sdz_t, features), (dh * dz_scale).to(DZ.dtype.element_ty), mask=mask)
     tl.store(DW_PART + part.to(tl.int64) * D_TOTAL + features, tl.sum(dw, 0), mask=col_ok)
 
 
@@ -207,9 +211,12 @@ def gated_rms_norm_forward(
 
 
 def gated_rms_norm_backward(
-    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, dout: torch.Tensor, group_size: int, eps: float
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, dout: torch.Tensor, group_size: int, eps: float,
+    dz: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dy, dz, dweight) for the output gradient dout, in the dtypes of y, z and weight."""
+    """(dy, dz, dweight) for the output gradient dout, in the dtypes of y, z and weight. ``dz``: a
+    buffer shaped like z to write dz into (a slice of the whole input projection's gradient, with
+    its row strides), else a new one."""
     d_total = y.shape[-1]
     groups = d_total // group_size
     y_rows, z_rows, dout_rows = _token_rows(y), _token_rows(z), _token_rows(dout)
@@ -218,12 +225,18 @@ def gated_rms_norm_backward(
     num_warps = _backward_warps(block_d * block_t)
     programs, tokens_per_program = _backward_split(n_tokens, groups, block_t, num_warps)
     dy = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-    dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    if dz is None:
+        dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    elif dz.shape != z.shape or dz.dtype != z.dtype or dz.stride(-1) != 1:
+        raise ValueError(f"gated_rms_norm_backward: dz must be {tuple(z.shape)} {z.dtype} with a contiguous last dim.")
+    dz_rows = _token_rows(dz)
+    if dz_rows.data_ptr() != dz.data_ptr():
+        raise ValueError("gated_rms_norm_backward: dz's leading axes must merge into one (a copy would not be written back).")
     partials = torch.empty(programs, d_total, dtype=torch.float32, device=y.device)
     _bwd_kernel[(groups, programs)](
-        y_rows, z_rows, weight.contiguous(), dout_rows, dy, dz, partials,
+        y_rows, z_rows, weight.contiguous(), dout_rows, dy, dz_rows, partials,
         n_tokens, seq, eps, tokens_per_program,
-        *_row_strides(y_rows), *_row_strides(z_rows), *_row_strides(dout_rows),
+        *_row_strides(y_rows), *_row_strides(z_rows), *_row_strides(dout_rows), *_row_strides(dz_rows),
         GROUP=group_size, D_TOTAL=d_total, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=num_warps,
     )
     return dy, dz, partials.sum(0).to(weight.dtype)

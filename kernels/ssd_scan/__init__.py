@@ -248,11 +248,10 @@ def ssd_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, ddt float32, dA, dB, dC, dD or a placeholder, d initial_state or a placeholder); ``kept``:
     the forward's chunk states, or an empty tensor (recomputed here)."""
-    from .triton import _SSDScan, _last_dim_contiguous
+    from .triton import _last_dim_contiguous, ssd_scan_backward
 
     x, B, C = (_last_dim_contiguous(t) for t in (x, B, C))
-    ctx = KernelContext((x, dt.float().contiguous(), A, B, C, D, initial_state, kept))
-    dx, ddt, dA, dB, dC, dD, dinit, _ = _SSDScan.backward(ctx, dy, dfinal)
+    dx, ddt, dA, dB, dC, dD, dinit = ssd_scan_backward(x, dt.float().contiguous(), A, B, C, D, initial_state, kept, dy, dfinal)
     return dx, ddt, dA, dB, dC, placeholder(x) if dD is None else dD, placeholder(x) if dinit is None else dinit
 
 
@@ -264,10 +263,14 @@ def _(x, dt, A, B, C, D, initial_state, kept, dy, dfinal):
 
 def _ssd_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:7], output[2])
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the kept states and an unused final state
 
 
 def _ssd_backward(ctx, dy, dfinal, dkept):
     x, dt, A, B, C, D, initial_state, kept = ctx.saved_tensors
+    if dy is None:  # only the final state took part in the loss
+        dy = torch.zeros_like(x)
     dx, ddt, dA, dB, dC, dD, dinit = ssd_scan_bwd(x, dt, A, B, C, D, initial_state, kept, dy, dfinal)
     return (dx, ddt.to(dt.dtype), dA, dB, dC, optional(dD, D is not None), optional(dinit, initial_state is not None),
             None)

@@ -218,7 +218,7 @@ def _dstates_bwd(
 @triton.jit
 def _chunk_bwd(
     X, DT, G, Bm, Cm, S, DS, Dv, DY, DX, DDT, DG, DBH, DCH, DDP, T, H, H0, HS, P, N, heads_per_group, NT,
-    sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg, sdb, sdt, sdh,
+    sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg, sdb, sdt, sdh, sob, sot, soh,
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
     NATIVE16: tl.constexpr,
 ):
@@ -253,9 +253,9 @@ def _chunk_bwd(
     if HAS_D:
         dx += tl.load(Dv + h).to(tl.float32) * dy
         tl.store(DDP + (b * NT + c) * H + h, tl.sum(tl.sum(dy * x, axis=1), axis=0))  # this chunk's part of dD
-    tok = ((b * T + rows.to(tl.int64)) * H + h)
-    tl.store(DX + tok[:, None] * P + offs_p[None, :], dx.to(DX.dtype.element_ty), mask=row_ok[:, None] & p_ok[None, :])
-    tl.store(DDT + tok, tl.sum(dv * x, axis=1), mask=row_ok)
+    dx_rows = b * sob + rows.to(tl.int64) * sot + h * soh
+    tl.store(DX + dx_rows[:, None] + offs_p[None, :], dx.to(DX.dtype.element_ty), mask=row_ok[:, None] & p_ok[None, :])
+    tl.store(DDT + (b * T + rows.to(tl.int64)) * H + h, tl.sum(dv * x, axis=1), mask=row_ok)
     dpw = _dot_rounded(dy_raw, tl.trans(v), dy_raw, NATIVE16, PREC) * decay
     tok_slice = (b * T + rows.to(tl.int64)) * HS + h_in
     dg = tl.zeros((L,), dtype=tl.float32)
@@ -358,9 +358,13 @@ def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32,
 def keeps_states(x: torch.Tensor, B: torch.Tensor) -> bool:
     """Whether a forward that the backward will follow keeps the chunk states for it (in x's dtype)
     instead of the backward recomputing them: when they take at most KEEP_STATES_MAX_BYTES."""
-    batch, seq, heads, head_dim = x.shape
+    return states_fit(*x.shape, B.shape[-1], x.element_size())
+
+
+def states_fit(batch: int, seq: int, heads: int, head_dim: int, state_size: int, element_size: int) -> bool:
+    """keeps_states from the sizes."""
     n_chunks = triton.cdiv(seq, _sizes()[0])
-    return batch * (n_chunks + 1) * heads * head_dim * B.shape[-1] * x.element_size() <= KEEP_STATES_MAX_BYTES
+    return batch * (n_chunks + 1) * heads * head_dim * state_size * element_size <= KEEP_STATES_MAX_BYTES
 
 
 class _SSDScan(torch.autograd.Function):
@@ -394,72 +398,85 @@ class _SSDScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dfinal, dkept=None):
-        x, dt, A, B, C, D, initial_state, kept = ctx.saved_tensors
-        chunk, block = _sizes()
-        dy = _last_dim_contiguous(dy)
-        batch, seq, heads, head_dim = x.shape
-        groups, state_size = B.shape[-2:]
-        g = _chunk_log_decay(dt, A, chunk)
-        n_chunks = g.shape[1] // chunk
-        # Kept by the forward (keeps_states; never empty then), or recomputed; in the inputs' dtype (float32 at T = 32K:
-        # 1 GiB), read by _chunk_bwd only.
-        states = kept if kept.numel() else _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=x.dtype)
-        prec = _precision(x, B, C)
-        f32 = dict(dtype=torch.float32, device=x.device)
-        # The gradients of the chunk states, stored in the inputs' dtype (carried in float32 inside
-        # the kernel): as float32 at T = 32K, 64 heads and 64-token chunks they took 1 GiB.
-        dstates = torch.empty((batch, n_chunks, heads, head_dim, state_size), dtype=x.dtype, device=x.device)
-        dinit = torch.empty((batch, heads, head_dim, state_size), **f32)
-        dfinal = dfinal.float().contiguous() if dfinal is not None else None
-        _dstates_bwd[state_grid(batch, heads, head_dim, state_size, block)](
-            dy, dt, g, C, dstates, dfinal if dfinal is not None else dinit, dinit, seq, heads, head_dim, state_size,
-            heads // groups, n_chunks, dy.stride(0), dy.stride(1), dy.stride(2), C.stride(0), C.stride(1), C.stride(2),
-            L=chunk, BP=block, BN=block, HAS_DFINAL=dfinal is not None, PREC=prec, NATIVE16=_native16(dy, C),
-            num_warps=WARPS["dstates"],
-        )
+        return (*ssd_scan_backward(*ctx.saved_tensors, dy, dfinal), None)
+
+
+def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=None, dB=None, dC=None):
+    """(dx, ddt float32, dA, dB, dC, dD, d initial_state) of the Triton scan; dt discretised, float32.
+    ``kept``: the forward's chunk states, or an empty tensor (recomputed here). ``dx``, ``dB``,
+    ``dC``: buffers shaped like x, B, C (strided views with a contiguous last dim, slices of the
+    conv output's gradient) to write those gradients into, else new ones."""
+    chunk, block = _sizes()
+    dy = _last_dim_contiguous(dy)
+    batch, seq, heads, head_dim = x.shape
+    groups, state_size = B.shape[-2:]
+    for name, out, like in (("dx", dx, x), ("dB", dB, B), ("dC", dC, C)):
+        if out is not None and (out.shape != like.shape or out.dtype != like.dtype or out.stride(-1) != 1):
+            raise ValueError(f"ssd_scan_backward: {name} must be {tuple(like.shape)} {like.dtype} with a contiguous last dim.")
+    g = _chunk_log_decay(dt, A, chunk)
+    n_chunks = g.shape[1] // chunk
+    # Kept by the forward (keeps_states; never empty then), or recomputed; in the inputs' dtype (float32 at T = 32K:
+    # 1 GiB), read by _chunk_bwd only.
+    states = kept if kept.numel() else _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=x.dtype)
+    prec = _precision(x, B, C)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    # The gradients of the chunk states, stored in the inputs' dtype (carried in float32 inside
+    # the kernel): as float32 at T = 32K, 64 heads and 64-token chunks they took 1 GiB.
+    dstates = torch.empty((batch, n_chunks, heads, head_dim, state_size), dtype=x.dtype, device=x.device)
+    dinit = torch.empty((batch, heads, head_dim, state_size), **f32)
+    dfinal = dfinal.float().contiguous() if dfinal is not None else None
+    _dstates_bwd[state_grid(batch, heads, head_dim, state_size, block)](
+        dy, dt, g, C, dstates, dfinal if dfinal is not None else dinit, dinit, seq, heads, head_dim, state_size,
+        heads // groups, n_chunks, dy.stride(0), dy.stride(1), dy.stride(2), C.stride(0), C.stride(1), C.stride(2),
+        L=chunk, BP=block, BN=block, HAS_DFINAL=dfinal is not None, PREC=prec, NATIVE16=_native16(dy, C),
+        num_warps=WARPS["dstates"],
+    )
+    if dx is None:
         dx = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
-        ddt = torch.empty((batch, seq, heads), **f32)
-        dg = torch.empty((batch, n_chunks * chunk, heads), **f32)
-        dD_parts = torch.empty((batch, n_chunks, heads), **f32) if D is not None else ddt
-        # Per-head parts of dB / dC, summed over each group's heads in float32: all heads in one
-        # launch where they fit CHUNK_BWD_PARTS_MAX_BYTES, else one slice of heads per launch into
-        # float32 accumulators (for all 64 heads at T = 32K they were 1 GiB in bf16, alive at the
-        # backward's peak).
-        per_group = heads // groups
-        slice_heads = _heads_per_launch(heads, per_group, 2 * batch * seq * state_size * B.element_size())
-        whole = slice_heads == heads  # one launch: its parts reduce straight into dB / dC
-        if not whole:
-            dB = torch.zeros((batch, seq, groups, state_size), **f32)
-            dC = torch.zeros((batch, seq, groups, state_size), **f32)
-        dBh = torch.empty((batch, seq, slice_heads, state_size), dtype=B.dtype, device=x.device)
-        dCh = torch.empty_like(dBh)
-        for h0 in range(0, heads, slice_heads):
-            _chunk_bwd[folded(n_chunks, batch * slice_heads)](
-                x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh, dD_parts,
-                seq, heads, h0, slice_heads, head_dim, state_size, per_group, n_chunks,
-                x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-                C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-                L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=block, HAS_D=D is not None, PREC=prec,
-                NATIVE16=_native16(x, B, C, dy),
-                num_warps=WARPS["chunk_bwd"],
-            )
-            if whole:
-                dB = dBh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32)
-                dC = dCh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32)
-                break
-            g0, g1 = h0 // per_group, (h0 + slice_heads - 1) // per_group + 1
-            in_group = min(slice_heads, per_group)
-            dB[:, :, g0:g1] += dBh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)
-            dC[:, :, g0:g1] += dCh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)
-        del dBh, dCh, states, dstates
-        dg = dg.view(batch, n_chunks, chunk, heads)
-        da = dg.flip(2).cumsum(2).flip(2).reshape(batch, -1, heads)[:, :seq]
-        ddt = ddt + da * A.float()
-        dA = (da * dt).sum((0, 1)).to(A.dtype)
-        dB, dC = dB.to(B.dtype), dC.to(C.dtype)
-        dD = dD_parts.sum((0, 1)).to(D.dtype) if D is not None else None
-        dinit = dinit.to(initial_state.dtype) if initial_state is not None else None
-        return dx, ddt, dA, dB, dC, dD, dinit, None
+    ddt = torch.empty((batch, seq, heads), **f32)
+    dg = torch.empty((batch, n_chunks * chunk, heads), **f32)
+    dD_parts = torch.empty((batch, n_chunks, heads), **f32) if D is not None else ddt
+    # Per-head parts of dB / dC, summed over each group's heads in float32: all heads in one
+    # launch where they fit CHUNK_BWD_PARTS_MAX_BYTES, else one slice of heads per launch into
+    # float32 accumulators (for all 64 heads at T = 32K they were 1 GiB in bf16, alive at the
+    # backward's peak).
+    per_group = heads // groups
+    slice_heads = _heads_per_launch(heads, per_group, 2 * batch * seq * state_size * B.element_size())
+    whole = slice_heads == heads  # one launch: its parts reduce straight into dB / dC
+    if not whole:
+        dB_sum = torch.zeros((batch, seq, groups, state_size), **f32)
+        dC_sum = torch.zeros((batch, seq, groups, state_size), **f32)
+    dBh = torch.empty((batch, seq, slice_heads, state_size), dtype=B.dtype, device=x.device)
+    dCh = torch.empty_like(dBh)
+    for h0 in range(0, heads, slice_heads):
+        _chunk_bwd[folded(n_chunks, batch * slice_heads)](
+            x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh, dD_parts,
+            seq, heads, h0, slice_heads, head_dim, state_size, per_group, n_chunks,
+            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
+            C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
+            dx.stride(0), dx.stride(1), dx.stride(2),
+            L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=block, HAS_D=D is not None, PREC=prec,
+            NATIVE16=_native16(x, B, C, dy),
+            num_warps=WARPS["chunk_bwd"],
+        )
+        if whole:
+            dB_sum = dBh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32)
+            dC_sum = dCh.view(batch, seq, groups, per_group, state_size).sum(3, dtype=torch.float32)
+            break
+        g0, g1 = h0 // per_group, (h0 + slice_heads - 1) // per_group + 1
+        in_group = min(slice_heads, per_group)
+        dB_sum[:, :, g0:g1] += dBh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)
+        dC_sum[:, :, g0:g1] += dCh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)
+    del dBh, dCh, states, dstates
+    dg = dg.view(batch, n_chunks, chunk, heads)
+    da = dg.flip(2).cumsum(2).flip(2).reshape(batch, -1, heads)[:, :seq]
+    ddt = ddt + da * A.float()
+    dA = (da * dt).sum((0, 1)).to(A.dtype)
+    dB = dB_sum.to(B.dtype) if dB is None else dB.copy_(dB_sum)
+    dC = dC_sum.to(C.dtype) if dC is None else dC.copy_(dC_sum)
+    dD = dD_parts.sum((0, 1)).to(D.dtype) if D is not None else None
+    dinit = dinit.to(initial_state.dtype) if initial_state is not None else None
+    return dx, ddt, dA, dB, dC, dD, dinit
 
 
 def ssd_scan_triton(x, dt, A, B, C, D, initial_state, return_final_state):

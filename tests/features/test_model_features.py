@@ -304,3 +304,16 @@ def test_rope_tables_are_built_once_per_forward(name, overrides, monkeypatch):
     rotating = sum(isinstance(m, RotaryEmbedding) for m in model.modules())
     assert rotating >= 2 and prefill_builds < rotating, (prefill_builds, rotating)
     assert torch.equal(shared.logits, per_layer.logits) and torch.equal(step, per_layer_step)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_training_forward_builds_a_cache_only_when_asked(name):
+    """A training step (Trainer's call: training mode, gradients on, no use_cache) builds no cache;
+    use_cache=True still returns one, and an eval forward keeps the config's default."""
+    model = tiny_model(name).train()
+    ids = random_ids(1, 9)
+    assert model(ids).past_key_values is None
+    assert model(ids, use_cache=True).past_key_values is not None
+    with torch.no_grad():
+        assert model(ids).past_key_values is not None  # no gradients: may continue (config.use_cache)
+    assert model.eval()(ids).past_key_values is not None

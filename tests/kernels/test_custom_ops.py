@@ -31,6 +31,7 @@ kv_shift = importlib.import_module("hf_hybrid.kernels.kv_shift")
 rla = importlib.import_module("hf_hybrid.kernels.residual_linear_attention")
 conv = importlib.import_module("hf_hybrid.kernels.causal_conv1d")
 ssd = importlib.import_module("hf_hybrid.kernels.ssd_scan")
+mixer = importlib.import_module("hf_hybrid.kernels.mamba2_mixer")
 window = importlib.import_module("hf_hybrid.kernels.window_attention")
 
 
@@ -113,6 +114,12 @@ def _cases():
     yield "ssd_scan", ssd.ssd_scan_fwd, (sx, sdt, sA, sB, sC, None, None, False)
     yield "ssd_scan_kept_states", ssd.ssd_scan_fwd, (sx, sdt, sA, sB, sC, None, None, True)
     yield "ssd_scan_D_state", ssd.ssd_scan_fwd, (sx, sdt, sA, sB, sC, leaf(4), leaf(B, 4, 8, 6), False)
+    # the Mamba-2 mixer between its projections (4 heads x 8, 1 group of 6: 32 + 44 + 4 wide)
+    mz, mw, mb = leaf(B, 21, 80), leaf(44, 4, scale=0.5), leaf(44)
+    mixer_params = (sA, leaf(4), leaf(4), leaf(32))
+    yield "mamba2_mixer", mixer.mamba2_mixer_fwd, (mz, mw, mb, *mixer_params, None, 8, 6, 16, 1e-6, 0.0, float("inf"), True, True)
+    mixer_keep = torch.tensor([[0.0] * 3 + [1.0] * 18] * B, device=DEVICE)
+    yield "mamba2_mixer_keep_limit", mixer.mamba2_mixer_fwd, (mz, mw, None, *mixer_params, mixer_keep, 8, 6, 32, 1e-6, 0.01, 2.0, True, False)
     # decode steps (no gradient): the RLA step out of place and in place, RAT's whole step in place
     dq, state = torch.randn(B, 4, D, device=DEVICE), torch.randn(B, 2, 2 * D, D, device=DEVICE)
     leaving = torch.randn(B, 2, D, device=DEVICE), torch.randn(B, 2, D, device=DEVICE)
@@ -157,7 +164,7 @@ def _cases():
 CASES = list(_cases())
 
 
-_SLOW_OPCHECK = {"ssd_scan", "ssd_scan_D_state", "gated_recurrence_chunked_init"}  # 20-25 s each interpreted
+_SLOW_OPCHECK = {"ssd_scan", "ssd_scan_D_state", "gated_recurrence_chunked_init", "mamba2_mixer_keep_limit"}  # 20-25 s each interpreted
 
 
 @pytest.mark.parametrize(
@@ -182,6 +189,7 @@ def test_every_public_triton_op_is_a_custom_op_in_the_namespace():
         "residual_linear_attention_decode_step", "residual_linear_attention_decode_inplace", "rat_decode_step",
         "rat_plus_decode_step", "rattention_ring_decode", "add_rms_norm", "rms_norm_rows", "rms_norm_rows_bwd",
         "causal_conv1d_fwd", "causal_conv1d_bwd", "ssd_scan_fwd", "ssd_scan_bwd", "causal_conv1d_step", "ssd_step",
+        "mamba2_mixer_fwd", "mamba2_mixer_bwd",
     }
     missing = {name for name in ops if not hasattr(torch.ops.hf_hybrid, name)}
     assert not missing, f"not registered under torch.ops.hf_hybrid: {sorted(missing)}"

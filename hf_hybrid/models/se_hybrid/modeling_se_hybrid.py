@@ -26,6 +26,7 @@ from transformers.models.bamba.modeling_bamba import BambaMixer
 
 from ...kernels.causal_conv1d import causal_conv1d
 from ...kernels.gated_rms_norm import gated_rms_norm
+from ...kernels.mamba2_mixer import mamba2_mixer
 from ...kernels.ssd_scan import mamba2_decode_step, ssd_scan
 from ...layers.fused_norms import has_forward_hooks
 from ...layers.recompute import RecomputedActivations, recompute_applies
@@ -96,12 +97,15 @@ class SEMambaMixer(BambaMixer):
         keep = None if valid is None else valid[..., None].to(dtype)
         if keep is not None:
             hidden_states = hidden_states * keep
-        gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        if keep is not None and self.use_bias:
-            xBC = xBC * keep  # in_proj's bias would otherwise put padding into the conv window
+        zxbcdt = self.in_proj(hidden_states)
         A = -torch.exp(self.A_log.float())
         conv_weight, conv_bias = self.conv1d.weight[:, 0], self.conv1d.bias
         backend = _mamba_backend(self)
+        if self._runs_whole(hidden_states, cache_layer, valid, backend):
+            return self._mix_whole(zxbcdt, valid, A, conv_weight, conv_bias, backend, dtype)
+        gate, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        if keep is not None and self.use_bias:
+            xBC = xBC * keep  # in_proj's bias would otherwise put padding into the conv window
         states = self._cached_states(cache_layer)
         if states is not None and seq == 1 and not cache_layer.record_past:
             y = mamba2_decode_step(
@@ -116,6 +120,36 @@ class SEMambaMixer(BambaMixer):
                 y = self._scan(xBC, dt, A, keep, states, cache_layer, backend, recompute, conv_weight, conv_bias)
                 return self._norm_and_project(y, gate, backend, dtype, recompute)
         return self._norm_and_project(y, gate, backend, dtype)
+
+    def _runs_whole(self, hidden_states, cache_layer, valid, backend) -> bool:
+        """Whether the mixer between its projections runs as one op (kernels/mamba2_mixer: one
+        gradient buffer for in_proj's output): the Triton path without a cache, with the norm's
+        module not hooked, and padding masked after the conv only (no in_proj bias)."""
+        triton_path = (hidden_states.is_cuda and backend != "reference") or backend == "triton"
+        return (
+            triton_path and cache_layer is None and not has_forward_hooks(self.norm)
+            and (valid is None or not self.use_bias)
+        )
+
+    def _mix_whole(self, zxbcdt, valid, A, conv_weight, conv_bias, backend, dtype):
+        """out_proj(mamba2_mixer(zxbcdt)); in training the norm's output is rebuilt in the backward
+        from the scan's output and the gate instead of kept (layers/recompute.py)."""
+        norm = self.norm
+        group_size = getattr(norm, "group_size", self.intermediate_size)  # see _gated_norm
+        recompute = RecomputedActivations() if recompute_applies() else None
+        with recompute.active() if recompute is not None else contextlib.nullcontext():
+            normed, y = mamba2_mixer(
+                zxbcdt, conv_weight, conv_bias, A, self.D, self.dt_bias, norm.weight, head_dim=self.head_dim,
+                state_size=self.ssm_state_size, norm_group_size=group_size, eps=norm.variance_epsilon,
+                dt_limit=self.time_step_limit, activation=self.activation, keep=valid, backend=backend,
+            )
+            if recompute is not None:
+                gate = zxbcdt[..., : self.intermediate_size]
+                recompute.register(
+                    normed, lambda: gated_rms_norm(y, gate, norm.weight, group_size, norm.variance_epsilon, backend=backend),
+                    y, gate, norm.weight,
+                )
+            return self.out_proj(normed.to(dtype))
 
     def _conv(self, xBC, keep, conv_state, backend, weight, bias):
         """Causal depthwise conv1d + activation, padding zeroed."""
