@@ -38,8 +38,8 @@ class MixerShape:
         """(x [batch, seq, heads, head_dim], B, C [batch, seq, groups, N]) views of a conv output."""
         group_width = self.groups * self.state_size
         x, B, C = xBC.split([self.inner, group_width, group_width], dim=-1)
-        grouped = (self.batch, self.seq, self.groups, self.state_size)
-        return x.unflatten(-1, (self.heads, self.head_dim)), B.unflatten(-1, grouped[2:]), C.unflatten(-1, grouped[2:])
+        grouped = (self.groups, self.state_size)
+        return x.unflatten(-1, (self.heads, self.head_dim)), B.unflatten(-1, grouped), C.unflatten(-1, grouped)
 
 
 def _conv(xBC, conv_weight, conv_bias, keep, silu):
