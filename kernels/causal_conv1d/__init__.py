@@ -47,15 +47,20 @@ def _check(op: str, x, weight, bias, state, activation, state_name: str, x_rank:
             raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}; put them on one device.")
 
 
+def triton_problem(dtype: torch.dtype, width: int) -> str | None:
+    """What the Triton kernels cannot take of these inputs, or None."""
+    if dtype not in TRITON_DTYPES:
+        return f"dtype {dtype} (supported: {TRITON_DTYPES})"
+    if width > TRITON_MAX_WIDTH:
+        return f"kernel width {width} > {TRITON_MAX_WIDTH}"
+    return None
+
+
 def _pick(op: str, backend: str, x: torch.Tensor, weight: torch.Tensor) -> str:
     impl = resolve_backend(backend, x.device, op)
     if impl != "triton":
         return impl
-    problem = None
-    if x.dtype not in TRITON_DTYPES:
-        problem = f"dtype {x.dtype} (supported: {TRITON_DTYPES})"
-    elif weight.shape[1] > TRITON_MAX_WIDTH:
-        problem = f"kernel width {weight.shape[1]} > {TRITON_MAX_WIDTH}"
+    problem = triton_problem(x.dtype, weight.shape[1])
     if problem is not None:
         # Never a silent slow path on the GPU: name the limit and the way out.
         raise ValueError(f"{op}: the Triton kernel does not support {problem}; pass backend='reference'.")

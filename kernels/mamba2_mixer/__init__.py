@@ -16,8 +16,8 @@ import torch
 
 from .._backend import resolve_backend
 from .._custom_ops import fake_like, kernel_op, needs_grad, optional, placeholder
-from ..causal_conv1d import TRITON_MAX_WIDTH
-from ..ssd_scan import TRITON_DTYPES, TRITON_MAX_DIM
+from ..causal_conv1d import triton_problem as conv_triton_problem
+from ..ssd_scan import triton_problem as ssd_triton_problem
 from .reference import mamba2_mixer_reference
 
 __all__ = ["mamba2_mixer", "mamba2_mixer_reference"]
@@ -64,13 +64,8 @@ def _pick(backend: str, zxbcdt: torch.Tensor, conv_weight: torch.Tensor, head_di
     impl = resolve_backend(backend, zxbcdt.device, OP)
     if impl != "triton":
         return impl
-    problem = None
-    if zxbcdt.dtype not in TRITON_DTYPES:
-        problem = f"dtype {zxbcdt.dtype} (supported: {TRITON_DTYPES})"
-    elif max(head_dim, state_size) > TRITON_MAX_DIM:
-        problem = f"head_dim {head_dim} / state size {state_size} above {TRITON_MAX_DIM}"
-    elif conv_weight.shape[1] > TRITON_MAX_WIDTH:
-        problem = f"conv width {conv_weight.shape[1]} above {TRITON_MAX_WIDTH}"
+    dtype = zxbcdt.dtype
+    problem = conv_triton_problem(dtype, conv_weight.shape[1]) or ssd_triton_problem(dtype, dtype, head_dim, state_size)
     if problem is not None:
         raise ValueError(f"{OP}: the Triton kernels do not support {problem}; pass backend='reference'.")
     return "triton"

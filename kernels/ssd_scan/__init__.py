@@ -72,15 +72,20 @@ def check_ssd_inputs(op: str, x, dt, A, B, C, D, dt_bias, dt_limit, state, state
             raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}; put them on one device.")
 
 
+def triton_problem(x_dtype: torch.dtype, B_dtype: torch.dtype, head_dim: int, state_size: int) -> str | None:
+    """What the Triton kernels cannot take of these inputs, or None."""
+    if x_dtype not in TRITON_DTYPES or B_dtype not in TRITON_DTYPES:
+        return f"dtypes x {x_dtype} / B {B_dtype} (supported: {TRITON_DTYPES})"
+    if max(head_dim, state_size) > TRITON_MAX_DIM:
+        return f"head_dim {head_dim} / state size {state_size} above {TRITON_MAX_DIM}"
+    return None
+
+
 def _pick(op: str, backend: str, x: torch.Tensor, B: torch.Tensor) -> str:
     impl = resolve_backend(backend, x.device, op)
     if impl != "triton":
         return impl
-    problem = None
-    if x.dtype not in TRITON_DTYPES or B.dtype not in TRITON_DTYPES:
-        problem = f"dtypes x {x.dtype} / B {B.dtype} (supported: {TRITON_DTYPES})"
-    elif max(x.shape[-1], B.shape[-1]) > TRITON_MAX_DIM:
-        problem = f"head_dim {x.shape[-1]} / state size {B.shape[-1]} above {TRITON_MAX_DIM}"
+    problem = triton_problem(x.dtype, B.dtype, x.shape[-1], B.shape[-1])
     if problem is not None:
         raise ValueError(f"{op}: the Triton kernels do not support {problem}; pass backend='reference'.")
     return "triton"
