@@ -153,6 +153,19 @@ def test_triton_backward_in_slices_of_heads_is_the_whole_one(heads_per_launch, m
         torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
 
 
+def test_triton_gradients_from_the_final_state_alone():
+    """A loss of the final state only: y gets no gradient (none is zero-filled for it, nor for the
+    kept states); the gradients are the reference's (C and D take no part: zeros)."""
+    t = inputs(seq=21, heads=4, head_dim=8, groups=2, state=6)
+    grads = {}
+    for backend in ("reference", "triton"):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items() if v is not None}
+        _, final = ssd_scan(**leaves, dt_softplus=True, return_final_state=True, chunk_size=8, backend=backend)
+        grads[backend] = torch.autograd.grad(final.square().sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
+    for name, tri, ref in zip([k for k, v in t.items() if v is not None], grads["triton"], grads["reference"]):
+        torch.testing.assert_close(tri, ref, rtol=2e-5, atol=2e-5, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_backward_from_kept_states_is_the_recomputed_one(dtype, monkeypatch):
     """A training forward keeps the chunk states (in x's dtype) up to KEEP_STATES_MAX_BYTES; the
