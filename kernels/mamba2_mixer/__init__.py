@@ -17,6 +17,7 @@ import torch
 from .._backend import resolve_backend
 from .._custom_ops import fake_like, kernel_op, needs_grad, optional, placeholder
 from ..causal_conv1d import triton_problem as conv_triton_problem
+from ..ssd_scan import fake_kept_states
 from ..ssd_scan import triton_problem as ssd_triton_problem
 from .reference import mamba2_mixer_reference
 
@@ -148,12 +149,7 @@ def _(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, head_dim
     inner = heads * head_dim
     normed = torch.empty((batch, seq, inner), dtype=torch.result_type(norm_weight, zxbcdt), device=zxbcdt.device)
     y = zxbcdt.new_empty(batch, seq, inner)
-    kept = zxbcdt.new_empty(0)
-    if keep_states:
-        from ..ssd_scan.triton import _sizes
-
-        kept = zxbcdt.new_empty(batch, -(-seq // _sizes()[0]) + 1, heads, head_dim, state_size)
-    return normed, y, kept
+    return normed, y, fake_kept_states(zxbcdt, keep_states, batch, seq, heads, head_dim, state_size)
 
 
 @kernel_op("mamba2_mixer_bwd")
@@ -177,12 +173,9 @@ def _(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, y, kept,
     return fake_like(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight)
 
 
-_ARGUMENTS = ("head_dim", "state_size", "norm_group_size", "eps", "dt_low", "dt_high", "silu")
-
-
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:8], output[1], output[2])
-    ctx.arguments = inputs[8:15]
+    ctx.arguments = inputs[8:15]  # head_dim, state_size, norm_group_size, eps, dt_low, dt_high, silu
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)
 

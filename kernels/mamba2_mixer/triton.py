@@ -71,7 +71,8 @@ def mixer_backward(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, k
     x, B, C = shape.ssd_operands(_conv(xBC, conv_weight, conv_bias, keep, silu))
     dxBC_conv = torch.empty((shape.batch, shape.seq, shape.channels), dtype=zxbcdt.dtype, device=zxbcdt.device)
     dx, dB, dC = shape.ssd_operands(dxBC_conv)
-    softplus = torch.nn.functional.softplus(dt_raw.float() + dt_bias.float())  # discretize_dt's steps
+    pre = dt_raw.float() + dt_bias.float()
+    softplus = torch.nn.functional.softplus(pre)  # discretize_dt's steps
     dt = softplus.clamp(*dt_limit) if tuple(dt_limit) != (0.0, float("inf")) else softplus
     _, ddt, dA, _, _, dD, _ = ssd_scan_backward(
         x, dt, A, B, C, D, None, kept, dy.unflatten(-1, (shape.heads, head_dim)), None, dx=dx, dB=dB, dC=dC,
@@ -84,7 +85,7 @@ def mixer_backward(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, k
 
     # dt = clamp(softplus(pre), low, high): softplus' derivative is sigmoid; clamp passes the
     # gradient where low <= softplus(pre) <= high (torch's clamp, bounds included).
-    ddt_pre = ddt * torch.sigmoid(dt_raw.float() + dt_bias.float())
+    ddt_pre = ddt * torch.sigmoid(pre)
     if dt is not softplus:
         ddt_pre = ddt_pre * ((softplus >= dt_limit[0]) & (softplus <= dt_limit[1]))
     ddt_raw.copy_(ddt_pre)

@@ -233,16 +233,21 @@ def ssd_scan_fwd(
     return _SSDScan.forward(KernelContext(), x, dt, A, B, C, D, initial_state, keep_states)
 
 
+def fake_kept_states(like: torch.Tensor, keep_states: bool, batch: int, seq: int, heads: int, head_dim: int,
+                     state_size: int) -> torch.Tensor:
+    """The fake of the chunk states a forward keeps (in ``like``'s dtype), or of its empty tensor."""
+    if not keep_states:
+        return like.new_empty(0)
+    from .triton import _sizes
+
+    return like.new_empty(batch, -(-seq // _sizes()[0]) + 1, heads, head_dim, state_size)
+
+
 @ssd_scan_fwd.register_fake
 def _(x, dt, A, B, C, D, initial_state, keep_states):
     batch, seq, heads, head_dim = x.shape
     final = torch.empty(batch, heads, head_dim, B.shape[-1], dtype=torch.float32, device=x.device)
-    kept = x.new_empty(0)
-    if keep_states:
-        from .triton import _sizes
-
-        chunks = -(-seq // _sizes()[0])
-        kept = x.new_empty(batch, chunks + 1, heads, head_dim, B.shape[-1])
+    kept = fake_kept_states(x, keep_states, batch, seq, heads, head_dim, B.shape[-1])
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), final, kept
 
 
