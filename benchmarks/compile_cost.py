@@ -275,6 +275,7 @@ def _se_hybrid_launches():
     RoPE is PyTorch's."""
     from hf_hybrid.kernels.causal_conv1d import triton as conv
     from hf_hybrid.kernels.gated_rms_norm import triton as grn
+    from hf_hybrid.kernels.ssd_scan import step_sizes as steps
     from hf_hybrid.kernels.ssd_scan import triton as ssd
 
     fwd_t, fwd_c, fwd_warps = conv.FORWARD_TILE
@@ -282,6 +283,7 @@ def _se_hybrid_launches():
     conv_common = dict(K=MAMBA_CONV, HAS_BIAS=True, HAS_STATE=False, SILU=True)
     conv_fwd = Launch("causal_conv1d.triton:_conv_fwd", _types("X", "W", "BIAS", "STATE", "OUT"),
                       dict(conv_common, BT=fwd_t, BC=fwd_c), fwd_warps)
+    block_n = max(16, triton.next_power_of_2(MAMBA_STATE))
     ssd_common = dict(L=ssd.CHUNK, BP=ssd.BLOCK_PN, BN=ssd.BLOCK_PN, PREC="tf32", NATIVE16=True)
     ssd_in = dict(_types("X", "Bm", "Cm", "Dv"), DT=F32, G=F32)
 
@@ -289,30 +291,40 @@ def _se_hybrid_launches():
         return Launch("ssd_scan.triton:_states_fwd", dict(ssd_in, S=F32, S_COPY=BF if keep else F32, INIT=F32),
                       dict(ssd_common, HAS_INIT=False, HAS_COPY=keep), ssd.WARPS["states"], note=note)
 
-    output = Launch("ssd_scan.triton:_output_fwd", dict(ssd_in, S=F32, Y=BF), dict(ssd_common, HAS_D=True),
+    output = Launch("ssd_scan.triton:_output_fwd", dict(ssd_in, S=F32, Y=BF, CB=F32), dict(ssd_common, HAS_D=True),
                     ssd.WARPS["output"])
+    scores = Launch("ssd_scan.triton:_chunk_scores", dict(_types("Bm", "Cm"), CB=F32),
+                    dict(L=ssd.CHUNK, BN=ssd.BLOCK_PN, PREC="tf32", NATIVE16=True), 4)
+
+    def step_sizes(discretize: bool, note: str = ""):  # discretize: from in_proj's raw dt (the mixer op), else dt given
+        return Launch("ssd_scan.step_sizes:_forward_kernel",
+                      dict(_types("BIAS"), DT_IN=BF if discretize else F32, A=F32, DT_OUT=F32, G=F32),
+                      dict(L=ssd.CHUNK, BH=steps.BLOCK_HEADS, DISCRETIZE=discretize, HAS_BIAS=discretize, CLAMP=False), 4,
+                      note=note)
+
     block_d, block_t = grn._tile(MAMBA_INNER)
     norm = dict(GROUP=MAMBA_INNER, D_TOTAL=MAMBA_INNER, BLOCK_D=block_d, BLOCK_T=block_t)
     norm_fwd = Launch("gated_rms_norm.triton:_fwd_kernel", _types("Y", "Z", "W", "OUT"), norm,
                       grn._forward_warps(block_d * block_t))
     train = [
-        conv_fwd, states(True, "chunk states, kept in bf16 for the backward"), output, norm_fwd,
+        conv_fwd, step_sizes(True), states(True, "chunk states, kept in bf16 for the backward"), scores, output, norm_fwd,
         Launch("gated_rms_norm.triton:_bwd_kernel", dict(_types("Y", "Z", "W", "DOUT", "DY", "DZ"), DW_PART=F32), norm,
                grn._backward_warps(block_d * block_t)),
         Launch("ssd_scan.triton:_dstates_bwd", dict(ssd_in, DY=BF, DS=BF, DFINAL=F32, DINIT=F32),
                dict(ssd_common, HAS_DFINAL=False), ssd.WARPS["dstates"]),
-        Launch("ssd_scan.triton:_chunk_bwd", dict(ssd_in, **_types("S", "DS", "DY", "DX", "DBH", "DCH"), DDT=F32, DG=F32,
-                                                  DDP=F32),
+        Launch("ssd_scan.triton:_chunk_bwd", dict(ssd_in, **_types("S", "DS", "DY", "DX", "DBH", "DCH"), DDT=F32, DAP=F32,
+                                                  DDP=F32, A=F32),
                dict(ssd_common, BP=max(16, triton.next_power_of_2(MAMBA_HEAD_DIM)), HAS_D=True), ssd.WARPS["chunk_bwd"]),
+        Launch("ssd_scan.step_sizes:_backward_kernel", dict(_types("RAW", "BIAS", "DRAW"), DDT=F32, DBIAS_PARTS=F32),
+               dict(BR=steps.BLOCK_ROWS_BWD, BH=steps.BLOCK_HEADS, HAS_BIAS=True, CLAMP=False), 4),
         Launch("causal_conv1d.triton:_conv_bwd_pre", dict(_types("X", "W", "BIAS", "STATE", "DOUT", "DPRE"),
                                                           DW_PART=F32, DB_PART=F32),
                dict(conv_common, BT=bwd_t, BC=bwd_c), bwd_warps),
         Launch("causal_conv1d.triton:_conv_bwd_dx", _types("DPRE", "W", "DX"), dict(K=MAMBA_CONV, BT=bwd_t, BC=bwd_c),
                bwd_warps),
     ]
-    block_n = max(16, triton.next_power_of_2(MAMBA_STATE))
     generate = [
-        conv_fwd, states(False, "prefill"), output, norm_fwd,
+        conv_fwd, step_sizes(False, "prefill: the chunks' log decay"), states(False, "prefill"), scores, output, norm_fwd,
         Launch("causal_conv1d.triton:_conv_step", _types("X", "STATE", "W", "BIAS", "OUT"),
                dict(K=MAMBA_CONV, HAS_BIAS=True, SILU=True, BC=256), note="decode step"),
         Launch("ssd_scan.triton:_step", dict(_types("X", "DT", "Bm", "Cm", "Dv", "DT_BIAS", "Y"), STATE=F32, A=F32),

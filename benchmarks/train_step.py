@@ -3,6 +3,7 @@ suite's shape: 8 layers of the 1.3B shape, bf16, B=1), in rounds that time every
 for comparing two versions of the code, run it in a checkout of each, alternating.
 
     python -m benchmarks.train_step se_hybrid --seq 8192 --rounds 3 --steps 8
+    python -m benchmarks.train_step se_hybrid --ssd-warps '{"chunk_bwd": 8}'   # the SSD kernels' warps changed
 """
 from __future__ import annotations
 
@@ -49,9 +50,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per model and round")
+    parser.add_argument("--ssd-warps", default=None, help='JSON update of ssd_scan.triton.WARPS, e.g. \'{"chunk_bwd": 8}\'')
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("train_step times CUDA training steps: run it on a GPU machine")
+    if args.ssd_warps:
+        from hf_hybrid.kernels.ssd_scan import triton as ssd
+
+        ssd.WARPS.update(json.loads(args.ssd_warps))
     for row in run(args.models, args.seq, args.rounds, args.steps):
         print(json.dumps(row))
     return 0

@@ -107,7 +107,7 @@ def mamba2_mixer(
             eps, (low, high), activation,
         )
     keep = None if keep is None else keep.to(zxbcdt.dtype)
-    normed, y, _ = mamba2_mixer_fwd(
+    normed, y, _, _ = mamba2_mixer_fwd(
         zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, head_dim, state_size, norm_group_size,
         float(eps), low, high, activation is not None,
         _keeps_states(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, head_dim, state_size),
@@ -116,7 +116,8 @@ def mamba2_mixer(
 
 
 def _keeps_states(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, head_dim, state_size) -> bool:
-    """Whether the scan keeps its chunk states for a backward (ssd_scan.triton.states_fit)."""
+    """Whether the forward keeps the scan's chunk states and the conv output for a backward (a
+    gradient will be needed and the states fit ssd_scan.triton.states_fit)."""
     from ..ssd_scan.triton import states_fit
 
     if not needs_grad(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight):
@@ -133,8 +134,8 @@ def mamba2_mixer_fwd(
     zxbcdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, A: torch.Tensor,
     D: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, keep: torch.Tensor | None, head_dim: int,
     state_size: int, norm_group_size: int, eps: float, dt_low: float, dt_high: float, silu: bool, keep_states: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(normed, y, the scan's chunk states kept for the backward or an empty tensor)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed, y, the scan's chunk states and the conv output kept for the backward, or empty tensors)."""
     from .triton import mixer_forward
 
     return mixer_forward(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, head_dim, state_size,
@@ -149,38 +150,39 @@ def _(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, head_dim
     inner = heads * head_dim
     normed = torch.empty((batch, seq, inner), dtype=torch.result_type(norm_weight, zxbcdt), device=zxbcdt.device)
     y = zxbcdt.new_empty(batch, seq, inner)
-    return normed, y, fake_kept_states(zxbcdt, keep_states, batch, seq, heads, head_dim, state_size)
+    kept_conv = zxbcdt.new_empty(batch, seq, conv_weight.shape[0]) if keep_states else zxbcdt.new_empty(0)
+    return normed, y, fake_kept_states(zxbcdt, keep_states, batch, seq, heads, head_dim, state_size), kept_conv
 
 
 @kernel_op("mamba2_mixer_bwd")
 def mamba2_mixer_bwd(
     zxbcdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, A: torch.Tensor,
     D: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, keep: torch.Tensor | None, y: torch.Tensor,
-    kept: torch.Tensor, dnormed: torch.Tensor, head_dim: int, state_size: int, norm_group_size: int, eps: float,
-    dt_low: float, dt_high: float, silu: bool,
+    kept: torch.Tensor, kept_conv: torch.Tensor, dnormed: torch.Tensor, head_dim: int, state_size: int,
+    norm_group_size: int, eps: float, dt_low: float, dt_high: float, silu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dzxbcdt, dconv_weight, dconv_bias or a placeholder, dA, dD, ddt_bias, dnorm_weight)."""
     from .triton import mixer_backward
 
-    grads = mixer_backward(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, y, kept,
+    grads = mixer_backward(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, y, kept, kept_conv,
                            dnormed.contiguous(), head_dim, state_size, norm_group_size, eps, (dt_low, dt_high), silu)
     return tuple(placeholder(zxbcdt) if g is None else g for g in grads)
 
 
 @mamba2_mixer_bwd.register_fake
-def _(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, y, kept, dnormed, head_dim, state_size,
-      norm_group_size, eps, dt_low, dt_high, silu):
+def _(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight, keep, y, kept, kept_conv, dnormed, head_dim,
+      state_size, norm_group_size, eps, dt_low, dt_high, silu):
     return fake_like(zxbcdt, conv_weight, conv_bias, A, D, dt_bias, norm_weight)
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:8], output[1], output[2])
+    ctx.save_for_backward(*inputs[:8], *output[1:])
     ctx.arguments = inputs[8:15]  # head_dim, state_size, norm_group_size, eps, dt_low, dt_high, silu
-    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dnormed, dy, dkept):
+def _backward(ctx, dnormed, dy, dkept, dkept_conv):
     saved = ctx.saved_tensors
     if dnormed is None:  # normed took no part in the loss
         return (None,) * 16

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad, optional, placeholder
+from .._custom_ops import fake_like, kernel_op, needs_grad, optional, placeholder
 from ..causal_conv1d import causal_conv1d_step
 from .reference import DEFAULT_CHUNK_SIZE, discretize_dt, ssd_scan_reference, ssd_step_reference
 
@@ -228,9 +228,9 @@ def ssd_scan_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, final state, the chunk states kept for the backward or an empty tensor) of the Triton
     SSD scan; dt already discretised."""
-    from .triton import _SSDScan
+    from .triton import ssd_scan_forward
 
-    return _SSDScan.forward(KernelContext(), x, dt, A, B, C, D, initial_state, keep_states)
+    return ssd_scan_forward(x, dt, A, B, C, D, initial_state, keep_states)
 
 
 def fake_kept_states(like: torch.Tensor, keep_states: bool, batch: int, seq: int, heads: int, head_dim: int,

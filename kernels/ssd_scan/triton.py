@@ -1,15 +1,18 @@
 """Triton forward / backward of the SSD scan (math: reference.py) and the recurrent decode step.
 
 Chunks of L tokens (the kernels' own L: the result does not depend on it beyond round-off), per
-(batch, head); g = within-chunk cumulative log decay (a [batch, T, heads] tensor made by torch),
-v_s = dt_s x_s, W_ls = exp(g_l - g_s) for s <= l (else 0), S_c the state entering chunk c:
+(batch, head); g = within-chunk cumulative log decay ([batch, T, heads], made by step_sizes.py in
+one launch, which can also discretise raw step sizes), v_s = dt_s x_s, W_ls = exp(g_l - g_s) for
+s <= l (else 0), S_c the state entering chunk c:
 
   forward
+    0. _chunk_scores (one program per (chunk, batch*group)): C B^T, shared by the group's heads
+       ([batch, T / L, groups, L, L] float32; the backward's chunk kernel forms its own, faster there)
     1. _states_fwd  (sequential over chunks, one program per (P block, N block, batch*head)):
            S_{c+1} = exp(g_L) S_c + (v * exp(g_L - g))^T B          -> every S_c, and the final state
     2. _output_fwd  (one program per (P block, chunk, batch*head), chunks in parallel):
            y = exp(g) * (C S_c^T) + ((C B^T) * W) v + D x
-  backward (the chunk states are recomputed by 1, not kept from the forward)
+  backward (the chunk states are kept by a training forward that has room, else recomputed by 1)
     3. _dstates_bwd (reverse over chunks): dS_c (gradient of the state leaving chunk c):
            dS_{c-1} = exp(g_L) dS_c + (dy * exp(g))^T C
     4. _chunk_bwd   (chunks in parallel, whole head_dim per program):
@@ -18,9 +21,9 @@ v_s = dt_s x_s, W_ls = exp(g_l - g_s) for s <= l (else 0), S_c the state enterin
                                                                       torch sums the group in float32)
            dB = ((dy v^T) * W)^T C + exp(g_L - g) * (v dS_c)
            dg_l = C_l . dC_l - B_l . dB_l  (+ dS_c . S_{c+1} at the chunk's last row)
-           dD partial = sum over the chunk of dy . x
-       then torch: da = reverse cumsum of dg within the chunk, ddt = dv . x + A da, dA = sum da dt,
-       dD = sum of the partials.
+           da = reverse cumsum of dg within the chunk     ddt = dv . x + A da
+           dA, dD partials = sums over the chunk of da dt and of dy . x
+       then torch: dA, dD = sums of the partials.
 
 The dg identity: every term holding C_l carries exp(+g_l), every term holding B_s carries
 exp(-g_s), and the exit state carries exp(+g_L). Memory: O(T x heads x (P + N)) plus the chunk
@@ -43,6 +46,7 @@ import triton.language as tl
 from ..._compat.triton_launch import launch_cached
 from .._backend import triton_interpreting
 from .._grid import folded, split_program_id
+from .step_sizes import chunk_log_decay
 
 # Chunk length and the P / N block of the state kernels (and the N loop of the chunk kernels).
 # 64 / 32 is the fastest at the SE hybrid's mixer shape (`python -m benchmarks.ssd_sweep`); chunks
@@ -67,6 +71,11 @@ INTERPRET_BLOCK_PN = 16
 
 def _sizes() -> tuple[int, int]:
     return (INTERPRET_CHUNK, INTERPRET_BLOCK_PN) if triton_interpreting() else (CHUNK, BLOCK_PN)
+
+
+def chunk_length() -> int:
+    """The kernels' chunk L (what a caller making g with step_sizes passes)."""
+    return _sizes()[0]
 
 
 @triton.jit
@@ -113,6 +122,34 @@ def _decay_matrix(g, L: tl.constexpr):
 
 @launch_cached
 @triton.jit
+def _chunk_scores(
+    Bm, Cm, CB, T, G, NT, sbb, sbt, sbg, scb, sct, scg, N,
+    L: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, NATIVE16: tl.constexpr,
+):
+    # C B^T of one chunk and group, shared by the group's heads (float32 sums of exact products).
+    c, bg = split_program_id(NT)
+    b, grp = (bg // G).to(tl.int64), bg % G
+    rows = c * L + tl.arange(0, L)
+    row_ok = rows < T
+    scores = tl.zeros((L, L), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < N
+        Cr = _tile_raw(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
+        Br = _tile_raw(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
+        scores += _dot_rounded(Cr, tl.trans(Br), Cr, NATIVE16, PREC)
+    tl.store(_scores_tile(CB, b, c, grp, G, NT, L), scores)
+
+
+@triton.jit
+def _scores_tile(CB, b, c, grp, G, NT, L: tl.constexpr):
+    """Pointers of chunk c's [L, L] C B^T tile of one group in a [batch, NT, groups, L, L] tensor."""
+    i = tl.arange(0, L)
+    return CB + ((b * NT + c) * G + grp) * L * L + i[:, None] * L + i[None, :]
+
+
+@launch_cached
+@triton.jit
 def _states_fwd(
     X, DT, G, Bm, S, S_COPY, INIT, T, H, P, N, heads_per_group, NT,
     sxb, sxt, sxh, sbb, sbt, sbg,
@@ -149,8 +186,8 @@ def _states_fwd(
 @launch_cached
 @triton.jit
 def _output_fwd(
-    X, DT, G, Bm, Cm, S, Dv, Y, T, H, P, N, heads_per_group, NT,
-    sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg,
+    X, DT, G, CB, Cm, S, Dv, Y, T, H, P, N, heads_per_group, NT,
+    sxb, sxt, sxh, scb, sct, scg,
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
     NATIVE16: tl.constexpr,
 ):
@@ -163,16 +200,14 @@ def _output_fwd(
     rows, row_ok, dt, g, g_last = _chunk_rows(G, DT, b, h, c, T, H, L)
     x_raw = _tile_raw(X, b, rows, row_ok, sxb, sxt, h * sxh, offs_p, p_ok)
     x = x_raw.to(tl.float32)
-    scores = tl.zeros((L, L), dtype=tl.float32)
+    scores = tl.load(_scores_tile(CB, b, c, grp, H // heads_per_group, NT, L))
     from_state = tl.zeros((L, BP), dtype=tl.float32)
     s_base = S + ((b * (NT + 1) + c) * H + h) * P * N
     for n0 in range(0, N, BN):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < N
         Cr = _tile_raw(Cm, b, rows, row_ok, scb, sct, grp * scg, offs_n, n_ok)
-        Br = _tile_raw(Bm, b, rows, row_ok, sbb, sbt, grp * sbg, offs_n, n_ok)
         Sb = tl.load(s_base + offs_p[:, None] * N + offs_n[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-        scores += _dot_rounded(Cr, tl.trans(Br), Cr, NATIVE16, PREC)
         from_state += _dot_rounded(Cr, tl.trans(Sb), Cr, NATIVE16, PREC)
     weights = scores * _decay_matrix(g, L) * dt[None, :]
     y = from_state * tl.exp(g)[:, None] + _dot_rounded(weights, x_raw, x_raw, NATIVE16, PREC)
@@ -217,7 +252,7 @@ def _dstates_bwd(
 @launch_cached
 @triton.jit
 def _chunk_bwd(
-    X, DT, G, Bm, Cm, S, DS, Dv, DY, DX, DDT, DG, DBH, DCH, DDP, T, H, H0, HS, P, N, heads_per_group, NT,
+    X, DT, G, A, Bm, Cm, S, DS, Dv, DY, DX, DDT, DAP, DBH, DCH, DDP, T, H, H0, HS, P, N, heads_per_group, NT,
     sxb, sxt, sxh, sbb, sbt, sbg, scb, sct, scg, sdb, sdt, sdh, sob, sot, soh,
     L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
     NATIVE16: tl.constexpr,
@@ -255,7 +290,6 @@ def _chunk_bwd(
         tl.store(DDP + (b * NT + c) * H + h, tl.sum(tl.sum(dy * x, axis=1), axis=0))  # this chunk's part of dD
     dx_rows = b * sob + rows.to(tl.int64) * sot + h * soh
     tl.store(DX + dx_rows[:, None] + offs_p[None, :], dx.to(DX.dtype.element_ty), mask=row_ok[:, None] & p_ok[None, :])
-    tl.store(DDT + (b * T + rows.to(tl.int64)) * H + h, tl.sum(dv * x, axis=1), mask=row_ok)
     dpw = _dot_rounded(dy_raw, tl.trans(v), dy_raw, NATIVE16, PREC) * decay
     tok_slice = (b * T + rows.to(tl.int64)) * HS + h_in
     dg = tl.zeros((L,), dtype=tl.float32)
@@ -282,7 +316,11 @@ def _chunk_bwd(
         dg += tl.sum(Cb * dC, axis=1) - tl.sum(Bb * dB, axis=1)
     # The exit state carries exp(+g) at the chunk's last row.
     dg += tl.where(tl.arange(0, L) == L - 1, exit_term, 0.0)
-    tl.store(DG + (b * NT * L + c * L + tl.arange(0, L)) * H + h, dg)
+    # g_l sums dt_s * A over s <= l in the chunk: da_s = sum of dg_l over l >= s.
+    da = tl.cumsum(dg, 0, reverse=True)
+    a = tl.load(A + h).to(tl.float32)
+    tl.store(DDT + (b * T + rows.to(tl.int64)) * H + h, tl.sum(dv * x, axis=1) + a * da, mask=row_ok)
+    tl.store(DAP + (b * NT + c) * H + h, tl.sum(da * dt, axis=0))  # this chunk's part of dA (dt is 0 past T)
 
 
 def _heads_per_launch(heads: int, per_group: int, bytes_per_head: int) -> int:
@@ -312,13 +350,6 @@ def _precision(*tensors: torch.Tensor) -> str:
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _chunk_log_decay(dt: torch.Tensor, A: torch.Tensor, chunk: int) -> torch.Tensor:
-    """g: cumulative dt * A within each chunk, [batch, T rounded up to chunks, heads] float32."""
-    batch, seq, heads = dt.shape
-    padded = torch.nn.functional.pad(dt * A.float(), (0, 0, 0, -seq % chunk))
-    return padded.view(batch, -1, chunk, heads).cumsum(2).view(batch, -1, heads).contiguous()
 
 
 def state_grid(batch: int, heads: int, head_dim: int, state_size: int, block: int) -> tuple[int, int]:
@@ -355,6 +386,20 @@ def _chunk_states(x, dt, g, B, initial_state, chunk, block, dtype=torch.float32,
     return states, (states if copy is None else copy)
 
 
+def _chunk_scores_of(B, C, n_chunks, chunk, block, prec, native16) -> torch.Tensor:
+    """C B^T per chunk and group, [batch, n_chunks, groups, chunk, chunk] float32 (2 MB a group at
+    8K tokens): the heads of a group share it, so _output_fwd reads it instead of each of its
+    programs forming it (64 heads x 2 head_dim blocks at the SE hybrid's shape). _chunk_bwd forms
+    its own: reading it there was slower (docs/benchmarks/se_hybrid.md)."""
+    batch, seq, groups, state_size = B.shape
+    scores = torch.empty((batch, n_chunks, groups, chunk, chunk), dtype=torch.float32, device=B.device)
+    _chunk_scores[folded(n_chunks, batch * groups)](
+        B, C, scores, seq, groups, n_chunks, B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
+        state_size, L=chunk, BN=block, PREC=prec, NATIVE16=native16,
+    )
+    return scores
+
+
 def keeps_states(x: torch.Tensor, B: torch.Tensor) -> bool:
     """Whether a forward that the backward will follow keeps the chunk states for it (in x's dtype)
     instead of the backward recomputing them: when they take at most KEEP_STATES_MAX_BYTES."""
@@ -367,33 +412,41 @@ def states_fit(batch: int, seq: int, heads: int, head_dim: int, state_size: int,
     return batch * (n_chunks + 1) * heads * head_dim * state_size * element_size <= KEEP_STATES_MAX_BYTES
 
 
+def ssd_scan_forward(x, dt, A, B, C, D, initial_state, keep_states, g=None):
+    """(y, final state float32, the chunk states kept for the backward or an empty tensor) of the
+    Triton scan; dt discretised, float32. ``g``: the chunks' log decay of dt when the caller has it
+    (step_sizes.discretized_step_sizes), else made here."""
+    chunk, block = _sizes()
+    x, B, C = (_last_dim_contiguous(t) for t in (x, B, C))
+    dt = dt.float().contiguous()
+    batch, seq, heads, head_dim = x.shape
+    state_size = B.shape[-1]
+    if g is None:
+        g = chunk_log_decay(dt, A, chunk)
+    n_chunks = g.shape[1] // chunk
+    kept = x.new_empty(0)
+    if keep_states:
+        states, kept = _chunk_states(x, dt, g, B, initial_state, chunk, block, copy_dtype=x.dtype)
+    else:
+        states = _chunk_states(x, dt, g, B, initial_state, chunk, block)
+    y = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
+    grid = output_grid(batch, heads, head_dim, n_chunks, block)
+    prec, native16 = _precision(x, B, C), _native16(x, B, C)
+    scores = _chunk_scores_of(B, C, n_chunks, chunk, block, prec, native16)
+    _output_fwd[grid](
+        x, dt, g, scores, C, states, D if D is not None else dt, y, seq, heads, head_dim, state_size,
+        heads // B.shape[2], n_chunks, x.stride(0), x.stride(1), x.stride(2), C.stride(0), C.stride(1), C.stride(2),
+        L=chunk, BP=block, BN=block, HAS_D=D is not None, PREC=prec, NATIVE16=native16, num_warps=WARPS["output"],
+    )
+    return y, states[:, -1].clone(), kept
+
+
 class _SSDScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, initial_state, keep_states=False):
-        chunk, block = _sizes()
-        x, B, C = (_last_dim_contiguous(t) for t in (x, B, C))
-        dt = dt.float().contiguous()
-        batch, seq, heads, head_dim = x.shape
-        state_size = B.shape[-1]
-        g = _chunk_log_decay(dt, A, chunk)
-        n_chunks = g.shape[1] // chunk
-        kept = x.new_empty(0)
-        if keep_states:
-            states, kept = _chunk_states(x, dt, g, B, initial_state, chunk, block, copy_dtype=x.dtype)
-        else:
-            states = _chunk_states(x, dt, g, B, initial_state, chunk, block)
-        y = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
-        grid = output_grid(batch, heads, head_dim, n_chunks, block)
-        _output_fwd[grid](
-            x, dt, g, B, C, states, D if D is not None else dt, y, seq, heads, head_dim, state_size,
-            heads // B.shape[2], n_chunks,
-            x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-            C.stride(0), C.stride(1), C.stride(2),
-            L=chunk, BP=block, BN=block, HAS_D=D is not None, PREC=_precision(x, B, C), NATIVE16=_native16(x, B, C),
-            num_warps=WARPS["output"],
-        )
-        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, kept)
-        final_state = states[:, -1].clone()
+        y, final_state, kept = ssd_scan_forward(x, dt, A, B, C, D, initial_state, keep_states)
+        ctx.save_for_backward(_last_dim_contiguous(x), dt.float().contiguous(), A, _last_dim_contiguous(B),
+                              _last_dim_contiguous(C), D, initial_state, kept)
         return y, final_state, kept
 
     @staticmethod
@@ -401,11 +454,12 @@ class _SSDScan(torch.autograd.Function):
         return (*ssd_scan_backward(*ctx.saved_tensors, dy, dfinal), None)
 
 
-def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=None, dB=None, dC=None):
+def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=None, dB=None, dC=None, g=None):
     """(dx, ddt float32, dA, dB, dC, dD, d initial_state) of the Triton scan; dt discretised, float32.
     ``kept``: the forward's chunk states, or an empty tensor (recomputed here). ``dx``, ``dB``,
     ``dC``: buffers shaped like x, B, C (strided views with a contiguous last dim, slices of the
-    conv output's gradient) to write those gradients into, else new ones."""
+    conv output's gradient) to write those gradients into, else new ones. ``g``: as in
+    :func:`ssd_scan_forward`."""
     chunk, block = _sizes()
     dy = _last_dim_contiguous(dy)
     batch, seq, heads, head_dim = x.shape
@@ -413,7 +467,8 @@ def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=Non
     for name, out, like in (("dx", dx, x), ("dB", dB, B), ("dC", dC, C)):
         if out is not None and (out.shape != like.shape or out.dtype != like.dtype or out.stride(-1) != 1):
             raise ValueError(f"ssd_scan_backward: {name} must be {tuple(like.shape)} {like.dtype} with a contiguous last dim.")
-    g = _chunk_log_decay(dt, A, chunk)
+    if g is None:
+        g = chunk_log_decay(dt, A, chunk)
     n_chunks = g.shape[1] // chunk
     # Kept by the forward (keeps_states; never empty then), or recomputed; in the inputs' dtype (float32 at T = 32K:
     # 1 GiB), read by _chunk_bwd only.
@@ -434,7 +489,7 @@ def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=Non
     if dx is None:
         dx = torch.empty((batch, seq, heads, head_dim), dtype=x.dtype, device=x.device)
     ddt = torch.empty((batch, seq, heads), **f32)
-    dg = torch.empty((batch, n_chunks * chunk, heads), **f32)
+    dA_parts = torch.empty((batch, n_chunks, heads), **f32)
     dD_parts = torch.empty((batch, n_chunks, heads), **f32) if D is not None else ddt
     # Per-head parts of dB / dC, summed over each group's heads in float32: all heads in one
     # launch where they fit CHUNK_BWD_PARTS_MAX_BYTES, else one slice of heads per launch into
@@ -450,7 +505,7 @@ def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=Non
     dCh = torch.empty_like(dBh)
     for h0 in range(0, heads, slice_heads):
         _chunk_bwd[folded(n_chunks, batch * slice_heads)](
-            x, dt, g, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dg, dBh, dCh, dD_parts,
+            x, dt, g, A, B, C, states, dstates, D if D is not None else dt, dy, dx, ddt, dA_parts, dBh, dCh, dD_parts,
             seq, heads, h0, slice_heads, head_dim, state_size, per_group, n_chunks,
             x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
             C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
@@ -468,10 +523,7 @@ def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=Non
         dB_sum[:, :, g0:g1] += dBh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)
         dC_sum[:, :, g0:g1] += dCh.view(batch, seq, g1 - g0, in_group, state_size).sum(3, dtype=torch.float32)
     del dBh, dCh, states, dstates
-    dg = dg.view(batch, n_chunks, chunk, heads)
-    da = dg.flip(2).cumsum(2).flip(2).reshape(batch, -1, heads)[:, :seq]
-    ddt = ddt + da * A.float()
-    dA = (da * dt).sum((0, 1)).to(A.dtype)
+    dA = dA_parts.sum((0, 1)).to(A.dtype)
     dB = dB_sum.to(B.dtype) if dB is None else dB.copy_(dB_sum)
     dC = dC_sum.to(C.dtype) if dC is None else dC.copy_(dC_sum)
     dD = dD_parts.sum((0, 1)).to(D.dtype) if D is not None else None

@@ -109,6 +109,27 @@ def test_y_is_not_differentiable_and_no_grad_keeps_nothing():
     assert normed.requires_grad and not y.requires_grad
 
 
+def test_the_backward_rebuilds_what_the_forward_did_not_keep(monkeypatch):
+    """A training forward keeps the chunk states and the conv output while the states fit
+    KEEP_STATES_MAX_BYTES; past it the backward rebuilds both, to the same gradients."""
+    from hf_hybrid.kernels.ssd_scan import triton as ssd_triton
+
+    tensors, sizes = inputs(seq=21, dtype=torch.float32)
+    grad_out = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(3))
+    options = dict(norm_group_size=32, eps=1e-6, keep=torch.ones(2, 21))
+    leaves = [tensors["zxbcdt"].detach().requires_grad_(), *(tensors[k] for k in ("conv_weight", "conv_bias", "A", "D", "dt_bias", "norm_weight"))]
+    args = (*leaves, None, sizes["head_dim"], sizes["state_size"], 32, 1e-6, 0.0, float("inf"), True)
+    _, _, states, conv = mixer.mamba2_mixer_fwd(*args, True)
+    assert conv.shape == (2, 21, tensors["conv_weight"].shape[0]) and states.numel() > 0
+    assert all(t.numel() == 0 for t in mixer.mamba2_mixer_fwd(*args, False)[2:])
+
+    kept = run(tensors, sizes, "triton", grad_out, **options)
+    monkeypatch.setattr(ssd_triton, "KEEP_STATES_MAX_BYTES", 0)
+    rebuilt = run(tensors, sizes, "triton", grad_out, **options)
+    for name, expected in kept.items():
+        torch.testing.assert_close(rebuilt[name], expected, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(zxbcdt=torch.randn(2, 9, 91)), "zxbcdt's last dim"),
     (dict(head_dim=7), "conv_weight must be"),
