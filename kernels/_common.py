@@ -10,6 +10,12 @@ def expand_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unsqueeze(2).expand(batch, seq, heads // groups, groups, dim).reshape(batch, seq, heads, dim)
 
 
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when its last dim is contiguous (what the Triton kernels index with unit stride), else a
+    contiguous copy: strided views of the other dims go to the kernels as they are."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def leading_strides(x: torch.Tensor) -> tuple[int, int, int]:
     """Strides of the first three dims of a [batch, seq, heads, dim] tensor (dim contiguous):
     what the row-wise Triton kernels take to address any such view."""

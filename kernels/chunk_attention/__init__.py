@@ -6,7 +6,7 @@ import torch
 from .._backend import resolve_backend
 from .._query_blocks import attend_in_query_blocks, query_block_size
 from .._custom_ops import KernelContext, fake_like, kernel_op, needs_grad, optional, placeholder
-from .._common import expand_groups
+from .._common import expand_groups, last_dim_contiguous
 from ..output_gate import sigmoid_gate_reference
 from .rat_plus_decode import StoreLayout, rat_plus_decode_step_reference
 from .sdpa_ends import _HEAD_DIMS as _SDPA_HEAD_DIMS
@@ -249,10 +249,10 @@ def block_end_attention_bwd(
     lse: torch.Tensor, dout: torch.Tensor, block_size: int, local_window: int, num_sink_tokens: int, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d output_gate or a placeholder); ``out``: the ungated attention when gated."""
-    from .triton import _BlockEndAttention, _last_dim_contiguous
+    from .triton import _BlockEndAttention
 
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    saved = (q, k, v, out, lse) + (() if output_gate is None else (_last_dim_contiguous(output_gate),))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    saved = (q, k, v, out, lse) + (() if output_gate is None else (last_dim_contiguous(output_gate),))
     geo = _block_geometry(q.shape[1], block_size, local_window, num_sink_tokens)
     grads = _BlockEndAttention.backward(KernelContext(saved, geo=geo, scale=scale), dout)
     dgate = grads[-1]
@@ -284,9 +284,8 @@ block_end_attention_fwd.register_autograd(_block_end_backward, setup_context=_bl
 
 
 def _chunk_end_inputs(q, k_own, v_own, k_ends, v_ends, query_chunk):
-    from .triton import _last_dim_contiguous
 
-    tensors = tuple(_last_dim_contiguous(t) for t in (q, k_own, v_own, k_ends, v_ends))
+    tensors = tuple(last_dim_contiguous(t) for t in (q, k_own, v_own, k_ends, v_ends))
     return tensors + (query_chunk.to(torch.int32).contiguous(),)
 
 

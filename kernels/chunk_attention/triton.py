@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import last_dim_contiguous
 from .._common import leading_strides as _strides
 from .._grid import folded, split_program_id
 from ..._compat.triton_launch import launch_cached
@@ -547,10 +548,6 @@ def _check_head_dim(op: str, head_dim: int) -> None:
         )
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 class _Geometry:
     """Everything that tells block mode from compact mode, in one place for forward and backward."""
 
@@ -681,12 +678,12 @@ def _dummy_query_chunk(device: torch.device) -> torch.Tensor:
 class _BlockEndAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_size, local_window, num_sink_tokens, scale, gate=None):
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
         seq = q.shape[1]
         geo = _Geometry(False, seq // block_size, block_size, local_window, num_sink_tokens, num_sink_tokens // block_size)
         qc = _dummy_query_chunk(q.device)
         ke, ve = k[:, block_size - 1 :: block_size], v[:, block_size - 1 :: block_size]
-        gate = None if gate is None else _last_dim_contiguous(gate)
+        gate = None if gate is None else last_dim_contiguous(gate)
         # the backward needs the ungated attention: written next to the gated output only then
         ungated = torch.empty(k.shape, device=q.device, dtype=q.dtype) if gate is not None and any(ctx.needs_input_grad) else None
         out, lse = _forward(q, k, v, ke, ve, qc, geo, scale, gate, ungated)
@@ -715,7 +712,7 @@ class _BlockEndAttention(torch.autograd.Function):
 class _ChunkEndAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_own, v_own, k_ends, v_ends, query_chunk, scale):
-        q, k_own, v_own, k_ends, v_ends = (_last_dim_contiguous(t) for t in (q, k_own, v_own, k_ends, v_ends))
+        q, k_own, v_own, k_ends, v_ends = (last_dim_contiguous(t) for t in (q, k_own, v_own, k_ends, v_ends))
         query_chunk = query_chunk.to(torch.int32).contiguous()
         geo = _Geometry(True, k_ends.shape[1], 1, 0, 0, 0)
         out, lse = _forward(q, k_own, v_own, k_ends, v_ends, query_chunk, geo, scale)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._common import last_dim_contiguous
 from .._custom_ops import KernelContext, fake_like, kernel_op, optional, placeholder
 from .reference import (
     branch_norm_sum_reference,
@@ -210,10 +211,10 @@ def branch_norm_sum(
 def _rope_inputs(x, weight, cos, sin):
     """What _RmsNormRotary's kernels read (and its forward saves): rows with a contiguous last dim,
     the weight (x itself as the never-read placeholder without a norm), cos/sin per token."""
-    from .triton import _expand_rotary, _last_dim_contiguous
+    from .triton import _expand_rotary
 
     batch, seq, _, dim = x.shape
-    x = _last_dim_contiguous(x)
+    x = last_dim_contiguous(x)
     weight = weight.contiguous() if weight is not None else x
     return x, weight, _expand_rotary(cos, batch, seq, dim), _expand_rotary(sin, batch, seq, dim)
 
@@ -265,11 +266,10 @@ rms_norm_rotary_fwd.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
 def _branch_inputs(a, weight_a, b, weight_b):
-    from .triton import _last_dim_contiguous
 
-    a, weight_a = _last_dim_contiguous(a), weight_a.contiguous()
+    a, weight_a = last_dim_contiguous(a), weight_a.contiguous()
     if b is not None:
-        b, weight_b = _last_dim_contiguous(b), weight_b.contiguous()
+        b, weight_b = last_dim_contiguous(b), weight_b.contiguous()
     return a, weight_a, b, weight_b
 
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .._common import last_dim_contiguous
 from .._grid import MAX_GRID_YZ
 from ..._compat.triton_launch import launch_cached
 
@@ -255,10 +256,6 @@ def _branch_bwd_kernel(
 # ---------------------------------------------------------------- launch helpers
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _bt_strides(t: torch.Tensor) -> tuple[int, int]:
     """(batch, seq) strides of a [B, T, ...] tensor."""
     return t.stride(0), t.stride(1)
@@ -298,7 +295,7 @@ def backward_grid(n_tokens: int, heads: int, block_t: int, programs: int | None 
 
 def _expand_rotary(t: torch.Tensor, batch: int, seq: int, dim: int) -> torch.Tensor:
     """cos or sin broadcast to [B, T, 1, D] without a copy (stride 0 on broadcast axes)."""
-    return _last_dim_contiguous(t.expand(batch, seq, 1, dim))
+    return last_dim_contiguous(t.expand(batch, seq, 1, dim))
 
 
 def _reduce_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -314,7 +311,7 @@ class _RmsNormRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cos, sin, eps, tune):
         batch, seq, heads, dim = x.shape
-        x = _last_dim_contiguous(x)
+        x = last_dim_contiguous(x)
         has_norm = weight is not None
         weight = weight.contiguous() if has_norm else x  # never read without the norm
         cos, sin = _expand_rotary(cos, batch, seq, dim), _expand_rotary(sin, batch, seq, dim)
@@ -337,7 +334,7 @@ class _RmsNormRotary(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, cos, sin = ctx.saved_tensors
         batch, seq, heads, dim = x.shape
-        dy = _last_dim_contiguous(dy)
+        dy = last_dim_contiguous(dy)
         half = dim // 2
         block_half = triton.next_power_of_2(half)
         block_t = _block_tokens(2 * block_half, ctx.tune.get("block_tokens"))
@@ -363,10 +360,10 @@ class _BranchNormSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, weight_a, b, weight_b, eps_a, eps_b, tune):
         batch, seq, heads, dim = a.shape
-        a, weight_a = _last_dim_contiguous(a), weight_a.contiguous()
+        a, weight_a = last_dim_contiguous(a), weight_a.contiguous()
         has_b = b is not None
         if has_b:
-            b, weight_b = _last_dim_contiguous(b), weight_b.contiguous()
+            b, weight_b = last_dim_contiguous(b), weight_b.contiguous()
         b_args = (b, weight_b) if has_b else (a, weight_a)  # placeholders the kernel never reads
         block_d = triton.next_power_of_2(dim)
         block_t = _block_tokens(block_d, tune.get("block_tokens"))
@@ -386,7 +383,7 @@ class _BranchNormSum(torch.autograd.Function):
         a, weight_a, b, weight_b = ctx.saved_tensors
         batch, seq, heads, dim = a.shape
         has_b = b is not None
-        dy = _last_dim_contiguous(dy)
+        dy = last_dim_contiguous(dy)
         block_d = triton.next_power_of_2(dim)
         block_t = _block_tokens(block_d, ctx.tune.get("block_tokens"))
         n_tokens = batch * seq

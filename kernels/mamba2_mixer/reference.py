@@ -18,6 +18,27 @@ from ..gated_rms_norm.reference import gated_rms_norm_reference
 from ..ssd_scan.reference import DEFAULT_CHUNK_SIZE, discretize_dt, ssd_scan_reference
 
 
+class MixerShape:
+    """The widths of zxbcdt's parts and the SSD's tensor shapes."""
+
+    def __init__(self, zxbcdt: torch.Tensor, heads: int, head_dim: int, channels: int, state_size: int):
+        self.batch, self.seq, _ = zxbcdt.shape
+        self.heads, self.head_dim, self.state_size = heads, head_dim, state_size
+        self.inner, self.channels = heads * head_dim, channels
+        self.groups = (channels - self.inner) // (2 * state_size)
+
+    def parts(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(z, xBC, dt_raw) views."""
+        return zxbcdt.split([self.inner, self.channels, self.heads], dim=-1)
+
+    def ssd_operands(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x [batch, seq, heads, head_dim], B, C [batch, seq, groups, N]) views of a conv output."""
+        group_width = self.groups * self.state_size
+        x, B, C = xBC.split([self.inner, group_width, group_width], dim=-1)
+        grouped = (self.groups, self.state_size)
+        return x.unflatten(-1, (self.heads, self.head_dim)), B.unflatten(-1, grouped), C.unflatten(-1, grouped)
+
+
 def mamba2_mixer_reference(
     zxbcdt: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -35,22 +56,12 @@ def mamba2_mixer_reference(
     activation: str | None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, seq, _ = zxbcdt.shape
-    heads, channels = A.shape[0], conv_weight.shape[0]
-    inner = heads * head_dim
-    z, xBC, dt_raw = zxbcdt.split([inner, channels, heads], dim=-1)
+    shape = MixerShape(zxbcdt, A.shape[0], head_dim, conv_weight.shape[0], state_size)
+    z, xBC, dt_raw = shape.parts(zxbcdt)
     xBC = causal_conv1d_reference(xBC, conv_weight, conv_bias, None, activation, False)
     if keep is not None:
         xBC = xBC * keep[..., None].to(xBC.dtype)
-    group_width = (channels - inner) // 2
-    x, B, C = xBC.split([inner, group_width, group_width], dim=-1)
-    groups = group_width // state_size
-    y = ssd_scan_reference(
-        x.reshape(batch, seq, heads, head_dim),
-        discretize_dt(dt_raw, dt_bias, True, tuple(dt_limit)),
-        A,
-        B.reshape(batch, seq, groups, state_size),
-        C.reshape(batch, seq, groups, state_size),
-        D, None, chunk_size, False,
-    ).reshape(batch, seq, inner)
+    x, B, C = shape.ssd_operands(xBC)
+    dt = discretize_dt(dt_raw, dt_bias, True, tuple(dt_limit))
+    y = ssd_scan_reference(x, dt, A, B, C, D, None, chunk_size, False).flatten(-2)
     return gated_rms_norm_reference(y, z, norm_weight, norm_group_size, eps), y

@@ -20,27 +20,7 @@ from ..gated_rms_norm.triton import gated_rms_norm_backward, gated_rms_norm_forw
 from ..ssd_scan.step_sizes import discretized_step_sizes, discretized_step_sizes_backward
 from ..ssd_scan.triton import chunk_length, ssd_scan_backward, ssd_scan_forward
 from .._custom_ops import KernelContext
-
-
-class MixerShape:
-    """The widths of zxbcdt's parts and the SSD's tensor shapes."""
-
-    def __init__(self, zxbcdt: torch.Tensor, heads: int, head_dim: int, channels: int, state_size: int):
-        self.batch, self.seq, _ = zxbcdt.shape
-        self.heads, self.head_dim, self.state_size = heads, head_dim, state_size
-        self.inner, self.channels = heads * head_dim, channels
-        self.groups = (channels - self.inner) // (2 * state_size)
-
-    def parts(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(z, xBC, dt_raw) views."""
-        return zxbcdt.split([self.inner, self.channels, self.heads], dim=-1)
-
-    def ssd_operands(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x [batch, seq, heads, head_dim], B, C [batch, seq, groups, N]) views of a conv output."""
-        group_width = self.groups * self.state_size
-        x, B, C = xBC.split([self.inner, group_width, group_width], dim=-1)
-        grouped = (self.groups, self.state_size)
-        return x.unflatten(-1, (self.heads, self.head_dim)), B.unflatten(-1, grouped), C.unflatten(-1, grouped)
+from .reference import MixerShape
 
 
 def _conv(xBC, conv_weight, conv_bias, keep, silu):

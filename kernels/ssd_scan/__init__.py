@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from .._common import last_dim_contiguous
 from .._custom_ops import fake_like, kernel_op, needs_grad, optional, placeholder
 from ..causal_conv1d import causal_conv1d_step
 from .reference import DEFAULT_CHUNK_SIZE, discretize_dt, ssd_scan_reference, ssd_step_reference
@@ -258,9 +259,9 @@ def ssd_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, ddt float32, dA, dB, dC, dD or a placeholder, d initial_state or a placeholder); ``kept``:
     the forward's chunk states, or an empty tensor (recomputed here)."""
-    from .triton import _last_dim_contiguous, ssd_scan_backward
+    from .triton import ssd_scan_backward
 
-    x, B, C = (_last_dim_contiguous(t) for t in (x, B, C))
+    x, B, C = (last_dim_contiguous(t) for t in (x, B, C))
     dx, ddt, dA, dB, dC, dD, dinit = ssd_scan_backward(x, dt.float().contiguous(), A, B, C, D, initial_state, kept, dy, dfinal)
     return dx, ddt, dA, dB, dC, placeholder(x) if dD is None else dD, placeholder(x) if dinit is None else dinit
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..._compat.triton_launch import launch_cached
+from .._common import last_dim_contiguous
 
 BLOCK_HEADS = 64  # heads per program (the SE hybrid's 64 in one)
 BLOCK_ROWS_BWD = 64  # tokens per program of the backward (each writes one partial of d dt_bias)
@@ -93,8 +94,7 @@ def _block_heads(heads: int) -> int:
 
 def _forward(dt_in, bias, A, chunk, discretize, dt_limit):
     batch, seq, heads = dt_in.shape
-    if dt_in.stride(-1) != 1:
-        dt_in = dt_in.contiguous()
+    dt_in = last_dim_contiguous(dt_in)
     n_chunks = triton.cdiv(seq, chunk)
     g = torch.empty((batch, n_chunks * chunk, heads), dtype=torch.float32, device=dt_in.device)
     dt = torch.empty((batch, seq, heads), dtype=torch.float32, device=dt_in.device) if discretize else dt_in
@@ -124,8 +124,7 @@ def discretized_step_sizes_backward(ddt: torch.Tensor, dt_raw: torch.Tensor, dt_
     """Writes d dt_raw (of d dt [batch, T, heads] float32) into ``ddt_raw`` (shaped like dt_raw, a
     contiguous last dim); returns d dt_bias float32 (None without a bias)."""
     batch, seq, heads = dt_raw.shape
-    if dt_raw.stride(-1) != 1:
-        dt_raw = dt_raw.contiguous()
+    dt_raw = last_dim_contiguous(dt_raw)
     if ddt_raw.shape != dt_raw.shape or ddt_raw.stride(-1) != 1:
         raise ValueError(f"discretized_step_sizes_backward: ddt_raw must be {tuple(dt_raw.shape)} with a contiguous last dim.")
     rows = batch * seq

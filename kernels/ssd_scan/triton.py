@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ..._compat.triton_launch import launch_cached
 from .._backend import triton_interpreting
+from .._common import last_dim_contiguous
 from .._grid import folded, split_program_id
 from .step_sizes import chunk_log_decay
 
@@ -348,10 +349,6 @@ def _precision(*tensors: torch.Tensor) -> str:
     return "ieee" if all(t.dtype == torch.float32 for t in tensors) else "tf32"
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def state_grid(batch: int, heads: int, head_dim: int, state_size: int, block: int) -> tuple[int, int]:
     """(batch x head x head_dim block, state block) of the state passes, head_dim blocks fastest:
     batch x heads passes the limit of grid axes 1 and 2 (65,535) at large batch."""
@@ -417,7 +414,7 @@ def ssd_scan_forward(x, dt, A, B, C, D, initial_state, keep_states, g=None):
     Triton scan; dt discretised, float32. ``g``: the chunks' log decay of dt when the caller has it
     (step_sizes.discretized_step_sizes), else made here."""
     chunk, block = _sizes()
-    x, B, C = (_last_dim_contiguous(t) for t in (x, B, C))
+    x, B, C = (last_dim_contiguous(t) for t in (x, B, C))
     dt = dt.float().contiguous()
     batch, seq, heads, head_dim = x.shape
     state_size = B.shape[-1]
@@ -444,9 +441,10 @@ def ssd_scan_forward(x, dt, A, B, C, D, initial_state, keep_states, g=None):
 class _SSDScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, initial_state, keep_states=False):
+        x, B, C = (last_dim_contiguous(t) for t in (x, B, C))
+        dt = dt.float().contiguous()
         y, final_state, kept = ssd_scan_forward(x, dt, A, B, C, D, initial_state, keep_states)
-        ctx.save_for_backward(_last_dim_contiguous(x), dt.float().contiguous(), A, _last_dim_contiguous(B),
-                              _last_dim_contiguous(C), D, initial_state, kept)
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, kept)
         return y, final_state, kept
 
     @staticmethod
@@ -461,7 +459,7 @@ def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=Non
     conv output's gradient) to write those gradients into, else new ones. ``g``: as in
     :func:`ssd_scan_forward`."""
     chunk, block = _sizes()
-    dy = _last_dim_contiguous(dy)
+    dy = last_dim_contiguous(dy)
     batch, seq, heads, head_dim = x.shape
     groups, state_size = B.shape[-2:]
     for name, out, like in (("dx", dx, x), ("dB", dB, B), ("dC", dC, C)):
@@ -572,7 +570,7 @@ def _step(
 def ssd_step_triton(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, out):
     batch, heads, head_dim = x.shape
     groups, state_size = B.shape[-2:]
-    x, B, C, dt = (_last_dim_contiguous(t) for t in (x, B, C, dt))
+    x, B, C, dt = (last_dim_contiguous(t) for t in (x, B, C, dt))
     if out is None:
         out = torch.empty_like(x)
     if not state.is_contiguous():
