@@ -1,9 +1,10 @@
 """The Mamba-2 mixer op's forward + backward at the SE hybrid's shape (64 heads x 64, state 128, one
 group, conv width 4, bf16, B=1), timed whole and kernel by kernel, for one or more settings of the
-SSD kernels' warps (ssd_scan.triton.WARPS), in one process:
+SSD kernels' warps (ssd_scan.triton.WARPS) and of the chunk backward's N block, in one process:
 
     python -m benchmarks.mixer_kernels --seq 8192
     python -m benchmarks.mixer_kernels --seq 8192 --warps '{"chunk_bwd": 4}' '{"chunk_bwd": 8}'
+    python -m benchmarks.mixer_kernels --seq 8192 --block-n 32 16
 
 Per setting: the median and minimum of 30 timed calls (CUDA events), the sum of the kernels' own
 times over 5 profiled calls (per call), the SSD kernels' times in us, and the largest difference of
@@ -68,6 +69,8 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.mixer_kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--warps", nargs="*", default=["{}"], help="JSON updates of ssd_scan.triton.WARPS, one per setting")
+    parser.add_argument("--block-n", nargs="*", type=int, default=[], help="ssd_scan.triton.CHUNK_BWD_BLOCK_N values, each "
+                        "timed with every --warps setting")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("mixer_kernels times CUDA kernels: run it on a GPU machine")
@@ -76,21 +79,23 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cuda")
     step = mixer_step(args.seq, device)
     rows, first = [], None
-    defaults = dict(ssd.WARPS)
-    for setting in args.warps:
+    defaults, default_block_n = dict(ssd.WARPS), ssd.CHUNK_BWD_BLOCK_N
+    for block_n, setting in [(n, w) for n in args.block_n or [default_block_n] for w in args.warps]:
         ssd.WARPS.clear()
         ssd.WARPS.update(defaults, **json.loads(setting))
+        ssd.CHUNK_BWD_BLOCK_N = block_n
         for _ in range(4):  # compilation, allocator
             grads = step()
         first = first or grads
         diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
                    for a, b in zip(grads, first))
-        row = {"seq": args.seq, "warps": dict(ssd.WARPS), **measure(step), "grad_diff_vs_first": float(f"{diff:.1e}"),
-               "device": torch.cuda.get_device_name()}
+        row = {"seq": args.seq, "warps": dict(ssd.WARPS), "chunk_bwd_block_n": block_n, **measure(step),
+               "grad_diff_vs_first": float(f"{diff:.1e}"), "device": torch.cuda.get_device_name()}
         print(json.dumps(row))
         rows.append(row)
     ssd.WARPS.clear()
     ssd.WARPS.update(defaults)
+    ssd.CHUNK_BWD_BLOCK_N = default_block_n
     return rows
 
 

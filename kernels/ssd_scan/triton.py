@@ -57,6 +57,8 @@ BLOCK_PN = 32
 # num_warps per kernel (states forward, output forward, dstates backward, chunk backward): one
 # place for benchmarks/ssd_sweep.py to vary.
 WARPS = {"states": 4, "output": 4, "dstates": 4, "chunk_bwd": 4}
+# _chunk_bwd's N block (its loops over the state size); one place for benchmarks/mixer_kernels.py to vary.
+CHUNK_BWD_BLOCK_N = BLOCK_PN
 # Dots whose operands hold 16-bit values exactly run on 16-bit tensor cores (twice TF32's rate
 # on Hopper; the same products, float32 accumulation); False: every dot in float32 / TF32.
 NATIVE_16BIT_DOTS = True
@@ -72,6 +74,10 @@ INTERPRET_BLOCK_PN = 16
 
 def _sizes() -> tuple[int, int]:
     return (INTERPRET_CHUNK, INTERPRET_BLOCK_PN) if triton_interpreting() else (CHUNK, BLOCK_PN)
+
+
+def _chunk_bwd_block_n(block: int) -> int:
+    return block if triton_interpreting() else CHUNK_BWD_BLOCK_N
 
 
 def chunk_length() -> int:
@@ -508,7 +514,7 @@ def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=Non
             x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
             C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             dx.stride(0), dx.stride(1), dx.stride(2),
-            L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=block, HAS_D=D is not None, PREC=prec,
+            L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=_chunk_bwd_block_n(block), HAS_D=D is not None, PREC=prec,
             NATIVE16=_native16(x, B, C, dy),
             num_warps=WARPS["chunk_bwd"],
         )
