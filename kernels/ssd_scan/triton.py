@@ -76,10 +76,6 @@ def _sizes() -> tuple[int, int]:
     return (INTERPRET_CHUNK, INTERPRET_BLOCK_PN) if triton_interpreting() else (CHUNK, BLOCK_PN)
 
 
-def _chunk_bwd_block_n(block: int) -> int:
-    return block if triton_interpreting() else CHUNK_BWD_BLOCK_N
-
-
 def chunk_length() -> int:
     """The kernels' chunk L (what a caller making g with step_sizes passes)."""
     return _sizes()[0]
@@ -500,6 +496,7 @@ def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=Non
     # float32 accumulators (for all 64 heads at T = 32K they were 1 GiB in bf16, alive at the
     # backward's peak).
     per_group = heads // groups
+    block_n = block if triton_interpreting() else CHUNK_BWD_BLOCK_N  # the interpreter keeps its small test block
     slice_heads = _heads_per_launch(heads, per_group, 2 * batch * seq * state_size * B.element_size())
     whole = slice_heads == heads  # one launch: its parts reduce straight into dB / dC
     if not whole:
@@ -514,7 +511,7 @@ def ssd_scan_backward(x, dt, A, B, C, D, initial_state, kept, dy, dfinal, dx=Non
             x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
             C.stride(0), C.stride(1), C.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             dx.stride(0), dx.stride(1), dx.stride(2),
-            L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=_chunk_bwd_block_n(block), HAS_D=D is not None, PREC=prec,
+            L=chunk, BP=max(16, triton.next_power_of_2(head_dim)), BN=block_n, HAS_D=D is not None, PREC=prec,
             NATIVE16=_native16(x, B, C, dy),
             num_warps=WARPS["chunk_bwd"],
         )
