@@ -3,10 +3,11 @@ SWA-only layer (w=4096), all in one process, plus the decode step at a long cont
 
     python -m hf_hybrid.bench.rattention                        # T = 4K, 8K; decode at 32K, batch 64
     python -m hf_hybrid.bench.rattention --json out.json
+    python -m hf_hybrid.bench.rattention --kv-heads 16 --seq 8192 --tokens 8192   # the whole-model benches' heads, B = 1
     python -m benchmarks.sm90 --rla                             # from a checkout, no GPU: sm_90 registers / spills
 
 Shapes follow the RATTENTION paper (Fig. 3, 3B model): hidden 2048, 16 query heads x 128,
-4 key/value heads, bf16. Layers (projections, QK-norm, RoPE and branch norms included):
+4 key/value heads (``--kv-heads``), bf16. Layers (projections, QK-norm, RoPE and branch norms included):
 
 * ``full``       RattentionGlobalAttention: causal SDPA (flash) over all tokens.
 * ``swa4096``    RattentionLocalAttention(window_size=4096, RLA off): flex_attention band mask
@@ -53,15 +54,17 @@ RLA_VARIANTS = [
     {"fuse_halves": True, "block_v": 64, "heads_per_tile": 4},
     {"state_every": 8},
     {"chunk_size": 16},
+    {"chunk_size": 64},
+    {"fuse_halves": True},
 ]
 
 
-def build_layers(device, dtype):
+def build_layers(device, dtype, kv_heads: int = KV_HEADS):
     torch.manual_seed(0)
     layers = {
-        "full": RattentionGlobalAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM),
-        "swa4096": RattentionLocalAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 4096, use_rla=False),
-        "local512": RattentionLocalAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 512),
+        "full": RattentionGlobalAttention(HIDDEN, HEADS, kv_heads, HEAD_DIM),
+        "swa4096": RattentionLocalAttention(HIDDEN, HEADS, kv_heads, HEAD_DIM, 4096, use_rla=False),
+        "local512": RattentionLocalAttention(HIDDEN, HEADS, kv_heads, HEAD_DIM, 512),
     }
     return {name: layer.to(device=device, dtype=dtype) for name, layer in layers.items()}
 
@@ -81,14 +84,14 @@ def rla_options(options: dict):
         rla_layer_module.residual_linear_attention = original
 
 
-def rla_sweep(seq, batch, device, dtype, repeat):
+def rla_sweep(seq, batch, device, dtype, repeat, kv_heads: int = KV_HEADS):
     """Forward+backward of the RLA op alone for each kernel variant; returns rows and the fastest."""
     from ..kernels.residual_linear_attention import residual_linear_attention
 
     g = torch.Generator(device=device).manual_seed(seq)
     q = torch.randn(batch, seq, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g).requires_grad_()
-    k = torch.randn(batch, seq, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g).requires_grad_()
-    v = torch.randn(batch, seq, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g).requires_grad_()
+    k = torch.randn(batch, seq, kv_heads, HEAD_DIM, device=device, dtype=dtype, generator=g).requires_grad_()
+    v = torch.randn(batch, seq, kv_heads, HEAD_DIM, device=device, dtype=dtype, generator=g).requires_grad_()
     do = torch.randn(batch, seq, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
     rows, best = [], None
     for opts in RLA_VARIANTS:
@@ -179,8 +182,8 @@ class StaticKV:
     """Preallocated [batch, kv_heads, length + 1, head_dim] K/V, filled up to ``length``; each call
     writes slot ``length`` and returns the whole buffer (the decode position stays fixed)."""
 
-    def __init__(self, batch, length, device, dtype):
-        shape = (batch, KV_HEADS, length + 1, HEAD_DIM)
+    def __init__(self, batch, length, device, dtype, kv_heads: int):
+        shape = (batch, kv_heads, length + 1, HEAD_DIM)
         self.keys = torch.randn(shape, device=device, dtype=dtype)
         self.values = torch.randn(shape, device=device, dtype=dtype)
         self.length = length
@@ -195,7 +198,7 @@ def local_cache(layer, batch, length, device, dtype):
     """A RattentionLocalLayerCache as it stands after ``length`` tokens: a full window + a state."""
     cache = RattentionLocalLayerCache()
     held = min(layer.cache_capacity, length)
-    shape = (batch, held, KV_HEADS, HEAD_DIM)
+    shape = (batch, held, layer.num_kv_heads, HEAD_DIM)
     keys = torch.randn(shape, device=device, dtype=dtype)
     values = torch.randn(shape, device=device, dtype=dtype)
     raw = torch.randn(shape, device=device, dtype=dtype) if layer.use_rla else None
@@ -211,7 +214,10 @@ def decode_times(layers, batch, length, device, dtype, repeat):
     row = {}
     for name, layer in layers.items():
         try:
-            cache = StaticKV(batch, length, device, dtype) if name == "full" else local_cache(layer, batch, length, device, dtype)
+            if name == "full":
+                cache = StaticKV(batch, length, device, dtype, layer.num_kv_heads)
+            else:
+                cache = local_cache(layer, batch, length, device, dtype)
             nbytes = (cache.keys.numel() * 2 * cache.keys.element_size()) if name == "full" else cache.nbytes()
 
             def step():
@@ -299,6 +305,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=32768)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
+                        help="key/value heads of the layers and the RLA sweep (16: the whole-model benches' MHA shape)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the RLA kernel-variant sweep (use defaults)")
     parser.add_argument("--json", type=str, default=None, help="write the raw numbers here")
     args = parser.parse_args(argv)
@@ -306,11 +314,11 @@ def main(argv=None) -> int:
         print("the rattention bench needs a CUDA device", file=sys.stderr)
         return 1
     device, dtype = torch.device("cuda"), torch.bfloat16
-    layers = build_layers(device, dtype)
+    layers = build_layers(device, dtype, args.kv_heads)
     train_rows = []
     for seq in args.seq:
         batch = max(args.tokens // seq, 1)
-        sweep, best, swa = ([], None, None) if args.no_sweep else rla_sweep(seq, batch, device, dtype, args.repeat)
+        sweep, best, swa = ([], None, None) if args.no_sweep else rla_sweep(seq, batch, device, dtype, args.repeat, args.kv_heads)
         options = best["options"] if best else {}
         row = {"seq": seq, "batch": batch, "rla_sweep": sweep, "swa512_op": swa, "local_rla_options": options}
         row["layers"] = layer_times(layers, seq, batch, device, dtype, args.repeat, options)
