@@ -45,7 +45,8 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 4, 128
 # (kernels/residual_linear_attention/triton.py, _Plan), which apply per pass where an option is not
 # given. The second row is the former default at 8K (both passes split over whole value rows, one
 # query head per tile). Fused halves alone take 64 value columns and as many heads per tile as fit
-# 128 rows (4 at 4 key / value heads, 1 at 16).
+# 128 rows (4 at 4 key / value heads, 1 at 16). The last row stores every chunk's state and computes
+# outputs and gradients in parallel over chunks (its own defaults: 64-token chunks).
 RLA_VARIANTS = [
     {},
     {"fuse_halves": False, "block_v": 128, "heads_per_tile": 1},
@@ -56,6 +57,7 @@ RLA_VARIANTS = [
     {"state_every": 8},
     {"chunk_size": 16},
     {"chunk_size": 64},
+    {"chunk_parallel": True},
 ]
 
 

@@ -45,7 +45,7 @@ __all__ = [
 
 _OP = "residual_linear_attention"
 _TRITON_HEAD_DIMS = (16, 32, 64, 128)
-_TRITON_OPTIONS = ("chunk_size", "block_v", "state_every", "num_warps", "fuse_halves", "heads_per_tile")
+_TRITON_OPTIONS = ("chunk_size", "block_v", "state_every", "num_warps", "fuse_halves", "heads_per_tile", "chunk_parallel")
 
 
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -98,7 +98,8 @@ def residual_linear_attention(
     folding every key j <= T - 1 - (w + 1): what a decode step for token T starts from.
     backend: "auto" (Triton on CUDA, the chunked PyTorch form elsewhere), "triton", "chunked",
     "reference" (explicit lagged mask, O(T^2)). ``triton_options`` (chunk_size, block_v,
-    state_every, num_warps, fuse_halves, heads_per_tile) tune the kernel without changing the result.
+    state_every, num_warps, fuse_halves, heads_per_tile, chunk_parallel) tune the kernel without
+    changing the result.
     """
     _check_qkv(_OP, q, k, v)
     _check_window(_OP, window_size, -1)
@@ -240,10 +241,12 @@ def sliding_window_attention(
 # ---------------------------------------------------------------- custom ops (see .._custom_ops)
 
 
-def _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile):
+def _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
+              chunk_parallel):
     from .triton import _check_tiling, _Plan
 
-    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
+    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
+                 chunk_parallel)
     _check_tiling(plan)
     return plan
 
@@ -252,12 +255,13 @@ def _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, 
 def residual_linear_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None, window_size: int,
     feature_map: str, chunk_size: int | None, block_v: int | None, state_every: int | None,
-    num_warps: int | None, fuse_halves: bool | None, heads_per_tile: int | None,
+    num_warps: int | None, fuse_halves: bool | None, heads_per_tile: int | None, chunk_parallel: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, final_state, the states stored every few chunks for the backward, or a placeholder)."""
     from .triton import _ResidualLinearAttention
 
-    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
+                     chunk_parallel)
     ctx = KernelContext()
     o, final = _ResidualLinearAttention.forward(ctx, q, k, v, initial_state, plan)
     states = ctx.saved_tensors[4]
@@ -266,11 +270,15 @@ def residual_linear_attention_fwd(
 
 @residual_linear_attention_fwd.register_fake
 def _(q, k, v, initial_state, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves,
-      heads_per_tile):
-    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
+      heads_per_tile, chunk_parallel):
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
+                     chunk_parallel)
     state_shape = (q.shape[0], k.shape[2], plan.features, q.shape[3])
     final = q.new_empty(state_shape, dtype=torch.float32)
-    states = q.new_empty((plan.nseg, *state_shape), dtype=torch.float32) if plan.nseg > 1 else placeholder(final)
+    if plan.chunk_parallel:  # every chunk's state, in the operand dtype (triton_chunk_parallel.py)
+        states = q.new_empty((state_shape[0], state_shape[1], plan.num_chunks, *state_shape[2:]), dtype=q.dtype)
+    else:
+        states = q.new_empty((plan.nseg, *state_shape), dtype=torch.float32) if plan.nseg > 1 else placeholder(final)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), final, states
 
 
@@ -279,14 +287,15 @@ def residual_linear_attention_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None, states: torch.Tensor,
     do: torch.Tensor, dfinal: torch.Tensor | None, window_size: int, feature_map: str, chunk_size: int | None,
     block_v: int | None, state_every: int | None, num_warps: int | None, fuse_halves: bool | None,
-    heads_per_tile: int | None, need_ds0: bool,
+    heads_per_tile: int | None, chunk_parallel: bool | None, need_ds0: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d initial_state or a placeholder); ``states``: the forward's third output."""
     from .triton import _ResidualLinearAttention
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
-    saved = (q, k, v, initial_state, states if plan.nseg > 1 else None)
+    plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
+                     chunk_parallel)
+    saved = (q, k, v, initial_state, states if plan.nseg > 1 or plan.chunk_parallel else None)
     ctx = KernelContext(saved, needs_input_grad=(True, True, True, need_ds0), plan=plan, has_s0=initial_state is not None)
     dq, dk, dv, ds0, _ = _ResidualLinearAttention.backward(ctx, do, dfinal)
     return dq, dk, dv, placeholder(q) if ds0 is None else ds0
@@ -294,7 +303,7 @@ def residual_linear_attention_bwd(
 
 @residual_linear_attention_bwd.register_fake
 def _(q, k, v, initial_state, states, do, dfinal, window_size, feature_map, chunk_size, block_v, state_every,
-      num_warps, fuse_halves, heads_per_tile, need_ds0):
+      num_warps, fuse_halves, heads_per_tile, chunk_parallel, need_ds0):
     dq, dk, dv, ds0 = fake_like(q, k, v, initial_state)
     return dq, dk, dv, ds0 if need_ds0 and initial_state is not None else placeholder(q)
 

@@ -43,6 +43,8 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
   chunk's tile is token r // HG at head r % HG, contiguous in [B, T, H, D], so a chunk takes one
   [C x HG, D] product per operand instead of HG products of C rows (tensor-core tiles of 64+ rows
   where C = 32), and the causal masks compare token r // HG with the key.
+* ``chunk_parallel=True`` runs the other way of triton_chunk_parallel.py instead: every chunk's
+  state stored, outputs and gradients computed in parallel over chunks with no partial sums.
 """
 from __future__ import annotations
 
@@ -532,6 +534,14 @@ DEFAULT_STATE_EVERY = 16
 SPLIT_ROWS, FUSED_ROWS = 64, 128
 FUSE_HALVES_MIN_TOKENS = 16384
 
+# The chunk-parallel path (triton_chunk_parallel.py): whether it runs when chunk_parallel is None
+# (off: slower than the segment kernels where measured, docs/benchmarks/rattention.md), its chunk
+# length on CUDA (every chunk's state is stored, so a longer chunk stores fewer) and chunks per
+# segment of its walks.
+CHUNK_PARALLEL_DEFAULT = False
+CHUNK_PARALLEL_CHUNK = 64
+CHUNK_PARALLEL_STATE_EVERY = 8
+
 
 def _heads_per_tile(group: int, chunk: int, rows: int) -> int:
     """Query heads of a group stacked into one tile (module docstring): as many as fit ``rows``
@@ -557,14 +567,20 @@ class _Plan:
     applies to both passes."""
 
     def __init__(self, q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves,
-                 heads_per_tile):
+                 heads_per_tile, chunk_parallel=None):
         self.batch, self.seq, self.heads, self.dim = q.shape
         self.kv_heads = k.shape[2]
         self.feature = FEATURE_IDS[feature_map]
         self.halves = 1 if feature_map == "identity" else 2
         self.features = self.halves * self.dim
         interpreted = triton_interpreting()
-        self.chunk = chunk_size or (16 if interpreted else 32)
+        self.chunk_parallel = bool(CHUNK_PARALLEL_DEFAULT and not interpreted if chunk_parallel is None else chunk_parallel)
+        if self.chunk_parallel:
+            self.chunk = chunk_size or (16 if interpreted else CHUNK_PARALLEL_CHUNK)
+            if state_every is None and q.device.type == "cuda":
+                state_every = CHUNK_PARALLEL_STATE_EVERY
+        else:
+            self.chunk = chunk_size or (16 if interpreted else 32)
         self.lag = window_size + 1
         self.num_chunks = max(1, math.ceil(self.seq / self.chunk))
         self.nseg = _num_segments(self.num_chunks, state_every, q.device)
@@ -590,6 +606,16 @@ class _Plan:
 
         self.forward = tiling(not interpreted and self.seq >= FUSE_HALVES_MIN_TOKENS)
         self.backward = tiling(False)
+        # The chunk-parallel path's sequential walks (triton_chunk_parallel.py) take the split tiling.
+        self.walk = self.backward
+        self.chunk_warps = num_warps or (4 if self.chunk * self.dim < 64 * 128 else 8)
+
+    def chunk_args(self, heads: int, kv_heads: int):
+        """Compile-time arguments of the chunk-parallel kernels (one program per chunk and head)."""
+        return dict(
+            H=heads, HKV=kv_heads, D=self.dim, C=self.chunk, NH=self.halves, FEATURE=self.feature,
+            DOT_PREC=self.dot_prec, num_warps=self.chunk_warps, num_stages=2,
+        )
 
     def common(self, tiling: _Tiling, halves: bool = True, queries: bool = True):
         """Compile-time arguments of a kernel run with ``tiling`` (the fused ones take no NH, the
@@ -750,11 +776,20 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
     return dq, dk, dv, ds0 if need_ds0 else None
 
 
+def _passes(plan: _Plan):
+    """(forward, backward) of the plan's path: the segment kernels here or the chunk-parallel ones."""
+    if plan.chunk_parallel:
+        from .triton_chunk_parallel import backward, forward  # that module imports this one
+
+        return forward, backward
+    return _forward, _backward
+
+
 class _ResidualLinearAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, initial_state, plan):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, final, states = _forward(q, k, v, initial_state, plan)
+        o, final, states = _passes(plan)[0](q, k, v, initial_state, plan)
         ctx.plan = plan
         ctx.has_s0 = initial_state is not None
         ctx.save_for_backward(q, k, v, initial_state if initial_state is not None else None, states)
@@ -764,7 +799,7 @@ class _ResidualLinearAttention(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         q, k, v, s0, states = ctx.saved_tensors
         need_ds0 = ctx.has_s0 and ctx.needs_input_grad[3]
-        dq, dk, dv, ds0 = _backward(q, k, v, s0, states, do, dfinal, ctx.plan, need_ds0)
+        dq, dk, dv, ds0 = _passes(ctx.plan)[1](q, k, v, s0, states, do, dfinal, ctx.plan, need_ds0)
         if ds0 is not None:
             ds0 = ds0.to(s0.dtype)
         return dq, dk, dv, ds0, None
@@ -784,16 +819,20 @@ def residual_linear_attention_triton(
     num_warps: int | None = None,
     fuse_halves: bool | None = None,
     heads_per_tile: int | None = None,
+    chunk_parallel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked Triton RLA, differentiable in q, k, v and initial_state (and through final_state).
 
     chunk_size C (16-128; 32 on GPU), block_v BV (value columns per program), state_every m (chunks
     per stored state; None = DEFAULT_STATE_EVERY on CUDA and one segment elsewhere, 0 = one
     sequential segment, nothing stored), num_warps, fuse_halves (both feature halves in one forward
-    / dq program), heads_per_tile (query heads of a group per tile): tuning knobs, same result.
+    / dq program), heads_per_tile (query heads of a group per tile), chunk_parallel (every chunk's
+    state stored, outputs and gradients in parallel over chunks: triton_chunk_parallel.py): tuning
+    knobs, same result.
     None takes the defaults of ``_Plan``; a value given applies to the forward and the backward.
     """
-    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile)
+    plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
+                 chunk_parallel)
     _check_tiling(plan)
     return _ResidualLinearAttention.apply(q, k, v, initial_state, plan)
 

@@ -206,6 +206,53 @@ def test_triton_stacked_query_heads_of_a_group_of_three(heads_per_tile, fuse):
         assert rel(a, b) < 1e-5, name
 
 
+CHUNK_PARALLEL_CASES = [
+    # batch, seq, heads, kv_heads, dim, w, feature_map, chunk_size, state_every (None: one segment on CPU)
+    (2, 37, 2, 1, 32, 5, "softmax", 16, None),
+    (1, 75, 4, 2, 32, 6, "softmax", 16, 2),
+    (1, 40, 2, 2, 16, -1, "softmax", 16, 1),
+    (1, 33, 6, 2, 16, 0, "relu", 16, 1),
+    (2, 35, 4, 4, 32, 40, "softmax", 16, 1),
+    (1, 21, 2, 2, 16, 3, "identity", 16, None),
+    (1, 45, 2, 1, 16, 2, "softmax", 32, 1),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,dim,w,feature_map,chunk,state_every", CHUNK_PARALLEL_CASES)
+def test_triton_chunk_parallel_matches_reference_fp32(batch, seq, heads, kv_heads, dim, w, feature_map, chunk,
+                                                      state_every):
+    """Every chunk's state stored, outputs and gradients in parallel over chunks: odd lengths, GQA
+    groups of one to three, one segment or several (an uneven last one), pure linear attention, a
+    window longer than the sequence, an initial state and a final-state gradient."""
+    torch.manual_seed(13)
+    q, k, v, s0 = inputs(batch, seq, heads, kv_heads, dim, device=DEVICE, state=True, feature_map=feature_map)
+
+    def triton_fn(q, k, v, s0):
+        return residual_linear_attention(q, k, v, w, feature_map, s0, backend="triton", chunk_parallel=True,
+                                         chunk_size=chunk, state_every=state_every)
+
+    o, f, g = grads(triton_fn, q, k, v, s0)
+    o2, f2, g2 = grads(lambda *a: residual_linear_attention_reference(*a[:3], w, feature_map, a[3]), q, k, v, s0)
+    assert rel(o, o2) < 1e-5 and rel(f, f2) < 1e-5
+    for name, a, b in zip("q k v s0".split(), g, g2):
+        assert rel(a, b) < 1e-5, name
+
+
+@needs_triton
+def test_triton_chunk_parallel_bf16_without_initial_state():
+    """bfloat16 against the float32 reference, no initial state (its gradient is not asked for)."""
+    torch.manual_seed(14)
+    q, k, v, _ = inputs(1, 50, 4, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    o, f, g = grads(lambda *a: residual_linear_attention(*a[:3], 4, backend="triton", chunk_parallel=True,
+                                                         state_every=2), q, k, v, None)
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    o2, f2, g2 = grads(lambda *a: residual_linear_attention_reference(*a[:3], 4), *ref, None)
+    assert o.dtype == torch.bfloat16 and rel(o, o2) < 2e-2 and rel(f, f2) < 1e-2
+    for name, a, b in zip("q k v".split(), g, g2):
+        assert a.dtype == torch.bfloat16 and rel(a, b) < 2e-2, name
+
+
 @needs_triton
 def test_heads_per_tile_must_fit_the_group():
     q, k, v, _ = inputs(1, 8, 4, 2, 16, device=DEVICE)
@@ -373,7 +420,8 @@ def test_gpu_auto_swa_small_head_dim_avoids_flex():
 @pytest.mark.parametrize(
     "seq,w,options",
     [(4096, 512, {}), (4099, 511, {"state_every": 0}), (2053, -1, {"state_every": 3, "fuse_halves": True}),
-     (4096, 512, {"chunk_size": 64, "block_v": 128})],
+     (4096, 512, {"chunk_size": 64, "block_v": 128}), (4099, 511, {"chunk_parallel": True}),
+     (2053, -1, {"chunk_parallel": True, "chunk_size": 32, "state_every": 3})],
 )
 def test_gpu_triton_bf16_real_shapes(seq, w, options):
     """16 query heads x 128, 4 KV heads, bf16: forward and gradients vs the float32 chunked form."""
