@@ -184,6 +184,17 @@ def _query_rows(b, T, c, hk, s, H: tl.constexpr, GROUP: tl.constexpr, HG: tl.con
     return p, head, ok, off
 
 
+@triton.jit
+def _fold_chunk(K, V, S, b, hk, c, T, LAG, sign, offs_c, offs_d, offs_v, HKV: tl.constexpr, D: tl.constexpr,
+                C: tl.constexpr, FEATURE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """S + phi(K'_c)^T V'_c: this program's state block after the keys that chunk c's queries read
+    (LAG behind them)."""
+    p = c * C + offs_c
+    j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
+    kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
+    return _mm(tl.trans(kf), v, S, DOT_PREC)
+
+
 @launch_cached
 @triton.jit
 def _state_pass_kernel(
@@ -202,10 +213,7 @@ def _state_pass_kernel(
     S = tl.zeros([D, BV], dtype=tl.float32)
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
-        p = c * C + offs_c
-        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
-        kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
-        S = _mm(tl.trans(kf), v, S, DOT_PREC)
+        S = _fold_chunk(K, V, S, b, hk, c, T, LAG, sign, offs_c, offs_d, offs_v, HKV, D, C, FEATURE, DOT_PREC)
     tl.store(_state_slot(STATES, seg + 1, B, pid_bk, rows, HKV, F, D), S)
     if seg == 0:
         if HAS_S0:

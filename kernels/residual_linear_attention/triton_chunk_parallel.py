@@ -33,6 +33,7 @@ from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
 from .triton import (
     _adjoint_pass_kernel,
+    _fold_chunk,
     _lagged_keys,
     _phi,
     _phi_bwd,
@@ -69,10 +70,7 @@ def _walk_states_kernel(
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
     for c in range(seg * SEG_CHUNKS, c_stop):
         tl.store(_chunk_state(SC, pid_bk, c, NUM_CHUNKS, rows, F, D), S.to(SC.dtype.element_ty))
-        p = c * C + offs_c
-        j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, p < T, T, LAG, HKV, D, offs_d, offs_v)
-        kf = tl.where(k_ok[:, None], _phi(k.to(tl.float32), sign, FEATURE), 0.0).to(v.dtype)
-        S = _mm(tl.trans(kf), v, S, DOT_PREC)
+        S = _fold_chunk(K, V, S, b, hk, c, T, LAG, sign, offs_c, offs_d, offs_v, HKV, D, C, FEATURE, DOT_PREC)
     if STORE_FINAL:
         tl.store(_state_slot(S_OUT, 0, B, pid_bk, rows, HKV, F, D), S)
 
@@ -126,6 +124,21 @@ def _half(x, ok, half, FEATURE: tl.constexpr, dtype):
     return tl.where(ok[:, None], _phi(x.to(tl.float32), 1.0 - 2.0 * half, FEATURE), 0.0).to(dtype)
 
 
+@triton.jit
+def _query_chunk(Q, K, V, T, LAG, NUM_CHUNKS, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
+    """The tiles of a (query head, chunk) program: (c, b, hk, offs_c, offs_d, q_ok, q_off, q in
+    float32 [C, D], k_ok, the lagged keys k' in float32 [C, D], their values v' [C, D])."""
+    c, b, h, offs_c = _chunk_program(H, NUM_CHUNKS, C)
+    hk = h // (H // HKV)
+    offs_d = tl.arange(0, D)
+    p = c * C + offs_c
+    q_ok = p < T
+    j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_d)
+    q_off = ((b * T + p).to(tl.int64) * H + h) * D
+    q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
+    return c, b, hk, offs_c, offs_d, q_ok, q_off, q, k_ok, k.to(tl.float32), v
+
+
 @launch_cached
 @triton.jit
 def _chunk_output_kernel(
@@ -136,15 +149,7 @@ def _chunk_output_kernel(
 ):
     """o of chunk c of one query head: phi(Q_c) S_c + causal(phi(Q_c) phi(K'_c)^T) V'_c, finished."""
     F: tl.constexpr = NH * D
-    c, b, h, offs_c = _chunk_program(H, NUM_CHUNKS, C)
-    hk = h // (H // HKV)
-    offs_d = tl.arange(0, D)
-    p = c * C + offs_c
-    q_ok = p < T
-    j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_d)
-    q_off = ((b * T + p).to(tl.int64) * H + h) * D
-    q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
-    k = k.to(tl.float32)
+    c, b, hk, offs_c, offs_d, q_ok, q_off, q, k_ok, k, v = _query_chunk(Q, K, V, T, LAG, NUM_CHUNKS, H, HKV, D, C)
     state = _chunk_state(SC, b * HKV + hk, c, NUM_CHUNKS, offs_d[:, None] * D + offs_d[None, :], F, D)
     qf1 = _half(q, q_ok, 0, FEATURE, v.dtype)
     qf2 = _half(q, q_ok, 1, FEATURE, v.dtype)
@@ -172,16 +177,8 @@ def _chunk_dq_kernel(
 ):
     """dq of chunk c of one query head: dphi(q) = dO S_c^T + causal(dO V'^T) phi(K'), then through phi."""
     F: tl.constexpr = NH * D
-    c, b, h, offs_c = _chunk_program(H, NUM_CHUNKS, C)
-    hk = h // (H // HKV)
-    offs_d = tl.arange(0, D)
-    p = c * C + offs_c
-    q_ok = p < T
-    j, k_ok, k, v = _lagged_keys(K, V, b, hk, p, q_ok, T, LAG, HKV, D, offs_d, offs_d)
-    q_off = ((b * T + p).to(tl.int64) * H + h) * D
-    q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
+    c, b, hk, offs_c, offs_d, q_ok, q_off, q, k_ok, k, v = _query_chunk(Q, K, V, T, LAG, NUM_CHUNKS, H, HKV, D, C)
     do = tl.load(DO + q_off[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0).to(v.dtype)
-    k = k.to(tl.float32)
     # [value column, feature] of a [F, D] state: S_c^T
     state_t = _chunk_state(SC, b * HKV + hk, c, NUM_CHUNKS, offs_d[None, :] * D + offs_d[:, None], F, D)
     da = _mm(do, tl.trans(v), tl.zeros([C, C], dtype=tl.float32), DOT_PREC)

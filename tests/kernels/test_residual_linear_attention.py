@@ -58,6 +58,15 @@ def grads(fn, q, k, v, s0):
     return o, final, torch.autograd.grad(loss, wrt)
 
 
+def assert_matches_reference_fp32(fn, q, k, v, s0, w, feature_map):
+    """fn's output, final state and gradients equal the reference's to 1e-5 (float32)."""
+    o, f, g = grads(fn, q, k, v, s0)
+    o2, f2, g2 = grads(lambda *a: residual_linear_attention_reference(*a[:3], w, feature_map, a[3]), q, k, v, s0)
+    assert rel(o, o2) < 1e-5 and rel(f, f2) < 1e-5
+    for name, a, b in zip("q k v s0".split(), g, g2):
+        assert rel(a, b) < 1e-5, name
+
+
 # ---------------------------------------------------------------- the reference against Eq. 4
 
 
@@ -152,11 +161,7 @@ def test_triton_matches_reference_fp32(batch, seq, heads, kv_heads, dim, w, feat
             q, k, v, w, feature_map, s0, backend="triton", state_every=state_every, fuse_halves=fuse
         )
 
-    o, f, g = grads(triton_fn, q, k, v, s0)
-    o2, f2, g2 = grads(lambda *a: residual_linear_attention_reference(*a[:3], w, feature_map, a[3]), q, k, v, s0)
-    assert rel(o, o2) < 1e-5 and rel(f, f2) < 1e-5
-    for name, a, b in zip("q k v s0".split(), g, g2):
-        assert rel(a, b) < 1e-5, name
+    assert_matches_reference_fp32(triton_fn, q, k, v, s0, w, feature_map)
 
 
 @needs_triton
@@ -232,11 +237,7 @@ def test_triton_chunk_parallel_matches_reference_fp32(batch, seq, heads, kv_head
         return residual_linear_attention(q, k, v, w, feature_map, s0, backend="triton", chunk_parallel=True,
                                          chunk_size=chunk, state_every=state_every)
 
-    o, f, g = grads(triton_fn, q, k, v, s0)
-    o2, f2, g2 = grads(lambda *a: residual_linear_attention_reference(*a[:3], w, feature_map, a[3]), q, k, v, s0)
-    assert rel(o, o2) < 1e-5 and rel(f, f2) < 1e-5
-    for name, a, b in zip("q k v s0".split(), g, g2):
-        assert rel(a, b) < 1e-5, name
+    assert_matches_reference_fp32(triton_fn, q, k, v, s0, w, feature_map)
 
 
 @needs_triton
