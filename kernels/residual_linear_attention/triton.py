@@ -195,6 +195,21 @@ def _fold_chunk(K, V, S, b, hk, c, T, LAG, sign, offs_c, offs_d, offs_v, HKV: tl
     return _mm(tl.trans(kf), v, S, DOT_PREC)
 
 
+@triton.jit
+def _fold_queries(Q, DO, G, b, hk, c, T, sign, offs_d, offs_v, H: tl.constexpr, GROUP: tl.constexpr, HG: tl.constexpr,
+                  C: tl.constexpr, D: tl.constexpr, FEATURE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """G + sum over chunk c's queries and kv head hk's query heads of phi(q)^T dO: the adjoint
+    block before chunk c's keys, from the one after them."""
+    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
+    for s in range(SLICES):  # a loop, not unrolled: one slice of HG heads lives at a time
+        _, _, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
+        q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+        do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        qf = tl.where(ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(q.dtype)
+        G = _mm(tl.trans(qf), do, G, DOT_PREC)
+    return G
+
+
 @launch_cached
 @triton.jit
 def _state_pass_kernel(
@@ -431,19 +446,13 @@ def _adjoint_pass_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, grid_seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     seg = grid_seg + 1
     G = tl.zeros([D, BV], dtype=tl.float32)
     c_start = seg * SEG_CHUNKS
     c_stop = tl.minimum(c_start + SEG_CHUNKS, NUM_CHUNKS)
     for c in range(c_start, c_stop):
-        for s in range(SLICES):  # a loop, not unrolled: one slice of HG heads lives at a time
-            _, _, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
-            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-            qf = tl.where(ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(q.dtype)
-            G = _mm(tl.trans(qf), do, G, DOT_PREC)
+        G = _fold_queries(Q, DO, G, b, hk, c, T, sign, offs_d, offs_v, H, GROUP, HG, C, D, FEATURE, DOT_PREC)
     tl.store(_state_slot(GSTATES, NSEG - seg, B, pid_bk, rows, HKV, F, D), G)
     if seg == NSEG - 1:
         if HAS_DSF:
@@ -614,8 +623,6 @@ class _Plan:
 
         self.forward = tiling(not interpreted and self.seq >= FUSE_HALVES_MIN_TOKENS)
         self.backward = tiling(False)
-        # The chunk-parallel path's sequential walks (triton_chunk_parallel.py) take the split tiling.
-        self.walk = self.backward
         self.chunk_warps = num_warps or (4 if self.chunk * self.dim < 64 * 128 else 8)
 
     def chunk_args(self, heads: int, kv_heads: int):
@@ -687,6 +694,45 @@ def segment_grid(blocks: int, rows: int, segments: int) -> tuple[int, int]:
     return folded(blocks, rows, segments)
 
 
+def segment_states(k, v, s0, plan: _Plan):
+    """(the state at the start of each segment [NSEG, B, HKV, F, D], the final state), both float32,
+    from the state pass and a prefix sum; (None, None) for a single segment. s0: S_0 or None."""
+    if plan.nseg == 1:
+        return None, None
+    B, _, HKV, D = k.shape
+    # Slot 0: S_0, slot s + 1: segment s's sum; the float32 prefix sum over the slots leaves the
+    # state at the start of segment s in slot s and the final state in slot NSEG.
+    slots = torch.empty((plan.nseg + 1, B, HKV, plan.features, D), device=k.device, dtype=torch.float32)
+    # The state pass takes the backward's tiling (the split one: a fused state pass does not exist).
+    nv = D // plan.backward.block_v
+    _state_pass_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg)](
+        k, v, s0 if s0 is not None else slots, slots, *plan.runtime(),
+        HKV=HKV, HAS_S0=s0 is not None, **plan.common(plan.backward, queries=False),
+    )
+    slots.cumsum_(0)
+    return slots[: plan.nseg], slots[plan.nseg].clone()  # the final state in its own storage
+
+
+def segment_adjoints(q, do, dsf, plan: _Plan):
+    """The adjoint at the end of each segment, segment s in slot NSEG - 1 - s of [NSEG, B, HKV, F, D]
+    float32, from the adjoint pass and a prefix sum; None for a single segment. dsf: dS_final or None."""
+    if plan.nseg == 1:
+        return None
+    B, _, H, D = q.shape
+    HKV = plan.kv_heads
+    # Slot 0: dS_final, slot NSEG - s: segment s's sum (s >= 1); the float32 prefix sum over the
+    # slots leaves the adjoint at the end of segment s in slot NSEG - 1 - s.
+    gstates = torch.empty((plan.nseg, B, HKV, plan.features, D), device=q.device, dtype=torch.float32)
+    nv = D // plan.backward.block_v
+    _adjoint_pass_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg - 1)](
+        q, do, dsf if dsf is not None else gstates, gstates,
+        B, q.shape[1], plan.seg_chunks, plan.num_chunks, plan.nseg,
+        H=H, HKV=HKV, HAS_DSF=dsf is not None, **plan.common(plan.backward),
+    )
+    gstates.cumsum_(0)
+    return gstates
+
+
 def _forward(q, k, v, initial_state, plan: _Plan):
     B, T, H, D = q.shape
     HKV, F = plan.kv_heads, plan.features
@@ -694,20 +740,8 @@ def _forward(q, k, v, initial_state, plan: _Plan):
     nv = D // tiling.block_v
     dev = q.device
     s0 = initial_state.float().contiguous() if initial_state is not None else None
-    states = None
-    if plan.nseg > 1:
-        # Slot 0: S_0, slot s + 1: segment s's sum; the float32 prefix sum over the slots leaves the
-        # state at the start of segment s in slot s and the final state in slot NSEG.
-        slots = torch.empty((plan.nseg + 1, B, HKV, F, D), device=dev, dtype=torch.float32)
-        # The state pass takes the backward's tiling (the split one: a fused state pass does not exist).
-        bwd_nv = D // plan.backward.block_v
-        _state_pass_kernel[segment_grid(plan.halves * bwd_nv, B * HKV, plan.nseg)](
-            k, v, s0 if s0 is not None else slots, slots, *plan.runtime(),
-            HKV=HKV, HAS_S0=s0 is not None, **plan.common(plan.backward, queries=False),
-        )
-        slots.cumsum_(0)
-        states = slots[: plan.nseg]
-        final = slots[plan.nseg].clone()  # its own storage: `states` is saved for the backward
+    states, final = segment_states(k, v, s0, plan)
+    if states is not None:
         mode, s_in, store_final = 2, states, False
     else:
         final = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32)
@@ -761,16 +795,8 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
             q, k, v, do, s_in, dq_buf, *plan.runtime(),
             H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(tiling),
         )
-    if plan.nseg > 1:
-        # Slot 0: dS_final, slot NSEG - s: segment s's sum (s >= 1); the float32 prefix sum over the
-        # slots leaves the adjoint at the end of segment s in slot NSEG - 1 - s.
-        gstates = torch.empty((plan.nseg, B, HKV, F, D), device=dev, dtype=torch.float32)
-        _adjoint_pass_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg - 1)](
-            q, do, dsf if dsf is not None else gstates, gstates,
-            B, T, plan.seg_chunks, plan.num_chunks, plan.nseg,
-            H=H, HKV=HKV, HAS_DSF=dsf is not None, **plan.common(tiling),
-        )
-        gstates.cumsum_(0)
+    gstates = segment_adjoints(q, do, dsf, plan)
+    if gstates is not None:
         g_mode, g_in = 2, gstates
     else:
         g_mode, g_in = (1, dsf) if dsf is not None else (0, dk_buf)

@@ -6,11 +6,11 @@ chunk c, phi = [phi+, phi-] in two feature halves). Where those kernels keep a [
 state in registers and walk it through a segment, so that each program sees one feature half and
 leaves partial sums (float32 atomics, a zeroed buffer, a conversion), this path splits the work in two:
 
-* Light sequential walks. From the stored segment states (the same state pass and prefix sum as
-  ``triton.py``), one program per (half, value block, kv head, segment) walks its chunks and
+* Light sequential walks. From the stored segment states (``triton.segment_states``: the same
+  state pass and prefix sum as the segment kernels), one program per (half, value block, kv head, segment) walks its chunks and
   stores S_c in the operand dtype, the rounding the segment kernels apply before every product
   anyway. The backward walks the adjoint G_c = dS_final + sum over the queries after chunk c of
-  phi(q)^T dO the same way, in reverse, from the segment sums of ``_adjoint_pass_kernel``.
+  phi(q)^T dO the same way, in reverse, from ``triton.segment_adjoints``.
 * Chunk-parallel products. One program per (batch x head, chunk) reads S_c (or G_c) whole, both
   feature halves and every value column:
       o_c        = phi(Q_c) S_c + causal(phi(Q_c) phi(K'_c)^T) V'_c
@@ -32,17 +32,17 @@ import triton.language as tl
 from ..._compat.triton_launch import launch_cached
 from .._triton_dot import dot as _mm
 from .triton import (
-    _adjoint_pass_kernel,
     _fold_chunk,
+    _fold_queries,
     _lagged_keys,
     _phi,
     _phi_bwd,
     _program,
-    _query_rows,
     _segment_state,
-    _state_pass_kernel,
     _state_slot,
+    segment_adjoints,
     segment_grid,
+    segment_states,
 )
 
 
@@ -90,7 +90,6 @@ def _walk_adjoints_kernel(
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
-    SLICES: tl.constexpr = (GROUP + HG - 1) // HG
     pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
     G = _segment_state(G_IN, NSEG - 1 - seg, B, pid_bk, rows, HKV, F, D, BV, G_IN_MODE)
     c_start = seg * SEG_CHUNKS
@@ -98,12 +97,7 @@ def _walk_adjoints_kernel(
     for cc in range(c_start, c_stop):
         c = c_stop - 1 - (cc - c_start)
         tl.store(_chunk_state(GC, pid_bk, c, NUM_CHUNKS, rows, F, D), G.to(GC.dtype.element_ty))
-        for s in range(SLICES):
-            _, _, ok, q_off = _query_rows(b, T, c, hk, s, H, GROUP, HG, C, D)
-            q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-            do = tl.load(DO + q_off[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-            qf = tl.where(ok[:, None], _phi(q.to(tl.float32), sign, FEATURE), 0.0).to(q.dtype)
-            G = _mm(tl.trans(qf), do, G, DOT_PREC)
+        G = _fold_queries(Q, DO, G, b, hk, c, T, sign, offs_d, offs_v, H, GROUP, HG, C, D, FEATURE, DOT_PREC)
     if STORE_DS0:
         if seg == 0:
             tl.store(_state_slot(DS0, 0, B, pid_bk, rows, HKV, F, D), G)
@@ -248,22 +242,6 @@ def _chunk_dkv_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _segment_states(k, v, s0, plan):
-    """(segment states [NSEG, B, HKV, F, D] float32 or None, the final state or None): the state
-    pass and prefix sum of ``triton._forward`` (None, None for a single segment)."""
-    if plan.nseg == 1:
-        return None, None
-    B, T, HKV, D = k.shape
-    slots = torch.empty((plan.nseg + 1, B, HKV, plan.features, D), device=k.device, dtype=torch.float32)
-    nv = D // plan.walk.block_v
-    _state_pass_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg)](
-        k, v, s0 if s0 is not None else slots, slots, *plan.runtime(),
-        HKV=HKV, HAS_S0=s0 is not None, **plan.common(plan.walk, queries=False),
-    )
-    slots.cumsum_(0)
-    return slots[: plan.nseg], slots[plan.nseg].clone()
-
-
 def _chunk_states(k, v, s0, states, plan, final):
     """Every chunk's state [B, HKV, NUM_CHUNKS, F, D] in v's dtype, from the segment states (or
     from S_0 / zeros for one segment, then also writing the final state into ``final``)."""
@@ -273,10 +251,10 @@ def _chunk_states(k, v, s0, states, plan, final):
         mode, s_in, store_final = 2, states, False
     else:
         mode, s_in, store_final = (1, s0, True) if s0 is not None else (0, sc, True)
-    nv = D // plan.walk.block_v
+    nv = D // plan.backward.block_v
     _walk_states_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg)](
         k, v, s_in, sc, final if store_final else sc, *plan.runtime(),
-        HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(plan.walk, queries=False),
+        HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(plan.backward, queries=False),
     )
     return sc
 
@@ -286,7 +264,7 @@ def forward(q, k, v, initial_state, plan):
     B, T, H, D = q.shape
     HKV = k.shape[2]
     s0 = initial_state.float().contiguous() if initial_state is not None else None
-    states, final = _segment_states(k, v, s0, plan)
+    states, final = segment_states(k, v, s0, plan)
     if final is None:
         final = torch.empty((B, HKV, plan.features, D), device=q.device, dtype=torch.float32)
     sc = _chunk_states(k, v, s0, states, plan, final)
@@ -310,22 +288,15 @@ def backward(q, k, v, initial_state, sc, do, dfinal, plan, need_ds0: bool):
     dsf = dfinal.float().contiguous() if dfinal is not None else None
     gc = torch.empty((B, HKV, plan.num_chunks, plan.features, D), device=dev, dtype=v.dtype)
     ds0 = torch.empty((B, HKV, plan.features, D), device=dev, dtype=torch.float32) if need_ds0 else gc
-    nv = D // plan.walk.block_v
-    if plan.nseg > 1:
-        # Slot 0: dS_final, slot NSEG - s: segment s's sum (s >= 1); see triton._backward.
-        gstates = torch.empty((plan.nseg, B, HKV, plan.features, D), device=dev, dtype=torch.float32)
-        _adjoint_pass_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg - 1)](
-            q, do, dsf if dsf is not None else gstates, gstates,
-            B, T, plan.seg_chunks, plan.num_chunks, plan.nseg,
-            H=H, HKV=HKV, HAS_DSF=dsf is not None, **plan.common(plan.walk),
-        )
-        gstates.cumsum_(0)
+    nv = D // plan.backward.block_v
+    gstates = segment_adjoints(q, do, dsf, plan)
+    if gstates is not None:
         g_mode, g_in = 2, gstates
     else:
         g_mode, g_in = (1, dsf) if dsf is not None else (0, gc)
     _walk_adjoints_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg)](
         q, do, g_in, gc, ds0, B, T, plan.seg_chunks, plan.num_chunks, plan.nseg,
-        H=H, HKV=HKV, G_IN_MODE=g_mode, STORE_DS0=need_ds0, **plan.common(plan.walk),
+        H=H, HKV=HKV, G_IN_MODE=g_mode, STORE_DS0=need_ds0, **plan.common(plan.backward),
     )
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
