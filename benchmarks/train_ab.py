@@ -8,6 +8,7 @@ host moves them).
     python -m benchmarks.train_ab --compare backbone --seq 8192 --rounds 3 --json F
     python -m benchmarks.train_ab --compare graphs --seq 8192 --rounds 3 --json F
     python -m benchmarks.train_ab --compare rla --seq 8192 --rounds 3 --json F
+    python -m benchmarks.train_ab --compare window_kernel --seq 8192 --rounds 3 --json F
 
 ``--compare window``: the sliding-window layers' attention, ``window`` (kernels/window_attention,
 the default) against ``flex``: RAT-SWA's window layers through transformers' compiled flex_attention
@@ -23,6 +24,9 @@ Liger-Llama takes both ways too, so each way has its own baseline row.
 ``stacked`` (the query heads of a group stacked into each tile), against ``split`` (one query head
 per tile, the feature halves apart over whole value rows in both passes: the former default below
 16K tokens).
+``--compare window_kernel``: kernels/window_attention's two ways for the window layers of RAT-SWA
+and RATTENTION, ``flash`` (PyTorch's FlashAttention-2 with its window, the default for bf16)
+against ``triton`` (the Triton kernels).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ COMPARISONS = {  # compare -> (its models, its two ways, the default first)
     "backbone": (("rat", "rat_swa", "fox", "rattention", "se_hybrid"), ("ours", "liger")),
     "graphs": (("llama_liger", "rat", "rat_swa", "fox_llama", "fox", "rattention", "se_hybrid"), ("eager", "graphs")),
     "rla": (("rattention",), ("stacked", "split")),
+    "window_kernel": (("rat_swa", "rattention"), ("flash", "triton")),
 }
 SPLIT_RLA = {"fuse_halves": False, "block_v": 128, "heads_per_tile": 1}
 
@@ -70,6 +75,11 @@ def way(model, name: str):
         raise ValueError(f"way must be one of {', '.join(known)}; got {name!r}.")
     locals_ = [m for m in model.modules() if isinstance(m, RattentionLocalAttention)]
     saved = attention_module.window_attention_applies, norm_module.fused_rms_norm, mlp_module.fused_silu_mul
+    saved_flash = attention_module.flash_window_applies
+    if name == "triton":
+        attention_module.flash_window_applies = lambda query: False
+        for m in locals_:
+            m._swa_backend = lambda: "triton"
     if name == "flex":
         attention_module.window_attention_applies = lambda query: False
         for m in locals_:
@@ -84,6 +94,7 @@ def way(model, name: str):
     finally:
         ungraph_training_layers(model)
         attention_module.window_attention_applies, norm_module.fused_rms_norm, mlp_module.fused_silu_mul = saved
+        attention_module.flash_window_applies = saved_flash
         for m in locals_:
             m.__dict__.pop("_swa_backend", None)
 

@@ -24,6 +24,16 @@ def test_flex_moves_both_models_window_layers_and_is_undone():
         assert local._swa_backend() == default_backend
 
 
+def test_triton_window_kernel_moves_both_models_window_layers_and_is_undone():
+    config = BenchConfig(device=torch.device("cpu"), dtype=torch.float32, quick=True)
+    model = build_ours(next(a for a in architectures(True) if a.name == "RATTENTION"), config)
+    local = next(m for m in model.modules() if isinstance(m, RattentionLocalAttention))
+    default_backend, applies = local._swa_backend(), attention_module.flash_window_applies
+    with train_ab.way(model, "triton"):
+        assert local._swa_backend() == "triton" and attention_module.flash_window_applies(torch.zeros(1, 2, 3, 16)) is False
+    assert local._swa_backend() == default_backend and attention_module.flash_window_applies is applies
+
+
 def test_an_unknown_way_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="window, flex, ours, liger"):
         with train_ab.way(torch.nn.Module(), "cudnn"):

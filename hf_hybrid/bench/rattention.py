@@ -121,12 +121,13 @@ def rla_sweep(seq, batch, device, dtype, repeat, kv_heads: int = KV_HEADS):
 
 
 def _swa_op_time(q, k, v, do, device, repeat):
-    """The local layers' window (w = 512) alone, forward and backward, per backend: the Triton
-    kernels the layers run (kernels/window_attention) and flex_attention."""
+    """The local layers' window (w = 512) alone, forward and backward, per backend: both ways of
+    kernels/window_attention (FlashAttention-2, which the layers run in half precision, and the
+    Triton kernels) and flex_attention."""
     from ..kernels.residual_linear_attention import sliding_window_attention
 
     rows = {}
-    for backend in ("triton", "flex"):
+    for backend in ("flash", "triton", "flex"):
         try:
             def fwd():
                 with torch.no_grad():

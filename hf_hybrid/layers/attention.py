@@ -20,8 +20,9 @@ sdpa                no mask for causal attention over unpadded tokens (``is_caus
                     decode steps that see every key; otherwise a boolean mask ([B,1,1,K] for a
                     decode step). On CUDA, sliding windows and padded batches with more than one
                     query do NOT get a dense T x T mask: a window over unpadded rows from position
-                    0 (training, a prefill) runs kernels/window_attention (Triton; tiles outside
-                    the band skipped, nothing compiled per shape); padded batches and cache
+                    0 (training, a prefill) runs kernels/window_attention (FlashAttention-2's
+                    window for fp16 / bf16, Triton for float32; tiles outside the band skipped,
+                    nothing compiled per shape); padded batches and cache
                     continuations run flex_attention with a BlockMask (blocks outside the band /
                     padding skipped), transformers' compiled flex (head_dim < 16, below flex's
                     minimum: the boolean mask, with a warning)
@@ -48,7 +49,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from ..kernels._query_blocks import query_block_size, sdpa_in_query_blocks
-from ..kernels.window_attention import window_attention, window_attention_applies, window_attention_decode
+from ..kernels.window_attention import (
+    flash_window_applies,
+    window_attention,
+    window_attention_applies,
+    window_attention_decode,
+    window_attention_decode_applies,
+)
 from .context import SequenceContext
 from .projections import project_few_rows
 from .rotary import apply_rotary, build_rotary, rotary_tables
@@ -129,7 +136,7 @@ def _window_kernel_applies(implementation: str, query: torch.Tensor, num_keys: i
                            context: SequenceContext, window: int | None) -> bool:
     """Whether the call is a window over whole unpadded rows from position 0 (a training step, a
     prefill from empty) that kernels/window_attention runs: SDPA implementation, several queries,
-    a window that hides keys, and the Triton kernels built for the query (CUDA)."""
+    a window that hides keys, and a kernel of kernels/window_attention built for the query (CUDA)."""
     seq = query.shape[2]
     return (
         implementation == "sdpa" and seq > 1 and key_start == context.past_length == 0 and num_keys == seq
@@ -211,7 +218,8 @@ def softmax_attention(
         kwargs["sliding_window"] = context.effective_window(num_keys, key_start, window)
     elif _window_kernel_applies(implementation, query, num_keys, key_start, context, window):
         out = window_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                               window_size=window, scale=scaling, backend="triton")
+                               window_size=window, scale=scaling,
+                               backend="flash" if flash_window_applies(query) else "triton")
         context.record_attention_weights(None)
         return out
     elif _continues_unpadded(implementation, seq, context):
@@ -300,7 +308,7 @@ def static_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     visible [1, 1, 1, slots] bool; length [1] the filled count (a ring: tokens written);
     returns [batch, 1, heads * head_dim]."""
     batch, _, heads, dim = q.shape
-    if window_attention_applies(q):
+    if window_attention_decode_applies(q):
         out = window_attention_decode(q, keys.transpose(1, 2), values.transpose(1, 2), length, scale=scale,
                                       backend="triton")
         return out.reshape(batch, 1, heads * dim)

@@ -209,9 +209,10 @@ def sliding_window_attention(
 ) -> torch.Tensor:
     """Causal softmax attention over a window: query i sees keys j with 0 <= i - j <= window_size.
 
-    q [B, T, H, D]; k, v [B, T, H_kv, D] (GQA). Differentiable. backend: "auto" ("triton" on CUDA
-    for the head dims its kernels take, "flex" for other head dims >= 16, "sdpa" elsewhere),
-    "triton" (kernels/window_attention: tiles outside the band skipped, nothing compiled per
+    q [B, T, H, D]; k, v [B, T, H_kv, D] (GQA). Differentiable. backend: "auto" (kernels/window_attention
+    on CUDA for the dtypes and head dims it takes: FlashAttention-2 for fp16 / bf16, Triton for
+    float32; "flex" for other head dims >= 16, "sdpa" elsewhere), "flash" or "triton"
+    (kernels/window_attention's two ways: tiles outside the band skipped, nothing compiled per
     shape), "flex" (flex_attention with a block-sparse band mask, compiled once per process), "sdpa"
     (a dense band mask through scaled_dot_product_attention) or "reference" (explicit float32
     softmax). ``window_size >= T - 1`` runs SDPA's causal kernel on every backend but "reference".
@@ -219,7 +220,7 @@ def sliding_window_attention(
     op = "sliding_window_attention"
     _check_qkv(op, q, k, v)
     _check_window(op, window_size, 0)
-    impl = resolve_backend(backend, q.device, op, extra=("flex", "sdpa"))
+    impl = resolve_backend(backend, q.device, op, extra=("flash", "flex", "sdpa"))
     if backend == "auto":
         flex_ok = q.device.type == "cuda" and triton_available() and q.shape[-1] >= FLEX_MIN_HEAD_DIM
         impl = "triton" if flex_ok and window_attention_applies(q) else "flex" if flex_ok else "sdpa"
@@ -233,8 +234,9 @@ def sliding_window_attention(
         return sliding_window_attention_reference(q, k, v, window_size, scale)
     if impl == "sdpa" or window_size >= q.shape[1] - 1:
         return sliding_window_attention_sdpa(q, k, v, window_size, scale)
-    if impl == "triton":  # its window counts the token itself
-        return window_attention(q, k, v, window_size=window_size + 1, scale=scale, backend="triton")
+    if impl in ("triton", "flash"):  # its window counts the token itself
+        return window_attention(q, k, v, window_size=window_size + 1, scale=scale,
+                                backend="auto" if backend == "auto" else impl)
     return sliding_window_attention_flex(q, k, v, window_size, scale)
 
 

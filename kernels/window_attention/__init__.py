@@ -1,8 +1,10 @@
 """Causal sliding-window softmax attention (the window layers of RAT-SWA, RATTENTION's local
-branch): Forgetting Attention's Triton kernels with the forget gate compiled out, so tiles outside
-the window are never visited and nothing is compiled per shape; and its decode step, one query per
-row against a cache's fixed buffers (FoX's split-K decode kernel without the gate), which the
-softmax layers' graphed decode step runs. Math in reference.py.
+branch), two ways on the GPU: for fp16 / bf16, the FlashAttention-2 kernels inside PyTorch with
+their native window (flash.py: nothing to compile at a first use, little host time per call); for
+float32 and where those do not apply, Forgetting Attention's Triton kernels with the forget gate
+compiled out. Both skip the tiles outside the window and compile nothing per shape. And its decode
+step, one query per row against a cache's fixed buffers (FoX's split-K decode kernel without the
+gate), which the softmax layers' graphed decode step runs. Math in reference.py.
 """
 from __future__ import annotations
 
@@ -11,13 +13,17 @@ import torch
 from .._backend import resolve_backend
 from .._custom_ops import KernelContext, fake_like, kernel_op
 from ..forgetting_attention import _TRITON_HEAD_DIMS as _FOX_TRITON_HEAD_DIMS
-from ..forgetting_attention import _check_decode_length, _check_heads, _check_packed, _check_window
+from ..forgetting_attention import _check_decode_length, _check_heads, _check_packed, _check_window, _packing
+from .flash import flash_window_applies, flash_window_attention
 from .reference import window_attention_decode_reference, window_attention_reference
 
 __all__ = [
     "TRITON_HEAD_DIMS",
+    "flash_window_applies",
+    "flash_window_attention",
     "window_attention",
     "window_attention_applies",
+    "window_attention_decode_applies",
     "window_attention_decode",
     "window_attention_decode_reference",
     "window_attention_reference",
@@ -27,18 +33,41 @@ _OP = "window_attention"
 TRITON_HEAD_DIMS = _FOX_TRITON_HEAD_DIMS  # the same kernels
 
 
-def window_attention_applies(q: torch.Tensor) -> bool:
-    """Whether ``backend="auto"`` runs the Triton kernels for this query: CUDA, a head_dim the
-    kernels are built for, a float dtype they take."""
+def _triton_applies(q: torch.Tensor) -> bool:
     return q.is_cuda and q.shape[-1] in TRITON_HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _implementation(op: str, backend: str, q: torch.Tensor) -> str:
-    """"triton" or "reference" for ``backend``: "auto" takes the kernels where
-    window_attention_applies; "triton" on a head_dim they are not built for is an error."""
+def window_attention_applies(q: torch.Tensor) -> bool:
+    """Whether ``backend="auto"`` runs a GPU kernel for this query (FlashAttention-2 or Triton):
+    CUDA, a head_dim and a float dtype one of them takes."""
+    return flash_window_applies(q) or _triton_applies(q)
+
+
+def window_attention_decode_applies(q: torch.Tensor) -> bool:
+    """Whether ``backend="auto"`` runs the split-K Triton decode kernel for this query."""
+    return _triton_applies(q)
+
+
+def _implementation(op: str, backend: str, q: torch.Tensor, with_flash: bool = True) -> str:
+    """"flash", "triton" or "reference" for ``backend``: "auto" takes FlashAttention-2 where
+    flash_window_applies (``with_flash``: an op that has that way), else the Triton kernels where
+    they are built for the query, else the reference; "flash" or "triton" where they cannot run is
+    an error."""
+    if backend == "flash" and not with_flash:
+        raise ValueError(f"{op}: backend='flash' is not one of ('auto', 'reference', 'triton') for this op.")
+    if backend == "flash":
+        if not flash_window_applies(q):
+            raise ValueError(
+                f"{op}: backend='flash' needs CUDA fp16 / bf16 inputs with head_dim a multiple of 8 up to 256, an "
+                f"sm_80+ GPU, flash SDPA enabled and a torch whose FlashAttention op takes a window; got "
+                f"{q.dtype} head_dim {q.shape[-1]} on {q.device}. Pass backend='auto'."
+            )
+        return "flash"
     impl = resolve_backend(backend, q.device, op)
-    if impl == "triton" and backend == "auto" and not window_attention_applies(q):
-        return "reference"
+    if impl == "triton" and backend == "auto":
+        if with_flash and flash_window_applies(q):
+            return "flash"
+        return "triton" if _triton_applies(q) else "reference"
     if impl == "triton" and q.shape[3] not in TRITON_HEAD_DIMS:
         raise ValueError(f"{op}: the Triton kernels take head_dim in {TRITON_HEAD_DIMS}; got {q.shape[3]}. Pass backend='reference'.")
     return impl
@@ -59,8 +88,8 @@ def window_attention(
 
     q [B,T,HQ,D]; k, v [B,T,HKV,D] with HQ % HKV == 0 (GQA). cu_seqlens: int [N+1] boundaries of
     packed sequences (B must be 1); nothing crosses one. scale defaults to D ** -0.5. backend:
-    "auto" (Triton on CUDA for head_dim in TRITON_HEAD_DIMS, the reference elsewhere), "triton",
-    "reference".
+    "auto" (on CUDA: FlashAttention-2 for fp16 / bf16 where flash_window_applies, else Triton for
+    head_dim in TRITON_HEAD_DIMS; the reference elsewhere), "flash", "triton", "reference".
     """
     _check_heads(_OP, q, k, v)
     if k.shape[1] != q.shape[1]:
@@ -68,13 +97,19 @@ def window_attention(
     if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
         raise ValueError(f"{_OP}: window_size must be an int >= 1 (tokens, self included); got {window_size!r}.")
     _check_packed(_OP, q, cu_seqlens)
-    if _implementation(_OP, backend, q) == "reference":
+    impl = _implementation(_OP, backend, q)
+    if impl == "reference":
         return window_attention_reference(q, k, v, window_size, scale, cu_seqlens)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"{_OP}: q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}.")
     if q.shape[1] == 0:
         return torch.empty_like(q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if impl == "flash":
+        if cu_seqlens is None:
+            return flash_window_attention(q, k, v, window_size, scale)
+        cu, max_len = _packing(q, cu_seqlens)
+        return flash_window_attention(q, k, v, window_size, scale, cu, max_len)
     return window_attention_fwd(q, k, v, cu_seqlens, scale, window_size)[0]
 
 
@@ -103,7 +138,7 @@ def window_attention_decode(
         raise ValueError(f"{op}: expects one query per row (q [batch, 1, heads, head_dim]); got {q.shape[1]} queries.")
     _check_decode_length(op, length, q.shape[0], q.device)
     _check_window(op, window_size)
-    if _implementation(op, backend, q) == "reference":
+    if _implementation(op, backend, q, with_flash=False) == "reference":
         return window_attention_decode_reference(q, k, v, length, scale, window_size)
     return window_attention_decode_op(q, k, v, length, scale, window_size)
 

@@ -1,10 +1,14 @@
 """Sliding-window softmax attention (kernels/window_attention): the reference states the band, the
-Triton kernels (Forgetting Attention's with the gate compiled out) match it forward and backward in
-fp32 and bf16, at odd lengths, with GQA and packed sequences; bad input is named.
+Triton kernels (Forgetting Attention's with the gate compiled out) and PyTorch's FlashAttention-2
+with its window match it forward and backward in fp32 (Triton) and bf16 / fp16, at odd lengths,
+with GQA and packed sequences; "auto" picks FlashAttention-2 for half precision and Triton for
+float32; bad input is named.
 
 CPU runs the kernels in Triton's interpreter on tiny shapes; the `gpu` tests use real lengths.
 """
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -12,12 +16,14 @@ import torch
 from hf_hybrid.kernels._backend import triton_interpreting
 from hf_hybrid.kernels.forgetting_attention import forgetting_attention
 from hf_hybrid.kernels.window_attention import (
+    flash_window_applies,
     window_attention,
     window_attention_decode,
     window_attention_decode_reference,
     window_attention_reference,
 )
 
+window_module = importlib.import_module("hf_hybrid.kernels.window_attention")  # the package: its name is also the op's
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreting(), reason="needs CUDA or TRITON_INTERPRET=1")
 
@@ -97,6 +103,35 @@ def test_gated_forgetting_attention_is_unchanged_by_the_ungated_build():
 def test_auto_runs_the_reference_off_cuda():
     q, k, v, _ = make_inputs(1, 11, 2, 2, 8, torch.float32, "cpu")
     torch.testing.assert_close(window_attention(q, k, v, window_size=3), window_attention_reference(q, k, v, 3))
+
+
+def test_flash_is_named_where_it_cannot_run():
+    q, k, v, _ = make_inputs(1, 11, 2, 2, 8, torch.float32, "cpu")
+    assert not flash_window_applies(q)
+    with pytest.raises(ValueError, match="backend='flash' needs CUDA fp16 / bf16"):
+        window_attention(q, k, v, window_size=3, backend="flash")
+    with pytest.raises(ValueError, match="backend='flash' is not one of"):
+        window_attention_decode(q[:, :1], k, v, torch.tensor([4]), backend="flash")
+
+
+def test_auto_takes_flash_for_half_precision_and_triton_for_float32(monkeypatch):
+    """On CUDA: FlashAttention-2 wherever it applies (fp16 / bf16), the Triton kernels for float32
+    (computed in float32) and for what flash does not take, the reference past both."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(window_module, "flash_window_applies", lambda q: q.dtype in (torch.float16, torch.bfloat16))
+
+    def query(dtype, dim=128):
+        return SimpleNamespace(shape=(1, 64, 4, dim), dtype=dtype, is_cuda=True, device=torch.device("cuda"))
+
+    monkeypatch.setattr(window_module, "resolve_backend", lambda backend, device, op: "triton" if backend == "auto" else backend)
+    pick = window_module._implementation
+    assert pick("op", "auto", query(torch.bfloat16)) == "flash"
+    assert pick("op", "auto", query(torch.float16)) == "flash"
+    assert pick("op", "auto", query(torch.float32)) == "triton"
+    assert pick("op", "auto", query(torch.float32, dim=24)) == "reference"
+    assert pick("op", "triton", query(torch.bfloat16)) == "triton"  # named: kept
+    assert pick("op", "auto", query(torch.bfloat16), with_flash=False) == "triton"  # the decode op
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -215,6 +250,41 @@ def test_gpu_bf16_real_shapes(t, window):
     want = with_grads(sdpa, q, k, v, do.float())
     for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
         assert rel_err(a, w) < 2e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,t,hq,hkv,window", [(1, 4099, 16, 4, 513), (3, 1000, 8, 8, 1), (2, 777, 4, 2, 2048)])
+def test_gpu_flash_matches_reference_and_triton(dtype, b, t, hq, hkv, window):
+    """FlashAttention-2's window against the float32 reference and the Triton kernels, forward and
+    backward: odd lengths, GQA, several rows, a window of the token alone and one past the sequence."""
+    q, k, v, do = make_inputs(b, t, hq, hkv, 128, dtype, "cuda")
+    got = with_grads(lambda *x: window_attention(*x, window_size=window, backend="flash"), q, k, v, do)
+    triton_way = with_grads(lambda *x: window_attention(*x, window_size=window, backend="triton"), q, k, v, do)
+    want = with_grads(lambda *x: window_attention_reference(*(y.float() for y in x), window), q, k, v, do.float())
+    for name, a, tr, w in zip(("o", "dq", "dk", "dv"), got, triton_way, want):
+        assert rel_err(a, w) < 1e-2, name
+        assert rel_err(a, w) < 2 * rel_err(tr, w) + 1e-3, name  # no less exact than the Triton kernels
+    assert window_attention(q, k, v, window_size=window).equal(got[0])  # "auto" takes it for half precision
+
+
+@pytest.mark.gpu
+def test_gpu_flash_packed_sequences_see_only_their_own_tokens():
+    q, k, v, do = make_inputs(1, 3001, 16, 4, 128, torch.bfloat16, "cuda")
+    cu = torch.tensor([0, 1000, 1001, 2500, 3001], device="cuda", dtype=torch.int32)
+    got = with_grads(lambda *x: window_attention(*x, window_size=700, cu_seqlens=cu, backend="flash"), q, k, v, do)
+    want = with_grads(lambda *x: window_attention_reference(*(y.float() for y in x), 700, None, cu), q, k, v, do.float())
+    for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
+        assert rel_err(a, w) < 1e-2, name
+
+
+@pytest.mark.gpu
+def test_gpu_float32_stays_on_triton_in_float32():
+    q, k, v, do = make_inputs(1, 300, 4, 2, 64, torch.float32, "cuda")
+    got = with_grads(lambda *x: window_attention(*x, window_size=33), q, k, v, do)
+    want = with_grads(lambda *x: window_attention_reference(*x, 33), q, k, v, do)
+    for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
+        assert rel_err(a, w) < 1e-4, name
 
 
 @pytest.mark.gpu

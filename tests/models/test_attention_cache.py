@@ -86,9 +86,9 @@ def test_static_decode_attention_kernel_matches_sdpa_over_the_buffers(monkeypatc
         keys, values, visible = layer.static_decode_update(torch.randn(2, 2, 1, 16, generator=g),
                                                            torch.randn(2, 2, 1, 16, generator=g))
         length = layer.static_decode_length()
-        monkeypatch.setattr(attention_module, "window_attention_applies", lambda query: False)
+        monkeypatch.setattr(attention_module, "window_attention_decode_applies", lambda query: False)
         want = static_decode_attention(q, keys, values, visible, length, 0.3)
-        monkeypatch.setattr(attention_module, "window_attention_applies", lambda query: True)
+        monkeypatch.setattr(attention_module, "window_attention_decode_applies", lambda query: True)
         got = static_decode_attention(q, keys, values, visible, length, 0.3)
         assert got.shape == (2, 1, 64)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
