@@ -1,15 +1,13 @@
 """Sliding-window attention through the FlashAttention-2 kernels that ship inside PyTorch
 (``aten::_flash_attention_forward`` / ``_flash_attention_backward`` with their native window:
 query i sees keys j with i - (W - 1) <= j <= i). Tiles outside the band are skipped by the kernel,
-like the Triton kernels' (kernels/window_attention), so the GPU time is the same; but nothing is
-compiled at a first use and a launch costs a fraction of the host time.
+like the Triton kernels' (kernels/window_attention), so the GPU time is about the same; but
+nothing is compiled at a first use and a call costs less host time (two aten calls).
 
 Packed rows and dense batches go through the same variable-length call: a dense [B, T] batch is
 B packed sequences of T tokens. Math: reference.py.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -19,19 +17,20 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 
 
-@functools.cache
-def _flash_has_window() -> bool:
-    """Whether this torch's FlashAttention op takes a window (its schema names window_size_left)."""
-    try:
-        return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
-    except (AttributeError, RuntimeError):
-        return False
+_AVAILABLE: list[bool] = []  # filled on the first call
 
 
-@functools.cache
-def _flash_built_for(device_index: int) -> bool:
-    """FlashAttention-2 runs on sm_80 and newer (Ampere, Hopper, ...)."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+@torch.compiler.assume_constant_result  # fixed per process: torch.compile takes the value, traces nothing
+def flash_window_available() -> bool:
+    """Whether this torch's FlashAttention op takes a window (its schema names window_size_left)
+    and the current GPU is one FlashAttention-2 runs on (sm_80 and newer)."""
+    if not _AVAILABLE:
+        try:
+            has_window = "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
+            _AVAILABLE.append(has_window and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0))
+        except (AttributeError, RuntimeError):  # an older torch, or no usable driver
+            _AVAILABLE.append(False)
+    return _AVAILABLE[0]
 
 
 def flash_window_applies(q: torch.Tensor) -> bool:
@@ -41,8 +40,7 @@ def flash_window_applies(q: torch.Tensor) -> bool:
     has the window."""
     return (
         q.is_cuda and q.dtype in FLASH_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= FLASH_MAX_HEAD_DIM
-        and torch.backends.cuda.flash_sdp_enabled() and _flash_has_window()
-        and _flash_built_for(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        and torch.backends.cuda.flash_sdp_enabled() and flash_window_available()
     )
 
 
