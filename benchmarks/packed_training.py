@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from hf_hybrid.bench.cases import BenchConfig
 from hf_hybrid.bench.models import architectures, build_ours
+from hf_hybrid.bench.timing import latency_ms
 
 
 def _time_step(model, batch: dict, repeat: int) -> float:
@@ -25,17 +25,7 @@ def _time_step(model, batch: dict, repeat: int) -> float:
         model(**batch, use_cache=False).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return latency_ms(step, warmup=1, repeat=repeat)
 
 
 def main(argv=None) -> int:

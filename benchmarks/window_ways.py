@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -21,22 +20,6 @@ import torch
 WAYS = ("triton", "flex", "flash")
 SHAPES = ((1, 8192, 16, 16), (1, 8192, 16, 4), (1, 32768, 16, 16))  # batch, tokens, query heads, key / value heads
 WINDOW, HEAD_DIM, REFERENCE_MAX_TOKENS = 512, 128, 8192
-
-
-def latency_ms(fn, repeat: int = 20) -> float:
-    """Median wall time of one call, the device synchronised before and after it."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _errors(op, q, k, v, do) -> list[float]:
@@ -51,7 +34,7 @@ def _errors(op, q, k, v, do) -> list[float]:
 
 
 def run(shapes=SHAPES) -> list[dict]:
-    from hf_hybrid.bench.timing import time_fn
+    from hf_hybrid.bench.timing import latency_ms, time_fn
     from hf_hybrid.kernels.residual_linear_attention import sliding_window_attention
 
     device, rows = torch.device("cuda"), []

@@ -65,6 +65,23 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, rep
     return Timing(statistics.median(times), min(times), max(times), repeat, peak)
 
 
+def latency_ms(fn: Callable[[], object], warmup: int = 3, repeat: int = 20) -> float:
+    """Median wall time of one CUDA call in milliseconds, the device synchronised after each call: the
+    host's launch time counts, which back-to-back calls (:func:`time_fn`) hide behind the GPU's."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
