@@ -109,3 +109,28 @@ def test_two_forwards_before_one_backward_run_eagerly_and_exactly(name):
     with torch.no_grad():  # an evaluation forward in training mode: eager, not counted
         torch.testing.assert_close(graphed(input_ids=ids).logits, eager(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     assert layer_graph_report(graphed)["eager_calls"] == report["eager_calls"]
+
+
+@pytest.mark.parametrize("name", ["rat_swa", "rattention"])
+def test_bf16_window_layers_replay_flash_attention(name):
+    """The window layers in bf16 run PyTorch's FlashAttention-2 (kernels/window_attention/flash.py);
+    captured, its forward and backward replay and give the eager step (FlashAttention's backward adds
+    dq with atomics, so the comparison is to a tolerance, not bitwise)."""
+    from hf_hybrid.kernels.window_attention import flash_window_applies
+
+    assert flash_window_applies(torch.zeros(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16))
+    eager, graphed = _pair(name)
+    eager, graphed = eager.to(torch.bfloat16), graphed.to(torch.bfloat16)
+    ids = torch.randint(1, SHAPE["vocab_size"], (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    for _ in range(2):  # the first call captures, the second replays
+        for model in (eager, graphed):
+            model.zero_grad(set_to_none=True)
+        (eager_losses, eager_grads), (graphed_losses, graphed_grads) = (_accumulated_step(m, ids) for m in (eager, graphed))
+        for a, b in zip(eager_losses, graphed_losses):
+            torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-2)
+        for i, (a, b) in enumerate(zip(eager_grads, graphed_grads)):
+            if a is not None:
+                assert ((b.float() - a.float()).norm() / (a.float().norm() + 1e-6)).item() < 2e-2, f"gradient of parameter {i}"
+    report = layer_graph_report(graphed)
+    assert report["failed_captures"] == {} and report["eager_calls"] == {}, report
+    assert report["replays"] == SHAPE["num_hidden_layers"] * 2 * 2, report
