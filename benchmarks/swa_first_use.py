@@ -12,8 +12,10 @@ Ways, each in its own fresh process:
 * ``flex``: ``sliding_window_attention_flex`` (compiled flex_attention, the eager block mask);
 * ``sdpa``: ``sliding_window_attention_sdpa`` (one SDPA call with the [T, T] band mask: no compile,
   every score of the square computed);
-* ``window``: ``kernels/window_attention`` (Forgetting Attention's portable Triton kernels with the
-  forget gate compiled out; one build per kernel).
+* ``window``: ``kernels/window_attention``'s Triton kernels (Forgetting Attention's portable kernels
+  with the forget gate compiled out; one build per kernel);
+* ``flash``: ``kernels/window_attention``'s FlashAttention-2 way (PyTorch's kernels with their
+  window; nothing to build), the default in half precision.
 
 Every way's output is checked against ``sdpa`` (bf16 tolerance) before it is timed.
 """
@@ -28,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-WAYS = ("flex", "sdpa", "window")
+WAYS = ("flex", "sdpa", "window", "flash")
 ROOT = Path(__file__).resolve().parent.parent  # ``python -m benchmarks.<name>`` runs from here
 
 
@@ -47,6 +49,10 @@ def band_attention(way: str, q, k, v, window: int, scale: float):
         from hf_hybrid.kernels.window_attention import window_attention
 
         return window_attention(q, k, v, window_size=window + 1, scale=scale, backend="triton")  # counts itself
+    if way == "flash":
+        from hf_hybrid.kernels.window_attention import window_attention
+
+        return window_attention(q, k, v, window_size=window + 1, scale=scale, backend="flash")
     raise ValueError(f"way must be one of {', '.join(WAYS)}; got {way!r}.")
 
 

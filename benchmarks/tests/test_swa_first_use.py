@@ -12,16 +12,21 @@ from hf_hybrid.kernels._backend import triton_interpreting
 def test_every_way_computes_the_same_band_as_sdpa(way):
     if way == "window" and not (torch.cuda.is_available() or triton_interpreting()):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    if way == "flash" and not torch.cuda.is_available():
+        pytest.skip("FlashAttention-2 needs CUDA")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 40, 2, 16, generator=g) for _ in range(3))
+    if way == "flash":  # half precision on the GPU
+        q, k, v = (x.cuda().half() for x in (q, k, v))
     window = 9  # keys before each query: 10 visible, itself included
-    expected = swa_first_use.band_attention("sdpa", q, k, v, window, 0.25)
+    expected = swa_first_use.band_attention("sdpa", *(x.float() for x in (q, k, v)), window, 0.25)
     got = swa_first_use.band_attention(way, q, k, v, window, 0.25)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    tol = 2e-3 if way == "flash" else 1e-4
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
 
 def test_an_unknown_way_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="flex, sdpa, window"):
+    with pytest.raises(ValueError, match="flex, sdpa, window, flash"):
         swa_first_use.band_attention("cudnn", *(torch.zeros(1, 4, 1, 16) for _ in range(3)), 2, 1.0)
 
 
