@@ -53,9 +53,9 @@ def _implementation(op: str, backend: str, q: torch.Tensor, with_flash: bool = T
     flash_window_applies (``with_flash``: an op that has that way), else the Triton kernels where
     they are built for the query, else the reference; "flash" or "triton" where they cannot run is
     an error."""
-    if backend == "flash" and not with_flash:
-        raise ValueError(f"{op}: backend='flash' is not one of ('auto', 'reference', 'triton') for this op.")
     if backend == "flash":
+        if not with_flash:
+            raise ValueError(f"{op}: backend='flash' is not one of ('auto', 'reference', 'triton') for this op.")
         if not flash_window_applies(q):
             raise ValueError(
                 f"{op}: backend='flash' needs CUDA fp16 / bf16 inputs with head_dim a multiple of 8 up to 256, an "
@@ -106,10 +106,7 @@ def window_attention(
         return torch.empty_like(q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if impl == "flash":
-        if cu_seqlens is None:
-            return flash_window_attention(q, k, v, window_size, scale)
-        cu, max_len = _packing(q, cu_seqlens)
-        return flash_window_attention(q, k, v, window_size, scale, cu, max_len)
+        return flash_window_attention(q, k, v, window_size, scale, *_packing(q, cu_seqlens))
     return window_attention_fwd(q, k, v, cu_seqlens, scale, window_size)[0]
 
 
