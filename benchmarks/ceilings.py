@@ -15,6 +15,11 @@ mixer cost nothing: a target above it cannot be met by any mixer kernel.
   mixer is replaced (``RAT, free decode mixer``), the prefill is RAT's own.
 - ``RATTENTION, free local mixers``: its local layers are q / k / v projections and o_proj(q) (no
   sliding window, no residual linear attention, no branch norms); the global layers stay.
+- ``RATTENTION, free RLA``: the residual linear attention costs nothing (its output is q, its
+  gradient passed to q, k and v); the sliding window, the branch norms and the global layers stay.
+- ``RATTENTION, RLA at its memory floor``: the residual linear attention replaced by elementwise
+  work with its least memory traffic (the forward reads q, k, v and writes o; the backward reads
+  q, k, v and dO and writes dq, dk, dv): what any RLA kernel bound by the GPU's memory would cost.
 - ``SE hybrid, free Mamba mixers``: its Mamba-2 layers are in_proj and out_proj(gate) (no conv1d, no
   SSM scan, no gated norm); the attention layers stay. SE hybrid carries 13% more weights than
   Llama at this shape (465M against 411M outside the embeddings), so its GEMMs alone cost more.
@@ -85,6 +90,35 @@ def _rattention_local_decode_without_mixer(self, hidden_states, context, cache_l
     return _RATTENTION_LOCAL_FORWARD(self, hidden_states, context, cache_layer)
 
 
+def _free_rla(q, k, v, window_size, feature_map, initial_state=None, **_):
+    return _FreeMixer.apply(q, k, v), None
+
+
+class _RlaMemoryFloor(torch.autograd.Function):
+    """o = q + k * v (key / value heads broadcast over their query heads): one kernel reading q, k, v
+    and writing o; the backward's three products read q, k, v and dO and write dq, dk, dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.addcmul(_grouped(q, k), k.unsqueeze(3), v.unsqueeze(3)).view_as(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        grouped = _grouped(grad, k)
+        return q * grad, (grouped * v.unsqueeze(3)).sum(3), (grouped * k.unsqueeze(3)).sum(3)
+
+
+def _grouped(x, kv):
+    """[B, T, H, D] -> [B, T, H_kv, H / H_kv, D], the query heads of each key / value head together."""
+    return x.view(*kv.shape[:3], -1, x.shape[-1])
+
+
+def _rla_at_memory_floor(q, k, v, window_size, feature_map, initial_state=None, **_):
+    return _RlaMemoryFloor.apply(q, k, v), None
+
+
 def _mamba_without_mixer(self, hidden_states, valid, cache_layer):
     gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
     return self.out_proj(_FreeMixer.apply(gate, xBC, dt))
@@ -102,6 +136,8 @@ STAND_INS = {
     "free decode mixer": [(rat_layer.RatAttention, "_decode_step", _rat_decode_without_mixer)],
     "free local mixers": [(rattention_layer.RattentionLocalAttention, "forward", _rattention_local_without_mixer)],
     "free local decode": [(rattention_layer.RattentionLocalAttention, "forward", _rattention_local_decode_without_mixer)],
+    "free RLA": [(rattention_layer, "residual_linear_attention", _free_rla)],
+    "RLA at its memory floor": [(rattention_layer, "residual_linear_attention", _rla_at_memory_floor)],
     "free Mamba mixers": [(se_hybrid_model.SEMambaMixer, "_mix", _mamba_without_mixer)],
     "cuDNN attention": [(fox_layer, "forgetting_attention", _fox_with_cudnn_attention)],
 }
@@ -126,6 +162,8 @@ FORWARD_ROWS = [
     ("Llama", "Llama", None), ("Llama + Liger", "Llama + Liger", None),
     ("RAT", "RAT", None), ("RAT, free mixer", "RAT", "free mixer"),
     ("RATTENTION", "RATTENTION", None), ("RATTENTION, free local mixers", "RATTENTION", "free local mixers"),
+    ("RATTENTION, free RLA", "RATTENTION", "free RLA"),
+    ("RATTENTION, RLA at its memory floor", "RATTENTION", "RLA at its memory floor"),
     ("FoX (llama)", "FoX (llama)", None), ("FoX (llama), cuDNN attention", "FoX (llama)", "cuDNN attention"),
     ("FoX (pro)", "FoX (pro)", None), ("FoX (pro), cuDNN attention", "FoX (pro)", "cuDNN attention"),
     ("RAT-SWA", "RAT-SWA", None), ("RAT-SWA, free RAT mixers", "RAT-SWA", "free mixer"),

@@ -31,6 +31,8 @@ def _forbid(monkeypatch, owner, name):
     ("RAT", "free mixer", [(rat_layer, "block_end_attention"), (rat_layer, "chunk_end_attention")], "q_proj"),
     ("RATTENTION", "free local mixers", [(rattention_layer, "residual_linear_attention"),
                                          (rattention_layer, "sliding_window_attention")], "k_proj"),
+    ("RATTENTION", "free RLA", [(rattention_layer, "residual_linear_attention")], "v_proj"),
+    ("RATTENTION", "RLA at its memory floor", [(rattention_layer, "residual_linear_attention")], "v_proj"),
     ("FoX (llama)", "cuDNN attention", [(fox_layer, "forgetting_attention")], "f_proj"),
     ("SE hybrid", "free Mamba mixers", [(se_hybrid_model, "ssd_scan"), (se_hybrid_model, "causal_conv1d"),
                                         (se_hybrid_model, "gated_rms_norm")], "in_proj"),
@@ -73,3 +75,18 @@ def test_decode_stand_ins_replace_only_the_decode_steps(monkeypatch, arch_name, 
                 _forbid(monkeypatch, rattention_layer, "ring_decode")
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
     assert out.shape == (2, 23)
+
+
+def test_the_memory_floor_stand_in_has_the_rla_shapes_and_gradients():
+    torch.manual_seed(0)
+    q = torch.randn(2, 5, 4, 8, requires_grad=True)
+    k, v = (torch.randn(2, 5, 2, 8, requires_grad=True) for _ in range(2))
+    o, state = ceilings._rla_at_memory_floor(q, k, v, 3, "softmax")
+    assert state is None and o.shape == q.shape
+    expanded = lambda x: x.repeat_interleave(2, dim=2)  # noqa: E731  (query head h reads head h // 2)
+    torch.testing.assert_close(o, q + expanded(k) * expanded(v))
+    grad = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), grad)
+    torch.testing.assert_close(dq, q * grad)
+    torch.testing.assert_close(dk, (grad * expanded(v)).view(2, 5, 2, 2, 8).sum(3))
+    torch.testing.assert_close(dv, (grad * expanded(k)).view(2, 5, 2, 2, 8).sum(3))
