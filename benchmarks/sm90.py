@@ -50,12 +50,13 @@ def rla_report(variants=None) -> list[dict]:
     # kernel -> (pointer dtypes, extra constexprs, the pass whose tiling it runs, fused kernel or None for both)
     specs = {
         "_state_pass_kernel": (dict(K=bf, V=bf, S0=f32, STATES=f32), dict(HAS_S0=False), "backward", None),
-        "_fwd_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=f32, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), "forward", False),
+        "_fwd_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=f32, O_RES=bf, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), "forward", False),
         "_fwd_fused_kernel": (dict(Q=bf, K=bf, V=bf, S_IN=f32, O=bf, S_OUT=f32), dict(S_IN_MODE=2, STORE_FINAL=False), "forward", True),
-        "_dq_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), "backward", False),
+        "_dq_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32, DQ_RES=bf), dict(S_IN_MODE=2), "backward", False),
         "_dq_fused_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, S_IN=f32, DQ=f32), dict(S_IN_MODE=2), "backward", True),
         "_adjoint_pass_kernel": (dict(Q=bf, DO=bf, DSF=f32, GSTATES=f32), dict(HAS_DSF=False), "backward", None),
-        "_dkv_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, G_IN=f32, DK=f32, DV=f32, DS0=f32), dict(G_IN_MODE=2, STORE_DS0=False), "backward", None),
+        "_dkv_kernel": (dict(Q=bf, K=bf, V=bf, DO=bf, G_IN=f32, DK=f32, DV=f32, DK_RES=bf, DV_RES=bf, DS0=f32),
+                        dict(G_IN_MODE=2, STORE_DS0=False), "backward", None),
     }
     q = SimpleNamespace(shape=(1, 8192, HEADS, HEAD_DIM), is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda"))
     k = SimpleNamespace(shape=(1, 8192, KV_HEADS, HEAD_DIM))
@@ -64,7 +65,7 @@ def rla_report(variants=None) -> list[dict]:
     try:
         plans = [(opts, rla_triton._Plan(q, k, "softmax", 512, opts.get("chunk_size"), opts.get("block_v"),
                                          opts.get("state_every"), opts.get("num_warps"), opts.get("fuse_halves"),
-                                         opts.get("heads_per_tile")))
+                                         opts.get("heads_per_tile"), half_launches=opts.get("half_launches")))
                  for opts in (variants if variants is not None else RLA_VARIANTS)]
     finally:
         rla_triton.triton_interpreting = interpreting
@@ -80,6 +81,8 @@ def rla_report(variants=None) -> list[dict]:
             fn = getattr(rla_triton, name)
             if "H" in fn.arg_names:
                 consts["H"] = HEADS
+            if "HALF" in fn.arg_names:  # the second of the launches per half: it reads, adds and stores
+                consts["HALF"] = 1 if plan.half_launches else -1
             consts["HKV"] = KV_HEADS
             variant = f"C={plan.chunk} BV={tiling.block_v} fuse={tiling.fuse} HG={tiling.heads_per_tile} warps={warps}"
             row = {"options": opts, "variant": variant, "kernel": name}

@@ -9,6 +9,7 @@ host moves them).
     python -m benchmarks.train_ab --compare graphs --seq 8192 --rounds 3 --json F
     python -m benchmarks.train_ab --compare rla --seq 8192 --rounds 3 --json F
     python -m benchmarks.train_ab --compare window_kernel --seq 8192 --rounds 3 --json F
+    python -m benchmarks.train_ab --compare rla_partials --seq 8192 --rounds 3 --json F
 
 ``--compare window``: the sliding-window layers' attention, ``window`` (kernels/window_attention,
 the default) against ``flex``: RAT-SWA's window layers through transformers' compiled flex_attention
@@ -27,6 +28,10 @@ per tile, the feature halves apart over whole value rows in both passes: the for
 ``--compare window_kernel``: kernels/window_attention's two ways for the window layers of RAT-SWA
 and RATTENTION, ``flash`` (PyTorch's FlashAttention-2 with its window, the default for bf16)
 against ``triton`` (the Triton kernels).
+``--compare rla_partials``: how RATTENTION's residual linear attention adds its two feature halves'
+partial sums, ``per_half`` (one launch per half, the second adding the first's float32 partial and
+storing the result: the default) against ``atomics`` (one launch over both halves, float32 atomics
+into a zeroed buffer, then a conversion).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ COMPARISONS = {  # compare -> (its models, its two ways, the default first)
     "graphs": (("llama_liger", "rat", "rat_swa", "fox_llama", "fox", "rattention", "se_hybrid"), ("eager", "graphs")),
     "rla": (("rattention",), ("stacked", "split")),
     "window_kernel": (("rat_swa", "rattention"), ("flash", "triton")),
+    "rla_partials": (("rattention",), ("per_half", "atomics")),
 }
 SPLIT_RLA = {"fuse_halves": False, "block_v": 128, "heads_per_tile": 1}
 
@@ -89,7 +95,7 @@ def way(model, name: str):
     if name == "graphs":
         graph_training_layers(model)
     try:
-        with rla_options(SPLIT_RLA if name == "split" else {}):
+        with rla_options({"split": SPLIT_RLA, "atomics": {"half_launches": False}}.get(name, {})):
             yield
     finally:
         ungraph_training_layers(model)

@@ -45,7 +45,8 @@ __all__ = [
 
 _OP = "residual_linear_attention"
 _TRITON_HEAD_DIMS = (16, 32, 64, 128)
-_TRITON_OPTIONS = ("chunk_size", "block_v", "state_every", "num_warps", "fuse_halves", "heads_per_tile", "chunk_parallel")
+_TRITON_OPTIONS = ("chunk_size", "block_v", "state_every", "num_warps", "fuse_halves", "heads_per_tile", "chunk_parallel",
+                   "half_launches")
 
 
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -98,7 +99,7 @@ def residual_linear_attention(
     folding every key j <= T - 1 - (w + 1): what a decode step for token T starts from.
     backend: "auto" (Triton on CUDA, the chunked PyTorch form elsewhere), "triton", "chunked",
     "reference" (explicit lagged mask, O(T^2)). ``triton_options`` (chunk_size, block_v,
-    state_every, num_warps, fuse_halves, heads_per_tile, chunk_parallel) tune the kernel without
+    state_every, num_warps, fuse_halves, heads_per_tile, chunk_parallel, half_launches) tune the kernel without
     changing the result.
     """
     _check_qkv(_OP, q, k, v)
@@ -244,11 +245,11 @@ def sliding_window_attention(
 
 
 def _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
-              chunk_parallel):
+              chunk_parallel, half_launches):
     from .triton import _check_tiling, _Plan
 
     plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
-                 chunk_parallel)
+                 chunk_parallel, half_launches)
     _check_tiling(plan)
     return plan
 
@@ -258,12 +259,13 @@ def residual_linear_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None, window_size: int,
     feature_map: str, chunk_size: int | None, block_v: int | None, state_every: int | None,
     num_warps: int | None, fuse_halves: bool | None, heads_per_tile: int | None, chunk_parallel: bool | None,
+    half_launches: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, final_state, the states stored every few chunks for the backward, or a placeholder)."""
     from .triton import _ResidualLinearAttention
 
     plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
-                     chunk_parallel)
+                     chunk_parallel, half_launches)
     ctx = KernelContext()
     o, final = _ResidualLinearAttention.forward(ctx, q, k, v, initial_state, plan)
     states = ctx.saved_tensors[4]
@@ -272,9 +274,9 @@ def residual_linear_attention_fwd(
 
 @residual_linear_attention_fwd.register_fake
 def _(q, k, v, initial_state, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves,
-      heads_per_tile, chunk_parallel):
+      heads_per_tile, chunk_parallel, half_launches):
     plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
-                     chunk_parallel)
+                     chunk_parallel, half_launches)
     state_shape = (q.shape[0], k.shape[2], plan.features, q.shape[3])
     final = q.new_empty(state_shape, dtype=torch.float32)
     if plan.chunk_parallel:  # every chunk's state, in the operand dtype (triton_chunk_parallel.py)
@@ -289,14 +291,14 @@ def residual_linear_attention_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None, states: torch.Tensor,
     do: torch.Tensor, dfinal: torch.Tensor | None, window_size: int, feature_map: str, chunk_size: int | None,
     block_v: int | None, state_every: int | None, num_warps: int | None, fuse_halves: bool | None,
-    heads_per_tile: int | None, chunk_parallel: bool | None, need_ds0: bool,
+    heads_per_tile: int | None, chunk_parallel: bool | None, half_launches: bool | None, need_ds0: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d initial_state or a placeholder); ``states``: the forward's third output."""
     from .triton import _ResidualLinearAttention
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     plan = _rla_plan(q, k, window_size, feature_map, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
-                     chunk_parallel)
+                     chunk_parallel, half_launches)
     saved = (q, k, v, initial_state, states if plan.nseg > 1 or plan.chunk_parallel else None)
     ctx = KernelContext(saved, needs_input_grad=(True, True, True, need_ds0), plan=plan, has_s0=initial_state is not None)
     dq, dk, dv, ds0, _ = _ResidualLinearAttention.backward(ctx, do, dfinal)
@@ -305,7 +307,7 @@ def residual_linear_attention_bwd(
 
 @residual_linear_attention_bwd.register_fake
 def _(q, k, v, initial_state, states, do, dfinal, window_size, feature_map, chunk_size, block_v, state_every,
-      num_warps, fuse_halves, heads_per_tile, chunk_parallel, need_ds0):
+      num_warps, fuse_halves, heads_per_tile, chunk_parallel, half_launches, need_ds0):
     dq, dk, dv, ds0 = fake_like(q, k, v, initial_state)
     return dq, dk, dv, ds0 if need_ds0 and initial_state is not None else placeholder(q)
 

@@ -96,11 +96,16 @@ def _phi_bwd(x, f, df, sign, FEATURE: tl.constexpr):
 
 @triton.jit
 def _program(NV: tl.constexpr, NH: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
-             C: tl.constexpr):
+             C: tl.constexpr, HALF: tl.constexpr = -1):
     """Grid (batch x kv head x half x value block, segment; see ``segment_grid``) -> this program's
     indices, the feature sign of its half, the chunk / feature / value offsets and the element
-    offsets of its [D, BV] block of a [F, D] state."""
-    pid_fv, pid_bk = split_program_id(NH * NV)
+    offsets of its [D, BV] block of a [F, D] state. HALF >= 0: the grid holds that half's value
+    blocks only (one launch per half, ``_write_partial``)."""
+    if HALF >= 0:
+        vb_only, pid_bk = split_program_id(NV)
+        pid_fv = HALF * NV + vb_only
+    else:
+        pid_fv, pid_bk = split_program_id(NH * NV)
     seg = tl.program_id(1)
     half = pid_fv // NV
     vb = pid_fv % NV
@@ -132,18 +137,30 @@ def _segment_state(S_IN, slot, B, pid_bk, rows, HKV: tl.constexpr, F: tl.constex
 
 
 @triton.jit
-def _write_partial(PTR, part, B, T, b, pos, head, cols, x, mask, HEADS: tl.constexpr, D: tl.constexpr,
-                   PARTS: tl.constexpr):
+def _write_partial(PTR, RES, part, B, T, b, pos, head, cols, x, mask, HEADS: tl.constexpr, D: tl.constexpr,
+                   PARTS: tl.constexpr, HALF: tl.constexpr):
     """Adds float32 x (rows: tokens pos of batch b at head `head`, columns cols) into a [B, T, HEADS, D]
-    result that is the sum of PARTS partials. PARTS == 2: atomics into one zeroed float32 buffer.
+    result that is the sum of PARTS partials.
+
+    PARTS == 2, one launch for both halves (HALF < 0): atomics into one zeroed float32 buffer PTR.
+    PARTS == 2, one launch per half (HALF 0, then 1): the first stores its partial in float32
+    scratch PTR; the second adds it to its own and stores the sum in RES, in RES's dtype: no zeroed
+    buffer, no atomics and no conversion pass. Both give x0 + x1 rounded once, the same bits.
     Otherwise PTR holds PARTS slices [PARTS, B, T, HEADS, D] and x is stored in its own slice `part`
     (PARTS == 1: the result itself, in its dtype; more: float32 slices summed on the host)."""
     if PARTS == 2:
         off = ((b * T + pos).to(tl.int64) * HEADS + head) * D
-        # Deterministic although the order is not: each element gets exactly two addends x, y onto
-        # a zero, and (0 + x) + y == (0 + y) + x bit for bit in IEEE arithmetic (0 + x is x, or +0
-        # for x = -0, and addition commutes). A third addend would make the rounding order-dependent.
-        tl.atomic_add(PTR + off[:, None] + cols[None, :], x, mask=mask, sem="relaxed")
+        ptrs = off[:, None] + cols[None, :]
+        if HALF == 0:
+            tl.store(PTR + ptrs, x, mask=mask)
+        elif HALF == 1:
+            x = tl.load(PTR + ptrs, mask=mask, other=0.0) + x
+            tl.store(RES + ptrs, x.to(RES.dtype.element_ty), mask=mask)
+        else:
+            # Deterministic although the order is not: each element gets exactly two addends x, y onto
+            # a zero, and (0 + x) + y == (0 + y) + x bit for bit in IEEE arithmetic (0 + x is x, or +0
+            # for x = -0, and addition commutes). A third addend would make the rounding order-dependent.
+            tl.atomic_add(PTR + ptrs, x, mask=mask, sem="relaxed")
     else:
         off = (((part * B + b) * T + pos).to(tl.int64) * HEADS + head) * D
         tl.store(PTR + off[:, None] + cols[None, :], x.to(PTR.dtype.element_ty), mask=mask)
@@ -241,25 +258,25 @@ def _state_pass_kernel(
 @launch_cached
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, S_IN, O, S_OUT,
+    Q, K, V, S_IN, O, O_RES, S_OUT,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, STORE_FINAL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, HALF: tl.constexpr,
 ):
     """Outputs of one segment of chunks for (half, value block, batch x kv head), every query head
     of the group in turn against the group's one state.
 
     S_IN_MODE: 0 = start from zeros, 1 = from the initial state [B, HKV, F, D] (single segment),
     2 = from the stored segment states [NSEG + 1, B, HKV, F, D]. O: the sum of one partial output
-    per feature half (see ``_write_partial``), [B, T, H, D]. STORE_FINAL (single segment): write
-    the final state.
+    per feature half (see ``_write_partial``; O_RES: the result when each half has its own launch,
+    HALF), [B, T, H, D]. STORE_FINAL (single segment): write the final state.
     """
     NV: tl.constexpr = D // BV
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
     SLICES: tl.constexpr = (GROUP + HG - 1) // HG
-    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C, HALF)
     S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
     causal = _row_tokens(C, HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
@@ -276,7 +293,7 @@ def _fwd_kernel(
             a = _mm(qf, tl.trans(kf), tl.zeros([C * HG, C], dtype=tl.float32), DOT_PREC)
             a = tl.where(causal, a, 0.0).to(v.dtype)
             o = _mm(a, v, o, DOT_PREC)
-            _write_partial(O, half, B, T, b, pq, head, offs_v, o, ok[:, None], H, D, NH)
+            _write_partial(O, O_RES, half, B, T, b, pq, head, offs_v, o, ok[:, None], H, D, NH, HALF)
         S = _mm(tl.trans(kf), v, S, DOT_PREC)
     if STORE_FINAL:
         tl.store(_state_slot(S_OUT, 0, B, pid_bk, rows, HKV, F, D), S)
@@ -381,7 +398,7 @@ def _dq_fused_kernel(
             dqf = _mm(do, s2_t, tl.zeros([C * HG, D], dtype=tl.float32), DOT_PREC)
             dqf = _mm(da, kf2, dqf, DOT_PREC)
             dq += _phi_bwd(q, _phi(q, -1.0, FEATURE), dqf, -1.0, FEATURE)
-            _write_partial(DQ, vb, B, T, b, pq, head, offs_d, dq, ok[:, None], H, D, D // BV)
+            _write_partial(DQ, DQ, vb, B, T, b, pq, head, offs_d, dq, ok[:, None], H, D, D // BV, -1)
         S1 = _mm(tl.trans(kf1), v, S1, DOT_PREC)
         S2 = _mm(tl.trans(kf2), v, S2, DOT_PREC)
 
@@ -394,10 +411,10 @@ def _dq_fused_kernel(
 @launch_cached
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, S_IN, DQ,
+    Q, K, V, DO, S_IN, DQ, DQ_RES,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
-    NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, DOT_PREC: tl.constexpr,
+    NH: tl.constexpr, FEATURE: tl.constexpr, S_IN_MODE: tl.constexpr, DOT_PREC: tl.constexpr, HALF: tl.constexpr,
 ):
     """dq of one segment: dphi(q)_i = dO_i S_i^T + sum_{j in chunk, causal} (dO_i . v'_j) phi(k'_j),
     then through the feature map. DQ: the sum of one partial per (half, value block), see
@@ -406,7 +423,7 @@ def _dq_kernel(
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
     SLICES: tl.constexpr = (GROUP + HG - 1) // HG
-    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C, HALF)
     S = _segment_state(S_IN, seg, B, pid_bk, rows, HKV, F, D, BV, S_IN_MODE)
     causal = _row_tokens(C, HG)[:, None] >= offs_c[None, :]  # [query row, key]
     c_stop = tl.minimum((seg + 1) * SEG_CHUNKS, NUM_CHUNKS)
@@ -425,7 +442,7 @@ def _dq_kernel(
             da = tl.where(causal, da, 0.0).to(v.dtype)
             dqf = _mm(da, kf, dqf, DOT_PREC)
             dq = _phi_bwd(q, qf, dqf, sign, FEATURE)
-            _write_partial(DQ, pid_fv, B, T, b, pq, head, offs_d, dq, ok[:, None], H, D, NH * NV)
+            _write_partial(DQ, DQ_RES, pid_fv, B, T, b, pq, head, offs_d, dq, ok[:, None], H, D, NH * NV, HALF)
         S = _mm(tl.trans(kf), v, S, DOT_PREC)
 
 
@@ -465,11 +482,11 @@ def _adjoint_pass_kernel(
 @launch_cached
 @triton.jit
 def _dkv_kernel(
-    Q, K, V, DO, G_IN, DK, DV, DS0,
+    Q, K, V, DO, G_IN, DK, DV, DK_RES, DV_RES, DS0,
     B, T, LAG, SEG_CHUNKS, NUM_CHUNKS, NSEG,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HG: tl.constexpr,
     NH: tl.constexpr, FEATURE: tl.constexpr, G_IN_MODE: tl.constexpr, STORE_DS0: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, HALF: tl.constexpr,
 ):
     """dk, dv of one segment, chunks in reverse, for one kv head (summed over its query heads).
 
@@ -485,7 +502,7 @@ def _dkv_kernel(
     F: tl.constexpr = NH * D
     GROUP: tl.constexpr = H // HKV
     SLICES: tl.constexpr = (GROUP + HG - 1) // HG
-    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C)
+    pid_fv, pid_bk, seg, half, b, hk, sign, offs_c, offs_d, offs_v, rows = _program(NV, NH, HKV, D, BV, C, HALF)
     G = _segment_state(G_IN, NSEG - 1 - seg, B, pid_bk, rows, HKV, F, D, BV, G_IN_MODE)
     later = offs_c[:, None] <= _row_tokens(C, HG)[None, :]  # [key, query row]
     c_start = seg * SEG_CHUNKS
@@ -514,8 +531,8 @@ def _dkv_kernel(
         # phi(k) again in float32 for its Jacobian (cheaper than keeping the float32 tile live).
         k32 = k.to(tl.float32)
         dk = _phi_bwd(k32, _phi(k32, sign, FEATURE), dkf, sign, FEATURE)
-        _write_partial(DK, pid_fv, B, T, b, j, hk, offs_d, dk, k_ok[:, None], HKV, D, NH * NV)
-        _write_partial(DV, half, B, T, b, j, hk, offs_v, dv, k_ok[:, None], HKV, D, NH)
+        _write_partial(DK, DK_RES, pid_fv, B, T, b, j, hk, offs_d, dk, k_ok[:, None], HKV, D, NH * NV, HALF)
+        _write_partial(DV, DV_RES, half, B, T, b, j, hk, offs_v, dv, k_ok[:, None], HKV, D, NH, HALF)
     if STORE_DS0:
         if seg == 0:
             tl.store(_state_slot(DS0, 0, B, pid_bk, rows, HKV, F, D), G)
@@ -551,6 +568,11 @@ DEFAULT_STATE_EVERY = 16
 SPLIT_ROWS, FUSED_ROWS = 64, 128
 FUSE_HALVES_MIN_TOKENS = 16384
 
+# Whether the split kernels run one launch per feature half (``_write_partial``): the second
+# launch adds the first's float32 partial to its own and stores the result, where one launch over
+# both halves needs a zeroed float32 buffer, atomics and a conversion pass.
+HALF_LAUNCHES = True
+
 # The chunk-parallel path (triton_chunk_parallel.py): whether it runs when chunk_parallel is None
 # (off: slower than the segment kernels where measured, docs/benchmarks/rattention.md), its chunk
 # length on CUDA (every chunk's state is stored, so a longer chunk stores fewer) and chunks per
@@ -584,11 +606,12 @@ class _Plan:
     applies to both passes."""
 
     def __init__(self, q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves,
-                 heads_per_tile, chunk_parallel=None):
+                 heads_per_tile, chunk_parallel=None, half_launches=None):
         self.batch, self.seq, self.heads, self.dim = q.shape
         self.kv_heads = k.shape[2]
         self.feature = FEATURE_IDS[feature_map]
         self.halves = 1 if feature_map == "identity" else 2
+        self.half_launches = self.halves == 2 and bool(HALF_LAUNCHES if half_launches is None else half_launches)
         self.features = self.halves * self.dim
         interpreted = triton_interpreting()
         self.chunk_parallel = bool(CHUNK_PARALLEL_DEFAULT and not interpreted if chunk_parallel is None else chunk_parallel)
@@ -648,6 +671,13 @@ class _Plan:
     def runtime(self):
         return (self.batch, self.seq, self.lag, self.seg_chunks, self.num_chunks)
 
+    def launches(self, value_blocks: int):
+        """(HALF, state blocks per batch x kv head row) of each launch of a split kernel: one launch
+        per feature half when ``half_launches``, else one over both halves (HALF = -1)."""
+        if self.half_launches:
+            return [(0, value_blocks), (1, value_blocks)]
+        return [(-1, self.halves * value_blocks)]
+
 
 def _check_tiling(plan: _Plan) -> None:
     if plan.dim not in HEAD_DIMS:
@@ -685,6 +715,28 @@ def _partials_buffer(parts: int, shape, dtype, device, unwritten_rows: int = 0) 
 def _sum_partials(buf: torch.Tensor, parts: int, dtype) -> torch.Tensor:
     """The result of a ``_partials_buffer`` in dtype: only more than two parts are summed here (float32)."""
     return (buf.sum(0) if parts > 2 else buf).to(dtype)
+
+
+class _Partials:
+    """Where a kernel leaves a [B, T, heads, D] result of `parts` partial sums (``_write_partial``):
+    ``buf`` (its PTR) and ``res`` (its RES: with one launch per half, two parts are summed by the
+    second launch straight into the result, in its dtype; otherwise ``buf`` itself, unused).
+    ``result()`` after the kernels."""
+
+    def __init__(self, parts: int, shape, dtype, device, half_launches: bool, unwritten_rows: int = 0):
+        self.parts, self.dtype = parts, dtype
+        if parts == 2 and half_launches:
+            self.buf = torch.empty(shape, device=device, dtype=torch.float32)
+            self.res = torch.empty(shape, device=device, dtype=dtype)
+            if unwritten_rows:
+                self.res.narrow(-3, shape[1] - unwritten_rows, unwritten_rows).zero_()
+            self.summed = True
+        else:
+            self.buf = self.res = _partials_buffer(parts, shape, dtype, device, unwritten_rows)
+            self.summed = False
+
+    def result(self) -> torch.Tensor:
+        return self.res if self.summed else _sum_partials(self.buf, self.parts, self.dtype)
 
 
 def segment_grid(blocks: int, rows: int, segments: int) -> tuple[int, int]:
@@ -754,12 +806,13 @@ def _forward(q, k, v, initial_state, plan: _Plan):
         )
         return out, final, states
     # One partial output per feature half.
-    o_buf = _partials_buffer(plan.halves, q.shape, q.dtype, dev)
-    _fwd_kernel[segment_grid(plan.halves * nv, B * HKV, plan.nseg)](
-        q, k, v, s_in, o_buf, final, *plan.runtime(),
-        H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, **plan.common(tiling),
-    )
-    return _sum_partials(o_buf, plan.halves, q.dtype), final, states
+    o = _Partials(plan.halves, q.shape, q.dtype, dev, plan.half_launches)
+    for half, blocks in plan.launches(nv):
+        _fwd_kernel[segment_grid(blocks, B * HKV, plan.nseg)](
+            q, k, v, s_in, o.buf, o.res, final, *plan.runtime(),
+            H=H, HKV=HKV, S_IN_MODE=mode, STORE_FINAL=store_final, HALF=half, **plan.common(tiling),
+        )
+    return o.result(), final, states
 
 
 def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0: bool):
@@ -769,45 +822,44 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
     nv = D // tiling.block_v
     dev = q.device
     do = do.contiguous()
-    grid = segment_grid(plan.halves * nv, B * HKV, plan.nseg)
     nq = plan.halves * nv
     nq_dq = nv if tiling.fuse else nq
-    dq_buf = _partials_buffer(nq_dq, q.shape, q.dtype, dev)
+    split = plan.half_launches
+    dq = _Partials(nq_dq, q.shape, q.dtype, dev, split and not tiling.fuse)
     # Keys j > T - 1 - lag never leave the window: the kernel writes no row for them.
     unread = min(plan.lag, T)
-    dk_buf = _partials_buffer(nq, k.shape, k.dtype, dev, unread)
-    dv_buf = _partials_buffer(plan.halves, v.shape, v.dtype, dev, unread)
-    ds0 = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32) if need_ds0 else dk_buf
+    dk = _Partials(nq, k.shape, k.dtype, dev, split, unread)
+    dv = _Partials(plan.halves, v.shape, v.dtype, dev, split, unread)
+    ds0 = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32) if need_ds0 else dk.buf
     s0 = initial_state.float().contiguous() if initial_state is not None else None
     dsf = dfinal.float().contiguous() if dfinal is not None else None
 
     if plan.nseg > 1:
         s_mode, s_in = 2, states
     else:
-        s_mode, s_in = (1, s0) if s0 is not None else (0, dq_buf)
+        s_mode, s_in = (1, s0) if s0 is not None else (0, dq.buf)
     if tiling.fuse:
         _dq_fused_kernel[segment_grid(nv, B * HKV, plan.nseg)](
-            q, k, v, do, s_in, dq_buf, *plan.runtime(), H=H, HKV=HKV, S_IN_MODE=s_mode,
+            q, k, v, do, s_in, dq.buf, *plan.runtime(), H=H, HKV=HKV, S_IN_MODE=s_mode,
             **plan.common(tiling, halves=False),
         )
     else:
-        _dq_kernel[grid](
-            q, k, v, do, s_in, dq_buf, *plan.runtime(),
-            H=H, HKV=HKV, S_IN_MODE=s_mode, **plan.common(tiling),
-        )
+        for half, blocks in plan.launches(nv):
+            _dq_kernel[segment_grid(blocks, B * HKV, plan.nseg)](
+                q, k, v, do, s_in, dq.buf, dq.res, *plan.runtime(),
+                H=H, HKV=HKV, S_IN_MODE=s_mode, HALF=half, **plan.common(tiling),
+            )
     gstates = segment_adjoints(q, do, dsf, plan)
     if gstates is not None:
         g_mode, g_in = 2, gstates
     else:
-        g_mode, g_in = (1, dsf) if dsf is not None else (0, dk_buf)
-    _dkv_kernel[grid](
-        q, k, v, do, g_in, dk_buf, dv_buf, ds0, *plan.runtime(), plan.nseg,
-        H=H, HKV=HKV, G_IN_MODE=g_mode, STORE_DS0=need_ds0, **plan.common(tiling),
-    )
-    dq = _sum_partials(dq_buf, nq_dq, q.dtype)
-    dk = _sum_partials(dk_buf, nq, k.dtype)
-    dv = _sum_partials(dv_buf, plan.halves, v.dtype)
-    return dq, dk, dv, ds0 if need_ds0 else None
+        g_mode, g_in = (1, dsf) if dsf is not None else (0, dk.buf)
+    for half, blocks in plan.launches(nv):
+        _dkv_kernel[segment_grid(blocks, B * HKV, plan.nseg)](
+            q, k, v, do, g_in, dk.buf, dv.buf, dk.res, dv.res, ds0, *plan.runtime(), plan.nseg,
+            H=H, HKV=HKV, G_IN_MODE=g_mode, STORE_DS0=need_ds0, HALF=half, **plan.common(tiling),
+        )
+    return dq.result(), dk.result(), dv.result(), ds0 if need_ds0 else None
 
 
 def _passes(plan: _Plan):
@@ -854,6 +906,7 @@ def residual_linear_attention_triton(
     fuse_halves: bool | None = None,
     heads_per_tile: int | None = None,
     chunk_parallel: bool | None = None,
+    half_launches: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked Triton RLA, differentiable in q, k, v and initial_state (and through final_state).
 
@@ -861,12 +914,13 @@ def residual_linear_attention_triton(
     per stored state; None = DEFAULT_STATE_EVERY on CUDA and one segment elsewhere, 0 = one
     sequential segment, nothing stored), num_warps, fuse_halves (both feature halves in one forward
     / dq program), heads_per_tile (query heads of a group per tile), chunk_parallel (every chunk's
-    state stored, outputs and gradients in parallel over chunks: triton_chunk_parallel.py): tuning
-    knobs, same result.
+    state stored, outputs and gradients in parallel over chunks: triton_chunk_parallel.py),
+    half_launches (one launch per feature half, the second summing the partials; HALF_LAUNCHES
+    when None): tuning knobs, same result.
     None takes the defaults of ``_Plan``; a value given applies to the forward and the backward.
     """
     plan = _Plan(q, k, feature_map, window_size, chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile,
-                 chunk_parallel)
+                 chunk_parallel, half_launches)
     _check_tiling(plan)
     return _ResidualLinearAttention.apply(q, k, v, initial_state, plan)
 

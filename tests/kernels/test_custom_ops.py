@@ -97,15 +97,18 @@ def _cases():
     mask = torch.rand(B, T, device=DEVICE) > 0.3
     yield "forgetting_decode_masked", forgetting.forgetting_attention_decode_op, (*decode_args, mask, None, 3)
     rq, rk, rv = leaf(1, 37, 2, D, scale=0.5), leaf(1, 37, 1, D, scale=0.5), leaf(1, 37, 1, D, scale=0.5)
-    defaults = (None,) * 7  # chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile, chunk_parallel
+    # chunk_size, block_v, state_every, num_warps, fuse_halves, heads_per_tile, chunk_parallel, half_launches
+    defaults = (None,) * 8
     yield "rla", rla.residual_linear_attention_fwd, (rq, rk, rv, None, 3, "softmax", *defaults)
     yield "rla_state_segments", rla.residual_linear_attention_fwd, (
-        rq, rk, rv, leaf(1, 1, 2 * D, D, scale=0.5), 3, "relu", None, None, 1, None, None, None, None)
+        rq, rk, rv, leaf(1, 1, 2 * D, D, scale=0.5), 3, "relu", None, None, 1, None, None, None, None, None)
     yield "rla_identity_pure_linear", rla.residual_linear_attention_fwd, (rq, rk, rv, None, -1, "identity", *defaults)
     yield "rla_one_head_per_tile", rla.residual_linear_attention_fwd, (
-        rq, rk, rv, None, 3, "softmax", None, None, 1, None, None, 1, None)
+        rq, rk, rv, None, 3, "softmax", None, None, 1, None, None, 1, None, None)
+    yield "rla_halves_in_one_launch", rla.residual_linear_attention_fwd, (
+        rq, rk, rv, None, 3, "softmax", None, None, 1, None, None, None, None, False)
     yield "rla_chunk_parallel", rla.residual_linear_attention_fwd, (
-        rq, rk, rv, leaf(1, 1, 2 * D, D, scale=0.5), 3, "softmax", None, None, 1, None, None, None, True)
+        rq, rk, rv, leaf(1, 1, 2 * D, D, scale=0.5), 3, "softmax", None, None, 1, None, None, None, True, None)
     # Mamba-2: depthwise causal conv1d and the SSD scan
     cx, cw, cb, cs = leaf(B, 11, 13), leaf(13, 4, scale=0.5), leaf(13), leaf(B, 13, 4)
     yield "causal_conv1d", conv.causal_conv1d_fwd, (cx, cw, None, None, False)

@@ -191,6 +191,39 @@ def test_triton_two_partials_and_segment_prefix_sums(feature_map, block_v, state
 
 
 @needs_triton
+@pytest.mark.parametrize("block_v,fuse", [(32, False), (16, False), (32, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_per_half_gives_the_bits_of_one_launch_over_both(block_v, fuse, dtype):
+    """half_launches: the first half's launch leaves its partials in float32 scratch and the
+    second's adds them to its own and stores the result; one launch over both halves adds the two
+    with atomics into a zeroed buffer. Each sum is x0 + x1 rounded once, so outputs and gradients
+    are equal bit for bit (block_v = head_dim: two partials; half of it: dq and dk of four slices
+    summed on the host, dv and o of two), with keys that never leave the window and odd lengths."""
+    torch.manual_seed(13)
+    q, k, v, s0 = inputs(2, 53, 4, 2, 32, dtype=dtype, device=DEVICE, state=True)
+
+    def run(half_launches):
+        def fn(q, k, v, s0):
+            return residual_linear_attention(q, k, v, 9, "softmax", s0, backend="triton", block_v=block_v, state_every=2,
+                                             fuse_halves=fuse, half_launches=half_launches)
+        return grads(fn, *(t.detach().clone().requires_grad_() for t in (q, k, v, s0)))
+
+    (o1, f1, g1), (o2, f2, g2) = run(True), run(False)
+    # Triton's CPU interpreter rounds float32 -> bfloat16 toward zero inside kernels, where the GPU
+    # and torch round to nearest: there the kernel-stored bfloat16 results may differ by one unit.
+    same = (lambda a, b: torch.equal(a, b)) if dtype == torch.float32 or not triton_interpreting() else (
+        lambda a, b: bool(((a.float() - b.float()).abs() <= b.float().abs() * 2**-7).all()))
+    assert same(o1, o2) and torch.equal(f1, f2)
+    for name, a, b in zip("q k v s0".split(), g1, g2):
+        assert (torch.equal if name == "s0" else same)(a, b), name
+    # and both are the function: the float32 reference
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)] + [s0.detach().clone().requires_grad_()]
+    o3, _, g3 = grads(lambda *a: residual_linear_attention_reference(*a[:3], 9, "softmax", a[3]), *ref)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel(o1, o3) < tol and all(rel(a, b) < tol for a, b in zip(g1, g3))
+
+
+@needs_triton
 @pytest.mark.parametrize("heads_per_tile,fuse", [(1, False), (2, False), (4, True), (2, True)])
 def test_triton_stacked_query_heads_of_a_group_of_three(heads_per_tile, fuse):
     """Six query heads on two key/value heads (groups of three) stacked one, two or four per tile:
