@@ -29,9 +29,9 @@ per tile, the feature halves apart over whole value rows in both passes: the for
 and RATTENTION, ``flash`` (PyTorch's FlashAttention-2 with its window, the default for bf16)
 against ``triton`` (the Triton kernels).
 ``--compare rla_partials``: how RATTENTION's residual linear attention adds its two feature halves'
-partial sums, ``per_half`` (one launch per half, the second adding the first's float32 partial and
-storing the result: the default) against ``atomics`` (one launch over both halves, float32 atomics
-into a zeroed buffer, then a conversion).
+partial sums, ``atomics`` (one launch over both halves, float32 atomics into a zeroed buffer, then a
+conversion: the default) against ``per_half`` (one launch per half, the second adding the first's
+float32 partial and storing the result).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ COMPARISONS = {  # compare -> (its models, its two ways, the default first)
     "graphs": (("llama_liger", "rat", "rat_swa", "fox_llama", "fox", "rattention", "se_hybrid"), ("eager", "graphs")),
     "rla": (("rattention",), ("stacked", "split")),
     "window_kernel": (("rat_swa", "rattention"), ("flash", "triton")),
-    "rla_partials": (("rattention",), ("per_half", "atomics")),
+    "rla_partials": (("rattention",), ("atomics", "per_half")),
 }
 SPLIT_RLA = {"fuse_halves": False, "block_v": 128, "heads_per_tile": 1}
 
@@ -95,7 +95,7 @@ def way(model, name: str):
     if name == "graphs":
         graph_training_layers(model)
     try:
-        with rla_options({"split": SPLIT_RLA, "atomics": {"half_launches": False}}.get(name, {})):
+        with rla_options({"split": SPLIT_RLA, "per_half": {"half_launches": True}}.get(name, {})):
             yield
     finally:
         ungraph_training_layers(model)

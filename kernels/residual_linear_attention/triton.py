@@ -570,8 +570,9 @@ FUSE_HALVES_MIN_TOKENS = 16384
 
 # Whether the split kernels run one launch per feature half (``_write_partial``): the second
 # launch adds the first's float32 partial to its own and stores the result, where one launch over
-# both halves needs a zeroed float32 buffer, atomics and a conversion pass.
-HALF_LAUNCHES = True
+# both halves needs a zeroed float32 buffer, atomics and a conversion pass. Off until timed on the
+# GPU against the atomics (`python -m benchmarks.train_ab --compare rla_partials`).
+HALF_LAUNCHES = False
 
 # The chunk-parallel path (triton_chunk_parallel.py): whether it runs when chunk_parallel is None
 # (off: slower than the segment kernels where measured, docs/benchmarks/rattention.md), its chunk

@@ -105,8 +105,8 @@ def _cases():
     yield "rla_identity_pure_linear", rla.residual_linear_attention_fwd, (rq, rk, rv, None, -1, "identity", *defaults)
     yield "rla_one_head_per_tile", rla.residual_linear_attention_fwd, (
         rq, rk, rv, None, 3, "softmax", None, None, 1, None, None, 1, None, None)
-    yield "rla_halves_in_one_launch", rla.residual_linear_attention_fwd, (
-        rq, rk, rv, None, 3, "softmax", None, None, 1, None, None, None, None, False)
+    yield "rla_one_launch_per_half", rla.residual_linear_attention_fwd, (
+        rq, rk, rv, None, 3, "softmax", None, None, 1, None, None, None, None, True)
     yield "rla_chunk_parallel", rla.residual_linear_attention_fwd, (
         rq, rk, rv, leaf(1, 1, 2 * D, D, scale=0.5), 3, "softmax", None, None, 1, None, None, None, True, None)
     # Mamba-2: depthwise causal conv1d and the SSD scan
