@@ -3,7 +3,8 @@
 It also scans a GPU run's Triton cache for wgmma that ptxas serialised.
 
     python -m benchmarks.sm90                      every kernel report of tests/kernels/sm90_resources.py
-    python -m benchmarks.sm90 --rla [--json F]     the RATTENTION RLA kernels at the bench's variants
+    python -m benchmarks.sm90 --rla [--kv-heads N] [--json F]
+                                                   the RATTENTION RLA kernels at the bench's variants
     python -m benchmarks.sm90 --scan-cache DIR     after a benchmark or a training step on the GPU machine
                                                    (DIR: its TRITON_CACHE_DIR)
 
@@ -32,17 +33,19 @@ def _resources():
     return module
 
 
-def rla_report(variants=None) -> list[dict]:
+def rla_report(variants=None, kv_heads: int | None = None) -> list[dict]:
     """Compile every RLA kernel for sm_90 ahead of time (no GPU needed) and report registers,
     local-memory stack (spills) and shared memory per thread block. bf16, head_dim 128, 16 query /
-    4 key-value heads, T = 8192, each pass's kernels with the tiling the kernel's plan gives for
-    the bench's option variants ({}: the CUDA defaults)."""
+    ``kv_heads`` key-value heads (default 4), T = 8192, each pass's kernels with the tiling the
+    kernel's plan gives for the bench's option variants ({}: the CUDA defaults)."""
     from types import SimpleNamespace
 
     import torch
 
     from hf_hybrid.bench.rattention import HEAD_DIM, HEADS, KV_HEADS, RLA_VARIANTS
     from hf_hybrid.kernels.residual_linear_attention import triton as rla_triton
+
+    kv_heads = kv_heads or KV_HEADS
 
     compile_for_sm90 = _resources().compile_for_sm90
 
@@ -59,7 +62,7 @@ def rla_report(variants=None) -> list[dict]:
                         dict(G_IN_MODE=2, STORE_DS0=False), "backward", None),
     }
     q = SimpleNamespace(shape=(1, 8192, HEADS, HEAD_DIM), is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda"))
-    k = SimpleNamespace(shape=(1, 8192, KV_HEADS, HEAD_DIM))
+    k = SimpleNamespace(shape=(1, 8192, kv_heads, HEAD_DIM))
     interpreting = rla_triton.triton_interpreting
     rla_triton.triton_interpreting = lambda: False  # the plan a GPU run makes
     try:
@@ -83,7 +86,7 @@ def rla_report(variants=None) -> list[dict]:
                 consts["H"] = HEADS
             if "HALF" in fn.arg_names:  # the second of the launches per half: it reads, adds and stores
                 consts["HALF"] = 1 if plan.half_launches else -1
-            consts["HKV"] = KV_HEADS
+            consts["HKV"] = kv_heads
             variant = f"C={plan.chunk} BV={tiling.block_v} fuse={tiling.fuse} HG={tiling.heads_per_tile} warps={warps}"
             row = {"options": opts, "variant": variant, "kernel": name}
             try:
@@ -99,6 +102,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sm90", description=__doc__.splitlines()[0])
     parser.add_argument("--scan-cache", metavar="DIR", help="report whether ptxas serialised the wgmma of every kernel cached in DIR")
     parser.add_argument("--rla", action="store_true", help="only the RATTENTION RLA kernels at the bench's variants")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="--rla: key / value heads (default: the RATTENTION bench's 4; the whole-model benches use 16)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     resources = _resources()
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
             print(f"{'SERIALISED' if serialised else 'ok':10} {name}")
         return 0
     if args.rla:
-        rows = rla_report()
+        rows = rla_report(kv_heads=args.kv_heads)
     else:
         rows = (resources.rat_keys_values_report() + resources.fused_norm_report() + resources.rat_decode_report()
                 + resources.fox_decode_report() + resources.output_gate_report() + resources.kv_shift_report()

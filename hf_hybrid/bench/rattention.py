@@ -48,7 +48,9 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 4, 128
 # passes split over whole value rows, one query head per tile). Fused halves alone take 64 value
 # columns and as many heads per tile as fit 128 rows (4 at 4 key / value heads, 1 at 16). The last
 # row stores every chunk's state and computes outputs and gradients in parallel over chunks (its
-# own defaults: 64-token chunks).
+# own defaults: 64-token chunks). The 16-token chunk with 32 chunks per segment keeps the default's
+# 512 tokens per stored state: at 16 key / value heads its dk / dv kernel does not spill on sm_90
+# (`python -m benchmarks.sm90 --rla`).
 RLA_VARIANTS = [
     {},
     {"half_launches": True},
@@ -59,6 +61,7 @@ RLA_VARIANTS = [
     {"fuse_halves": True},
     {"state_every": 8},
     {"chunk_size": 16},
+    {"chunk_size": 16, "state_every": 32},
     {"chunk_size": 64},
     {"chunk_parallel": True},
 ]

@@ -15,9 +15,11 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
   needs the whole row of x, e.g. for its softmax); the value columns split into blocks of BV.
   Outputs of the halves (and, for dq / dk, of the value blocks) are partial sums. Exactly two
   partials are added with float32 atomics into one zeroed buffer: two addends onto zero give the
-  same bits in either order, so the result stays deterministic. More partials (dq / dk with
-  BV < D) are stored apart and added on the host in float32, where atomics would make the
-  rounding depend on the order. ``fuse_halves=True`` instead keeps both halves' states in one
+  same bits in either order, so the result stays deterministic. With ``half_launches`` each half
+  has its own launch instead: the first stores its partials in float32 scratch, the second adds
+  them to its own and stores the result (no zeroed buffer, no atomics, no conversion; the same
+  bits). More partials (dq / dk with BV < D) are stored apart and added on the host in float32,
+  where atomics would make the rounding depend on the order. ``fuse_halves=True`` instead keeps both halves' states in one
   program for the forward and dq kernels: the intra-chunk score matrix sum_f phi_f(q) phi_f(k)^T
   is formed once and no output partials exist, at the price of two [D, BV] float32 states in
   registers. On CUDA the forward runs fused from FUSE_HALVES_MIN_TOKENS tokens (over BV = 64: no
