@@ -700,46 +700,34 @@ def _check_tiling(plan: _Plan) -> None:
             )
 
 
-def _partials_buffer(parts: int, shape, dtype, device, unwritten_rows: int = 0) -> torch.Tensor:
-    """Where ``_write_partial`` puts `parts` partial sums of a [B, T, heads, D] result: one part is
-    the result itself (dtype), two are added with atomics into one zeroed float32 buffer, more get a
-    float32 slice each. The last `unwritten_rows` tokens, which no program writes, read as zero."""
-    if parts == 2:
-        return torch.zeros(shape, device=device, dtype=torch.float32)
-    if parts == 1:
-        buf = torch.empty(shape, device=device, dtype=dtype)
-    else:
-        buf = torch.empty((parts, *shape), device=device, dtype=torch.float32)
-    if unwritten_rows:
-        buf.narrow(-3, shape[1] - unwritten_rows, unwritten_rows).zero_()
-    return buf
-
-
-def _sum_partials(buf: torch.Tensor, parts: int, dtype) -> torch.Tensor:
-    """The result of a ``_partials_buffer`` in dtype: only more than two parts are summed here (float32)."""
-    return (buf.sum(0) if parts > 2 else buf).to(dtype)
-
-
 class _Partials:
     """Where a kernel leaves a [B, T, heads, D] result of `parts` partial sums (``_write_partial``):
-    ``buf`` (its PTR) and ``res`` (its RES: with one launch per half, two parts are summed by the
-    second launch straight into the result, in its dtype; otherwise ``buf`` itself, unused).
-    ``result()`` after the kernels."""
+    ``buf`` (its PTR) and ``res`` (its RES). One part: the result itself, in its dtype. Two parts
+    with one launch per half: float32 scratch and the result, which the second launch fills. Two
+    parts otherwise: one zeroed float32 buffer the atomics add into. More: a float32 slice each,
+    summed here. ``res`` is ``buf`` itself (unused) unless the launches fill it. The last
+    `unwritten_rows` tokens, which no program writes, read as zero. ``result()`` after the kernels."""
 
     def __init__(self, parts: int, shape, dtype, device, half_launches: bool, unwritten_rows: int = 0):
         self.parts, self.dtype = parts, dtype
         if parts == 2 and half_launches:
             self.buf = torch.empty(shape, device=device, dtype=torch.float32)
             self.res = torch.empty(shape, device=device, dtype=dtype)
-            if unwritten_rows:
-                self.res.narrow(-3, shape[1] - unwritten_rows, unwritten_rows).zero_()
-            self.summed = True
+            target = self.res
+        elif parts == 2:
+            self.buf = self.res = torch.zeros(shape, device=device, dtype=torch.float32)
+            return
         else:
-            self.buf = self.res = _partials_buffer(parts, shape, dtype, device, unwritten_rows)
-            self.summed = False
+            full = shape if parts == 1 else (parts, *shape)
+            self.buf = self.res = torch.empty(full, device=device, dtype=dtype if parts == 1 else torch.float32)
+            target = self.buf
+        if unwritten_rows:
+            target.narrow(-3, shape[1] - unwritten_rows, unwritten_rows).zero_()
 
     def result(self) -> torch.Tensor:
-        return self.res if self.summed else _sum_partials(self.buf, self.parts, self.dtype)
+        if self.res is not self.buf:  # summed by the second launch
+            return self.res
+        return (self.buf.sum(0) if self.parts > 2 else self.buf).to(self.dtype)
 
 
 def segment_grid(blocks: int, rows: int, segments: int) -> tuple[int, int]:
@@ -827,12 +815,11 @@ def _backward(q, k, v, initial_state, states, do, dfinal, plan: _Plan, need_ds0:
     do = do.contiguous()
     nq = plan.halves * nv
     nq_dq = nv if tiling.fuse else nq
-    split = plan.half_launches
-    dq = _Partials(nq_dq, q.shape, q.dtype, dev, split and not tiling.fuse)
+    dq = _Partials(nq_dq, q.shape, q.dtype, dev, plan.half_launches and not tiling.fuse)
     # Keys j > T - 1 - lag never leave the window: the kernel writes no row for them.
     unread = min(plan.lag, T)
-    dk = _Partials(nq, k.shape, k.dtype, dev, split, unread)
-    dv = _Partials(plan.halves, v.shape, v.dtype, dev, split, unread)
+    dk = _Partials(nq, k.shape, k.dtype, dev, plan.half_launches, unread)
+    dv = _Partials(plan.halves, v.shape, v.dtype, dev, plan.half_launches, unread)
     ds0 = torch.empty((B, HKV, F, D), device=dev, dtype=torch.float32) if need_ds0 else dk.buf
     s0 = initial_state.float().contiguous() if initial_state is not None else None
     dsf = dfinal.float().contiguous() if dfinal is not None else None
