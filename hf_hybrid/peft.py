@@ -4,16 +4,20 @@ HyLoRA = LoRA on the attention projections (q/k/v/o) + the LoRA+ recipe of LongL
 and every normalisation layer fully trainable) + the SSM layers' depthwise ``conv1d`` fully
 trainable. The paper's setting is r=32, alpha=64 (alpha/r = 2, Appendix B).
 
-How it maps onto peft (read from peft 0.21's ``LoraConfig`` / ``_set_trainable``):
+How it maps onto peft (read from peft 0.21's and 0.22's ``LoraConfig`` / ``_set_trainable``):
 
 * ``target_modules`` = q_proj, k_proj, v_proj, o_proj - matched as the last name component, so
   only attention projections get adapters (Mamba's in_proj/out_proj stay frozen, as in the paper).
-* ``modules_to_save`` = embed_tokens, norm, conv1d - peft wraps every module whose qualified name
-  *ends with* one of these strings in a ``ModulesToSaveWrapper``: a trainable copy that
-  ``save_pretrained`` stores with the adapter and ``merge_and_unload`` swaps in. "norm" therefore
-  catches input_layernorm, post_attention_layernorm, pre_ff_layernorm, final_layernorm, the
-  final ``norm``, QK-norms and the Mamba-2 mixer's gated norm - LongLoRA's "every parameter whose
-  name contains norm". Architectures without ``conv1d`` simply get LoRA+.
+* ``modules_to_save`` = embed_tokens, conv1d and the normalisation layers by name
+  (:data:`HYLORA_NORM_NAMES`). peft wraps each module matched by one of these in a
+  ``ModulesToSaveWrapper``: a trainable copy that ``save_pretrained`` stores with the adapter and
+  ``merge_and_unload`` swaps in. peft <= 0.21 matched an entry against the end of a module's
+  qualified name (so "norm" alone caught input_layernorm too); peft >= 0.22 matches whole name
+  components, so every norm name is listed: those of every hf-hybrid model (incl. QK-norms, the
+  RATTENTION branch norms and the Mamba-2 mixer's gated norm) and of transformers' Llama-family and
+  Mamba-2 hybrid models. Together they are LongLoRA's "every parameter whose name contains norm".
+  For a model whose norms have other names, :meth:`HyLoraConfig.for_model` reads them from the model.
+  Architectures without ``conv1d`` simply get LoRA+.
 * ``ensure_weight_tying=True``: when input and output embeddings are tied, the trained embedding
   copy is shared with ``lm_head`` so logits, merging and reloading stay consistent. An untied
   model (every hf-hybrid architecture by default) has nothing to tie. Neither fixed value of the flag suits both kinds of model: with ``False`` a tied model's
@@ -36,12 +40,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from peft import LoraConfig
+from torch import nn
 
 from ._compat.peft_weight_tying import untie_where_nothing_is_tied
 from .architectures import ARCHITECTURES
 
 HYLORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-HYLORA_MODULES_TO_SAVE = ("embed_tokens", "norm", "conv1d")
+# Normalisation layers by the names hf-hybrid's models (the first line) and transformers' decoder LMs
+# (Llama family, Gemma, OLMo 2, Qwen3, Bamba, Jamba, Zamba, Falcon-H1, NemotronH, LFM2) give them.
+HYLORA_NORM_NAMES = (
+    "norm", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "o_norm", "rla_norm", "swa_norm",
+    "pre_ff_layernorm", "final_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm", "norm_f",
+    "dt_layernorm", "b_layernorm", "c_layernorm", "q_layernorm", "k_layernorm", "operator_norm", "ffn_norm",
+    "embedding_norm",
+)
+HYLORA_MODULES_TO_SAVE = ("embed_tokens", "conv1d", *HYLORA_NORM_NAMES)
 
 # Default adapter targets per model_type (hf_hybrid/architectures.py): the attention projections plus
 # each mixer's own full-width projections. Left out on purpose: per-head scalar gates (FoX's f_proj,
@@ -94,7 +107,7 @@ class HyLoraConfig(LoraConfig):
     )
     modules_to_save: list[str] | None = field(
         default_factory=lambda: list(HYLORA_MODULES_TO_SAVE),
-        metadata={"help": "Name suffixes of modules trained in full: embeddings, norms, SSM conv1d."},
+        metadata={"help": "Names of modules trained in full: embeddings, norms, SSM conv1d."},
     )
     ensure_weight_tying: bool = field(
         default=True,
@@ -102,10 +115,21 @@ class HyLoraConfig(LoraConfig):
     )
     task_type: str | None = field(default="CAUSAL_LM", metadata={"help": "peft task type."})
 
+    @classmethod
+    def for_model(cls, model: nn.Module, **kwargs) -> HyLoraConfig:
+        """HyLoRA for ``model`` with its own norm names: ``modules_to_save`` = embed_tokens, conv1d and
+        the name of every module that holds parameters and whose name contains "norm" (LongLoRA's
+        rule), for models whose norms :data:`HYLORA_NORM_NAMES` does not know."""
+        if "modules_to_save" in kwargs:
+            raise ValueError("HyLoraConfig.for_model: modules_to_save is what it derives; pass it to HyLoraConfig(...) instead.")
+        norms = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                 if "norm" in name.rsplit(".", 1)[-1] and any(True for _ in module.parameters(recurse=False))}
+        return cls(modules_to_save=["embed_tokens", "conv1d", *sorted(norms)], **kwargs)
+
     def __post_init__(self):
         if self.r < 1:
             raise ValueError(f"HyLoraConfig: r must be >= 1, got {self.r}.")
         super().__post_init__()
 
 
-__all__ = ["HYLORA_MODULES_TO_SAVE", "HYLORA_TARGET_MODULES", "PEFT_TARGET_MODULES", "HyLoraConfig", "register_peft_defaults"]
+__all__ = ["HYLORA_MODULES_TO_SAVE", "HYLORA_NORM_NAMES", "HYLORA_TARGET_MODULES", "PEFT_TARGET_MODULES", "HyLoraConfig", "register_peft_defaults"]

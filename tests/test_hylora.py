@@ -18,7 +18,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_hybrid.peft import HyLoraConfig
+from hf_hybrid.peft import HYLORA_MODULES_TO_SAVE, HyLoraConfig
 
 R = 4
 
@@ -93,7 +93,7 @@ def test_defaults_are_the_papers():
     config = HyLoraConfig()
     assert (config.r, config.lora_alpha) == (32, 64)
     assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    assert set(config.modules_to_save) == {"embed_tokens", "norm", "conv1d"}
+    assert {"embed_tokens", "conv1d", "norm", "input_layernorm"} <= set(config.modules_to_save)
     with pytest.raises(ValueError, match="r must be >= 1"):
         HyLoraConfig(r=0)
 
@@ -298,5 +298,87 @@ def test_other_configs_keep_peft_notes():
 def test_the_weight_tying_patch_names_the_peft_it_was_checked_against():
     from hf_hybrid._compat import peft_weight_tying
 
-    assert peft_weight_tying.peft_checked("0.21.2") and not peft_weight_tying.peft_checked("0.17.0")
+    assert peft_weight_tying.peft_checked("0.21.2") and peft_weight_tying.peft_checked("0.22.0")
+    assert not peft_weight_tying.peft_checked("0.17.0")
     assert not peft_weight_tying.peft_checked("1.0.0")
+
+
+# ------------------------------------------------------------------------------- every norm, by name
+
+
+def _tiny_models():
+    """tests/features/tiny_models.py: a tiny instance of each hf-hybrid model type."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "features"))
+    import tiny_models
+
+    return tiny_models
+
+
+def _norm_names(model) -> set[str]:
+    """LongLoRA's rule: the modules holding parameters whose name contains "norm", by last name component."""
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if "norm" in name.rsplit(".", 1)[-1] and any(True for _ in module.parameters(recurse=False))}
+
+
+def _tiny_transformers_hybrids():
+    from transformers import JambaConfig, JambaForCausalLM, Zamba2Config, Zamba2ForCausalLM
+
+    torch.manual_seed(0)
+    yield "bamba", tiny_bamba()
+    yield "llama", tiny_llama(tied=False)
+    yield "jamba", JambaForCausalLM(JambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, mamba_d_state=8, mamba_dt_rank=4, use_mamba_kernels=False))
+    yield "zamba2", Zamba2ForCausalLM(Zamba2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, layers_block_type=["mamba", "hybrid"]))
+
+
+def test_the_default_names_cover_every_norm_of_hf_hybrid_and_transformers_hybrids():
+    """peft >= 0.22 matches modules_to_save by whole name components, so the default list must name
+    each norm itself (whatever peft is installed here)."""
+    tiny = _tiny_models()
+    models = [(model_type, tiny.tiny_model(model_type)) for model_type in tiny.MODEL_TYPES]
+    for name, model in models + list(_tiny_transformers_hybrids()):
+        assert _norm_names(model), name
+        assert _norm_names(model) <= set(HYLORA_MODULES_TO_SAVE), (name, _norm_names(model) - set(HYLORA_MODULES_TO_SAVE))
+
+
+@pytest.mark.parametrize("model_type", ["rattention", "fox_pro", "se_hybrid"])
+def test_every_norm_is_trained_and_nothing_else_beyond_lora(model_type):
+    """Through peft as installed: each module whose name contains "norm" is wrapped and trainable."""
+    model = _tiny_models().tiny_model(model_type)
+    norms = _norm_names(model)
+    peft_model = get_peft_model(model, HyLoraConfig(r=R, lora_alpha=2 * R))
+    wrapped = {name.split(".modules_to_save.")[0].rsplit(".", 1)[-1]
+               for name, param in peft_model.named_parameters() if param.requires_grad and ".modules_to_save." in name}
+    assert norms <= wrapped and wrapped - norms <= {"embed_tokens", "conv1d"}, (norms, wrapped)
+
+
+def test_for_model_reads_the_norm_names_from_the_model():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn_prenorm, self.proj = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens, self.blocks, self.out_norm = torch.nn.Embedding(16, 8), torch.nn.ModuleList([Block()]), torch.nn.LayerNorm(8)
+            self.blocks[0].q_proj = torch.nn.Linear(8, 8)
+
+        def forward(self, ids):
+            return self.out_norm(self.blocks[0].proj(self.blocks[0].attn_prenorm(self.embed_tokens(ids))))
+
+    config = HyLoraConfig.for_model(Toy(), r=2, lora_alpha=4, task_type=None)
+    assert config.modules_to_save == ["embed_tokens", "conv1d", "attn_prenorm", "out_norm"] and config.r == 2
+    peft_model = get_peft_model(Toy(), config)
+    wrapped = {name.split(".modules_to_save.")[0].rsplit(".", 1)[-1]
+               for name, param in peft_model.named_parameters() if param.requires_grad and ".modules_to_save." in name}
+    assert wrapped == {"embed_tokens", "attn_prenorm", "out_norm"}
+    with pytest.raises(ValueError, match="modules_to_save is what it derives"):
+        HyLoraConfig.for_model(Toy(), modules_to_save=["x"])

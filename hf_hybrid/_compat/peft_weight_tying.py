@@ -16,7 +16,7 @@ from typing import Callable
 
 from . import within
 
-PEFT_VERSIONS = ((0, 21), (0, 21))  # first and last (major, minor) checked, inclusive
+PEFT_VERSIONS = ((0, 21), (0, 22))  # first and last (major, minor) checked, inclusive
 _PARAMETERS = ["self", "model", "peft_config"]
 
 
