@@ -21,6 +21,9 @@ if not torch.cuda.is_available():
     _threads = os.environ.get("HF_HYBRID_TEST_THREADS", "1")
     os.environ["OMP_NUM_THREADS"] = _threads
     torch.set_num_threads(int(_threads))
+    # torch.compile's tiny test graphs compile in the test's own process: no pool of compile
+    # subprocesses per pytest worker on a 2-core runner (read when inductor's config is first imported).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 # What a test calls or requests when it shares an expensive setup with others in its pytest worker:

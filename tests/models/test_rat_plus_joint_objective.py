@@ -255,24 +255,47 @@ def test_shift_labels_and_packed_rows():
     assert_same_grads(grads(model), grads(reference))
 
 
+# Run in a process of its own, which ends with os._exit: torch's gloo process group joins its worker
+# threads in its destructor while the caller holds the GIL, and a worker destroying a collective
+# launched in a backward (whose thread-local state holds Python objects) waits for that GIL, so
+# tearing gloo down in a test process can deadlock it.
+_DDP_STEP = """
+import os, sys, traceback
+sys.path.insert(0, sys.argv[1])
+try:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    import test_rat_plus_joint_objective as t
+
+    ids = t.batch()
+    reference = t.tiny_model()
+    t.summed_reference(reference, input_ids=ids, labels=ids)[1].backward()
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    model = DistributedDataParallel(t.tiny_model())
+    for _ in range(2):  # a second step: the reducer must have finished the first
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+    t.assert_same_grads(t.grads(model.module), t.grads(reference))
+    print("SAME GRADIENTS", flush=True)
+except BaseException:
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
+os._exit(0)
+"""
+
+
 def test_ddp_hooks_see_every_gradient(tmp_path):
     """Under DistributedDataParallel (one gloo process) the reducer's hooks fire once per parameter
     on the caller's backward and the averaged gradients equal the summed graphs'."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+    import os
+    import subprocess
+    import sys
 
-    ids = batch()
-    reference = tiny_model()
-    summed_reference(reference, input_ids=ids, labels=ids)[1].backward()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        model = DistributedDataParallel(tiny_model())
-        for _ in range(2):  # a second step: the reducer must have finished the first
-            model.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids).loss.backward()
-        assert_same_grads(grads(model.module), grads(reference))
-    finally:
-        dist.destroy_process_group()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _DDP_STEP, os.path.dirname(__file__), str(tmp_path / "store")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "SAME GRADIENTS" in done.stdout, done.stderr[-6000:]
 
 
 def test_other_paths_keep_every_graph_and_say_why(monkeypatch):
