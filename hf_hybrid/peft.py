@@ -20,10 +20,11 @@ How it maps onto peft (read from peft 0.21's and 0.22's ``LoraConfig`` / ``_set_
   Architectures without ``conv1d`` simply get LoRA+.
 * ``ensure_weight_tying=True``: when input and output embeddings are tied, the trained embedding
   copy is shared with ``lm_head`` so logits, merging and reloading stay consistent. An untied
-  model (every hf-hybrid architecture by default) has nothing to tie. Neither fixed value of the flag suits both kinds of model: with ``False`` a tied model's
-  trained embedding copy would leave ``lm_head`` behind (peft then warns), and with ``True`` peft
-  notes on every untied model that nothing is tied. The config cannot see the model, so the
-  default is ``True`` and peft's tied-module check, which sees it, turns it off for an untied model
+  model (every hf-hybrid architecture by default) has nothing to tie. Neither fixed value of the
+  flag suits both kinds of model: with ``False`` a tied model's trained embedding copy would leave
+  ``lm_head`` behind (peft then warns), and with ``True`` peft notes on every untied model that
+  nothing is tied. The config cannot see the model, so the default is ``True`` and peft's
+  tied-module check, which sees it, turns it off for an untied model
   (hf_hybrid/_compat/peft_weight_tying.py, installed by :func:`register_peft_defaults`).
 
 The class only sets defaults of ``LoraConfig`` fields, so a saved adapter_config.json is an
@@ -121,7 +122,9 @@ class HyLoraConfig(LoraConfig):
         the name of every module that holds parameters and whose name contains "norm" (LongLoRA's
         rule), for models whose norms :data:`HYLORA_NORM_NAMES` does not know."""
         if "modules_to_save" in kwargs:
-            raise ValueError("HyLoraConfig.for_model: modules_to_save is what it derives; pass it to HyLoraConfig(...) instead.")
+            raise ValueError(
+                "HyLoraConfig.for_model: modules_to_save is what it derives; pass it to HyLoraConfig(...) instead."
+            )
         norms = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                  if "norm" in name.rsplit(".", 1)[-1] and any(True for _ in module.parameters(recurse=False))}
         return cls(modules_to_save=["embed_tokens", "conv1d", *sorted(norms)], **kwargs)
