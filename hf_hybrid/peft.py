@@ -92,6 +92,13 @@ def register_peft_defaults() -> None:
             table[model_type] = list(special(targets) if special is not None else targets)
 
 
+def norm_names(model: nn.Module) -> set[str]:
+    """The last name component of each module of ``model`` that holds parameters of its own and whose
+    name contains "norm" (LongLoRA's rule for what HyLoRA trains in full)."""
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if "norm" in name.rsplit(".", 1)[-1] and any(True for _ in module.parameters(recurse=False))}
+
+
 @dataclass
 class HyLoraConfig(LoraConfig):
     """``HyLoraConfig(r=32, lora_alpha=64, ...)``; any other ``LoraConfig`` argument may be passed.
@@ -125,9 +132,7 @@ class HyLoraConfig(LoraConfig):
             raise ValueError(
                 "HyLoraConfig.for_model: modules_to_save is what it derives; pass it to HyLoraConfig(...) instead."
             )
-        norms = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                 if "norm" in name.rsplit(".", 1)[-1] and any(True for _ in module.parameters(recurse=False))}
-        return cls(modules_to_save=["embed_tokens", "conv1d", *sorted(norms)], **kwargs)
+        return cls(modules_to_save=["embed_tokens", "conv1d", *sorted(norm_names(model))], **kwargs)
 
     def __post_init__(self):
         if self.r < 1:
@@ -135,4 +140,5 @@ class HyLoraConfig(LoraConfig):
         super().__post_init__()
 
 
-__all__ = ["HYLORA_MODULES_TO_SAVE", "HYLORA_NORM_NAMES", "HYLORA_TARGET_MODULES", "PEFT_TARGET_MODULES", "HyLoraConfig", "register_peft_defaults"]
+__all__ = ["HYLORA_MODULES_TO_SAVE", "HYLORA_NORM_NAMES", "HYLORA_TARGET_MODULES", "PEFT_TARGET_MODULES", "HyLoraConfig",
+           "norm_names", "register_peft_defaults"]

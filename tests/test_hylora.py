@@ -18,7 +18,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_hybrid.peft import HYLORA_MODULES_TO_SAVE, HyLoraConfig
+from hf_hybrid.peft import HYLORA_MODULES_TO_SAVE, HyLoraConfig, norm_names
 
 R = 4
 
@@ -317,10 +317,10 @@ def _tiny_models():
     return tiny_models
 
 
-def _norm_names(model) -> set[str]:
-    """LongLoRA's rule: the modules holding parameters whose name contains "norm", by last name component."""
-    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-            if "norm" in name.rsplit(".", 1)[-1] and any(True for _ in module.parameters(recurse=False))}
+def _fully_trained(peft_model) -> set[str]:
+    """Last name components of the modules peft wrapped to train in full (modules_to_save)."""
+    return {name.split(".modules_to_save.")[0].rsplit(".", 1)[-1]
+            for name, param in peft_model.named_parameters() if param.requires_grad and ".modules_to_save." in name}
 
 
 def _tiny_transformers_hybrids():
@@ -344,7 +344,7 @@ def test_the_default_names_cover_every_norm_of_hf_hybrid_and_transformers_hybrid
     tiny = _tiny_models()
     models = [(model_type, tiny.tiny_model(model_type)) for model_type in tiny.MODEL_TYPES]
     for name, model in models + list(_tiny_transformers_hybrids()):
-        norms = _norm_names(model)
+        norms = norm_names(model)
         assert norms and norms <= set(HYLORA_MODULES_TO_SAVE), (name, norms - set(HYLORA_MODULES_TO_SAVE))
 
 
@@ -352,10 +352,9 @@ def test_the_default_names_cover_every_norm_of_hf_hybrid_and_transformers_hybrid
 def test_every_norm_is_trained_and_nothing_else_beyond_lora(model_type):
     """Through peft as installed: each module whose name contains "norm" is wrapped and trainable."""
     model = _tiny_models().tiny_model(model_type)
-    norms = _norm_names(model)
+    norms = norm_names(model)
     peft_model = get_peft_model(model, HyLoraConfig(r=R, lora_alpha=2 * R))
-    wrapped = {name.split(".modules_to_save.")[0].rsplit(".", 1)[-1]
-               for name, param in peft_model.named_parameters() if param.requires_grad and ".modules_to_save." in name}
+    wrapped = _fully_trained(peft_model)
     assert norms <= wrapped and wrapped - norms <= {"embed_tokens", "conv1d"}, (norms, wrapped)
 
 
@@ -378,8 +377,7 @@ def test_for_model_reads_the_norm_names_from_the_model():
     config = HyLoraConfig.for_model(Toy(), r=2, lora_alpha=4, task_type=None)
     assert config.modules_to_save == ["embed_tokens", "conv1d", "attn_prenorm", "out_norm"] and config.r == 2
     peft_model = get_peft_model(Toy(), config)
-    wrapped = {name.split(".modules_to_save.")[0].rsplit(".", 1)[-1]
-               for name, param in peft_model.named_parameters() if param.requires_grad and ".modules_to_save." in name}
+    wrapped = _fully_trained(peft_model)
     assert wrapped == {"embed_tokens", "attn_prenorm", "out_norm"}
     with pytest.raises(ValueError, match="modules_to_save is what it derives"):
         HyLoraConfig.for_model(Toy(), modules_to_save=["x"])

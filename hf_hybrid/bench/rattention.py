@@ -44,8 +44,8 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 4, 128
 # RLA kernel options (residual_linear_attention's triton_options) to time; {} = the kernel's defaults
 # (kernels/residual_linear_attention/triton.py, _Plan), which apply per pass where an option is not
 # given. The second row runs one launch per feature half, the second launch adding the first's
-# partials to its own (the defaults: one launch over both halves, float32 atomics); the third is the former default at 8K (both
-# passes split over whole value rows, one query head per tile). Fused halves alone take 64 value
+# partials to its own (the defaults: one launch over both halves, float32 atomics); the third is
+# the former default at 8K (both passes split over whole value rows, one query head per tile). Fused halves alone take 64 value
 # columns and as many heads per tile as fit 128 rows (4 at 4 key / value heads, 1 at 16). The last
 # row stores every chunk's state and computes outputs and gradients in parallel over chunks (its
 # own defaults: 64-token chunks). The 16-token chunk with 32 chunks per segment keeps the default's

@@ -22,9 +22,9 @@ Same function as ``reference.residual_linear_attention_reference``. Design notes
   where atomics would make the rounding depend on the order. ``fuse_halves=True`` instead keeps
   both halves' states in one program for the forward and dq kernels: the intra-chunk score
   matrix sum_f phi_f(q) phi_f(k)^T is formed once and no output partials exist, at the price of
-  two [D, BV] float32 states in registers. On CUDA the forward runs fused from FUSE_HALVES_MIN_TOKENS tokens (over BV = 64: no
-  partial outputs to zero, add and convert) and the dq kernel always split (its fused form spills
-  more on sm_90).
+  two [D, BV] float32 states in registers. On CUDA the forward runs fused from
+  FUSE_HALVES_MIN_TOKENS tokens (over BV = 64: no partial outputs to zero, add and convert) and
+  the dq kernel always split (its fused form spills more on sm_90).
 * Interleaved state saving (Sec. 3.2, Fig. 2): the sequence is cut into segments of m chunks.
   A light state pass (phi(k) and one product per chunk, one program per segment) sums each
   segment's phi(K')^T V'; a float32 prefix sum over the segments on the host (torch.cumsum,
